@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs everything blockd, its tests and its benchmarks need on a Debian/Ubuntu machine
+# (run as root), then makes .venv with Debian's python3 and --system-site-packages so that
+# Debian's python3-pyverbs (matching the system rdma-core) is importable. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+  python3 python3-venv python3-dev python3-pyverbs
+  rdma-core ibverbs-utils perftest librdmacm1
+  fio nbdkit libnbd-bin nvme-cli fuse3
+  qemu-system-x86 busybox-static cpio kmod iproute2
+  systemd
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import pyverbs' 2>/dev/null; then
+  rm -rf .venv
+  /usr/bin/python3 -m venv --system-site-packages .venv
+fi
+stamp=.venv/.blockd-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+  touch "$stamp"
+fi
