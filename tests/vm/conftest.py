@@ -1,0 +1,172 @@
+"""pytest integration of the VM test bed (tests/vm/harness.py).
+
+A *group* is one host test module (tests/vm/test_*.py) paired with one guest test file
+(tests/vm/guest_tests/test_*.py), named by the module's ``GUEST_TESTS``.  The first test of
+the module that uses the ``guest_case`` fixture boots the VM ONCE for the whole module
+(module-scoped ``vm_group``) and runs, inside it, pytest on the guest file -- only the guest
+tests whose host twins are selected (``-k`` works) -- writing a JUnit XML report into a
+read-write share.  Every host test then looks up the guest test of the same name and
+passes, fails or skips on its own.
+
+Results of a group stay in ``results/vm/<group>/`` (``$BLOCKD_VM_RESULTS_ROOT`` overrides
+``results/vm``): ``console.log`` (the VM console), ``junit.xml``, daemon logs.
+Tests marked ``vm`` are skipped, with the reason, where qemu and friends are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from . import harness
+
+IN_VM = os.environ.get("BLOCKD_VM") == "1"
+
+# the guest files are collected only inside the VM
+collect_ignore = [] if IN_VM else ["guest_tests"]
+
+_TIMINGS: list[str] = []
+
+
+def pytest_collection_modifyitems(config, items):
+    if IN_VM:
+        return
+    reason = None
+    for item in items:
+        if item.get_closest_marker("vm") is None:
+            continue
+        if reason is None:
+            reason = harness.skip_reason() or ""
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _TIMINGS:
+        terminalreporter.section("VM test bed timings")
+        for line in _TIMINGS:
+            terminalreporter.write_line(line)
+
+
+@dataclass
+class GuestCase:
+    name: str
+    outcome: str            # passed | failed | error | skipped
+    message: str = ""
+    text: str = ""
+    time: float = 0.0
+    properties: dict[str, str] = field(default_factory=dict)
+    output: str = ""        # captured stdout/stderr of the guest test
+
+
+@dataclass
+class GroupRun:
+    name: str
+    results: Path
+    vm: harness.VMResult | None
+    cases: dict[str, GuestCase]
+    error: str = ""
+
+    def describe_failure(self) -> str:
+        parts = [f"VM group {self.name!r}: {self.error or (self.vm.summary() if self.vm else '')}",
+                 f"results: {self.results}"]
+        if self.vm is not None:
+            parts.append("--- last console lines\n" + self.vm.tail(60))
+        return "\n".join(parts)
+
+
+def _parse_junit(path: Path) -> dict[str, GuestCase]:
+    cases: dict[str, GuestCase] = {}
+    root = ET.parse(path).getroot()
+    for tc in root.iter("testcase"):
+        name = tc.get("name", "")
+        outcome, message, text = "passed", "", ""
+        for tag in ("failure", "error", "skipped"):
+            el = tc.find(tag)
+            if el is not None:
+                outcome = "failed" if tag == "failure" else tag
+                message, text = el.get("message", ""), (el.text or "")
+                break
+        props = {p.get("name"): p.get("value") for p in tc.iter("property")}
+        out = "\n".join((el.text or "") for el in tc if el.tag in ("system-out", "system-err"))
+        prev = cases.get(name)
+        # a test that passed its call but errored in teardown appears twice: keep the worst
+        if prev is not None and prev.outcome in ("failed", "error"):
+            continue
+        cases[name] = GuestCase(name, outcome, message, text, float(tc.get("time", 0) or 0),
+                                props, out)
+    return cases
+
+
+def _guest_python() -> str:
+    venv = harness.REPO / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def _results_root() -> Path:
+    env = os.environ.get("BLOCKD_VM_RESULTS_ROOT")
+    return Path(env) if env else harness.REPO / "results" / "vm"
+
+
+@pytest.fixture(scope="module")
+def vm_group(request) -> GroupRun:
+    """Boot the VM once for this module and run its guest tests; see the module docstring."""
+    mod = request.module
+    guest_file = getattr(mod, "GUEST_TESTS")
+    timeout = float(getattr(mod, "VM_TIMEOUT", 480))
+    group = Path(mod.__file__).stem.removeprefix("test_")
+    selected = [it.name for it in request.session.items
+                if getattr(it, "module", None) is mod and "guest_case" in getattr(it, "fixturenames", ())]
+    res = _results_root() / group
+    shutil.rmtree(res, ignore_errors=True)
+    res.mkdir(parents=True)
+    junit = res / "junit.xml"
+    gpath = str(harness.REPO / guest_file)
+    cmd = [_guest_python(), "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+           "-o", "junit_logging=all", "-o", "junit_family=xunit1", f"--junitxml={junit}",
+           "-q", "-rA",
+           *[f"{gpath}::{n}" for n in selected]]
+    t0 = time.monotonic()
+    try:
+        vm = harness.run(cmd, rw=[res], env={"BLOCKD_VM_RESULTS": str(res)}, timeout=timeout,
+                         log_path=res / "console.log", cwd=harness.REPO)
+    except harness.VMError as e:
+        pytest.fail(f"VM test bed could not start: {e}", pytrace=False)
+    cases: dict[str, GuestCase] = {}
+    error = ""
+    if junit.exists():
+        try:
+            cases = _parse_junit(junit)
+        except ET.ParseError as e:
+            error = f"unreadable {junit}: {e}"
+    else:
+        error = f"the guest wrote no JUnit report ({vm.summary()})"
+    boot = f"{vm.t_start:.1f}s" if vm.t_start is not None else "?"
+    per_case = ", ".join(f"{c.name} {c.outcome} {c.time:.1f}s" for c in cases.values())
+    _TIMINGS.append(f"{group}: boot {boot}, {vm.summary()}, host wall "
+                    f"{time.monotonic() - t0:.1f}s; {per_case}")
+    return GroupRun(group, res, vm, cases, error)
+
+
+@pytest.fixture
+def guest_case(request, vm_group: GroupRun) -> GuestCase:
+    """The in-VM result of the guest test named like this host test; fails/skips with it."""
+    name = request.node.name
+    case = vm_group.cases.get(name)
+    if case is None:
+        pytest.fail(f"the guest reported nothing for {name}\n{vm_group.describe_failure()}",
+                    pytrace=False)
+    if case.outcome == "skipped":
+        pytest.skip(f"skipped in the VM: {case.message}")
+    if case.outcome != "passed":
+        pytest.fail(f"{name} {case.outcome} in the VM: {case.message}\n{case.text}\n"
+                    f"--- guest output\n{case.output[-6000:]}\n"
+                    f"(results: {vm_group.results})", pytrace=False)
+    return case
