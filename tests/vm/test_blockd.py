@@ -1,0 +1,66 @@
+"""blockd against the Linux kernel's NVMe-oF host and target, in the VM (one boot for all).
+
+Twins of tests/vm/guest_tests/test_blockd.py.  Skipped until blockd's CLI entry points
+(blockd.cli.daemon, blockd.cli.blockctl) exist.
+"""
+
+import importlib.util
+import os
+
+import pytest
+
+
+def _blockd_cli_missing() -> str | None:
+    for mod in ("blockd.cli.daemon", "blockd.cli.blockctl"):
+        try:
+            if importlib.util.find_spec(mod) is None:
+                return mod
+        except ImportError:
+            return mod
+    return None
+
+
+# BLOCKD_VM_FORCE=1 runs them anyway (to exercise the bed while the core is being written)
+_missing = None if os.environ.get("BLOCKD_VM_FORCE") == "1" else _blockd_cli_missing()
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.skipif(_missing is not None,
+                       reason=f"blockd core not there yet ({_missing} is missing)"),
+]
+
+GUEST_TESTS = "tests/vm/guest_tests/test_blockd.py"
+VM_TIMEOUT = 540
+
+
+# kernel nvme-tcp host -> `blockd target`
+def test_khost_connect_and_list(guest_case):
+    """nvme connect -t tcp to blockd's target; nvme list shows our model and serial."""
+
+
+def test_khost_id_ctrl(guest_case):
+    """nvme id-ctrl: serial, model and subnqn are blockd's."""
+
+
+def test_khost_id_ns(guest_case):
+    """nvme id-ns: 64 MiB of 512-byte blocks."""
+
+
+def test_khost_fio_write_verify(guest_case):
+    """fio 16 MiB write + crc32c verify through /dev/nvmeXn1; the backing file matches."""
+
+
+def test_khost_disconnect(guest_case):
+    """nvme disconnect."""
+
+
+def test_blockctl_reads_what_khost_wrote(guest_case):
+    """blockctl reads back through blockd's target the bytes the kernel host wrote."""
+
+
+# blockctl -> kernel nvmet-tcp target
+def test_blockctl_kernel_target_identify(guest_case):
+    """blockctl id-ctrl / id-ns against the kernel target."""
+
+
+def test_blockctl_kernel_target_write_read(guest_case):
+    """blockctl write a pattern, read it back (file and stdout), backing file matches."""
