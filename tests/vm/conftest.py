@@ -64,6 +64,7 @@ class GuestCase:
     time: float = 0.0
     properties: dict[str, str] = field(default_factory=dict)
     output: str = ""        # captured stdout/stderr of the guest test
+    results: Path | None = None
 
 
 @dataclass
@@ -157,16 +158,31 @@ def vm_group(request) -> GroupRun:
 
 @pytest.fixture
 def guest_case(request, vm_group: GroupRun) -> GuestCase:
-    """The in-VM result of the guest test named like this host test; fails/skips with it."""
+    """The in-VM result of the guest test named like this host test.
+
+    The verdict is applied when the test is *called* (pytest_runtest_call below), so a
+    guest failure shows as a FAILED host test, a guest skip as SKIPPED; the test body runs
+    only when the guest test passed and may check ``properties`` further.
+    """
     name = request.node.name
     case = vm_group.cases.get(name)
     if case is None:
-        pytest.fail(f"the guest reported nothing for {name}\n{vm_group.describe_failure()}",
-                    pytrace=False)
+        case = GuestCase(name, "missing",
+                         f"the guest reported nothing for {name}\n{vm_group.describe_failure()}")
+    case.results = vm_group.results
+    return case
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    case = getattr(item, "funcargs", {}).get("guest_case")
+    if not isinstance(case, GuestCase):
+        return
+    if case.outcome == "missing":
+        pytest.fail(case.message, pytrace=False)
     if case.outcome == "skipped":
         pytest.skip(f"skipped in the VM: {case.message}")
     if case.outcome != "passed":
-        pytest.fail(f"{name} {case.outcome} in the VM: {case.message}\n{case.text}\n"
+        pytest.fail(f"{case.name} {case.outcome} in the VM: {case.message}\n{case.text}\n"
                     f"--- guest output\n{case.output[-6000:]}\n"
-                    f"(results: {vm_group.results})", pytrace=False)
-    return case
+                    f"(results: {case.results})", pytrace=False)
