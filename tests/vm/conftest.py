@@ -39,9 +39,14 @@ def pytest_collection_modifyitems(config, items):
     if IN_VM:
         return
     reason = None
+    has_timeout = config.pluginmanager.hasplugin("timeout")
     for item in items:
         if item.get_closest_marker("vm") is None:
             continue
+        # the first test of a group boots the VM in its setup: give pytest-timeout room
+        vm_timeout = getattr(getattr(item, "module", None), "VM_TIMEOUT", None)
+        if has_timeout and vm_timeout and "guest_case" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(int(vm_timeout) + 120))
         if reason is None:
             reason = harness.skip_reason() or ""
         if reason:
