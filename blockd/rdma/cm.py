@@ -273,9 +273,11 @@ class ConnectionRequest:
 
     ``nvme`` is the parsed NVMe-oF CONNECT private data (:class:`protocol.rdma_cm.ConnectRequest`)
     or None, in which case ``nvme_error`` holds the :class:`~protocol.rdma_cm.PrivateDataError`
-    (whose ``sts`` is the status to reject with).  ``responder_resources`` is the RDMA READ depth
-    the peer offers to serve for us (our max initiator depth); ``initiator_depth`` what it wants
-    to issue to us.  ``dev_name`` is the local RDMA device the request arrived on: create the
+    (whose ``sts`` is the status to reject with).  ``peer_responder_resources`` is the RDMA READ
+    depth the peer offers to serve for us (the most READs we may have in flight; 0 means we may
+    not RDMA READ at all); ``peer_initiator_depth`` how many READs it wants to issue to us.
+    (The kernel reports these from the passive side's point of view: ``event->initiator_depth``
+    is the peer's responder resources and vice versa; librdmacm clamps accept to them.)  ``dev_name`` is the local RDMA device the request arrived on: create the
     QP there (``verbs.open_device(req.dev_name)``).
     """
 
@@ -283,8 +285,8 @@ class ConnectionRequest:
         self.listener = listener
         self.cmid = cmid
         self.private_data = raw.private_data
-        self.responder_resources = raw.responder_resources
-        self.initiator_depth = raw.initiator_depth
+        self.peer_responder_resources = raw.initiator_depth
+        self.peer_initiator_depth = raw.responder_resources
         self.dev_name = cmid.dev_name
         try:
             self.nvme: nvme_cm.ConnectRequest | None = nvme_cm.parse_request(raw.private_data)
@@ -309,7 +311,7 @@ class ConnectionRequest:
             raise RuntimeError("connect request already answered")
         self.done = True
         ird = qp.device.max_qp_init_rd_atom if initiator_depth is None else initiator_depth
-        depth = min(ird, self.responder_resources, qp.device.max_qp_init_rd_atom)
+        depth = min(ird, self.peer_responder_resources, qp.device.max_qp_init_rd_atom)
         conn = RdmaConnection(self.listener.channel, self.cmid, qp, on_disconnect,
                               peer_private_data=self.private_data, passive=True)
         try:
@@ -392,7 +394,13 @@ class RdmaConnection:
         if t == ce.RDMA_CM_EVENT_ESTABLISHED:
             if not self.established.done():
                 self.established.set_result(None)
-        elif t in (ce.RDMA_CM_EVENT_DISCONNECTED, ce.RDMA_CM_EVENT_DEVICE_REMOVAL,
+        elif t == ce.RDMA_CM_EVENT_DISCONNECTED:
+            # the peer's DREQ: answer it (rdma_disconnect sends the DREP) or the peer only sees
+            # its DISCONNECTED after its DREQ times out
+            if not self._disconnect_sent and not self._destroyed:
+                self.disconnect()
+            self._terminate(None)
+        elif t in (ce.RDMA_CM_EVENT_DEVICE_REMOVAL,
                    ce.RDMA_CM_EVENT_CONNECT_ERROR, ce.RDMA_CM_EVENT_UNREACHABLE,
                    ce.RDMA_CM_EVENT_REJECTED):
             self._terminate(CmError(f"connection ended: {ev.name} (status {ev.status})"))

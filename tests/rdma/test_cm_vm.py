@@ -77,7 +77,9 @@ class Side:
 @pytest.mark.timeout(180)
 def test_ping_pong_write_read(rxe_pair):
     from protocol import rdma_cm as pcm
+    import pyverbs.enums as e
     from blockd.rdma.cm import CmEventChannel, connect
+    from blockd.rdma.verbs import wc_status_str
 
     server_dev, client_dev, addr = rxe_pair
 
@@ -93,7 +95,8 @@ def test_ping_pong_write_read(rxe_pair):
             req = await listener.get_request()
             assert req.dev_name == server_dev
             assert req.nvme == pcm.ConnectRequest(qid=1, hrqsize=8, hsqsize=7, cntlid=3)
-            assert req.responder_resources > 0  # the client offers RDMA READ service
+            assert req.peer_responder_resources > 0  # the client offers RDMA READ service
+            assert req.peer_initiator_depth == 0
             assert len(req.private_data) >= 32
             qp = server.make_qp(req.dev_name)
             return req.accept_nvme(qp, crqsize=req.nvme.hsqsize + 1, before_rtr=server.post_recvs)
@@ -141,8 +144,15 @@ def test_ping_pong_write_read(rxe_pair):
         assert wc.byte_len == 5000
         assert bytes(rslot.view[:5000]) == pattern_r
 
-        # a bad rkey fails the READ (and errors the QP) without touching memory
-        # -- done last since it kills the connection's QP
+        # a bad rkey fails the WRITE (and errors the QP) without touching the peer's memory;
+        # done last since it kills the connection's QPs
+        guard = client.data_pool.slots[2]
+        guard.view[:] = b"\x5a" * guard.size
+        server.qp.post_rdma_write(6, *sslot.sge(4096), rkey=rkey ^ 0x100, raddr=guard.addr)
+        wc = await server.waiter.wait(6)
+        assert wc.status == e.IBV_WC_REM_ACCESS_ERR, wc_status_str(wc.status)
+        assert bytes(guard.view) == b"\x5a" * guard.size
+
         # graceful disconnect from the client; both sides see DISCONNECTED
         cconn.disconnect()
         await asyncio.wait_for(cconn.closed, 20)
