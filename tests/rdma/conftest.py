@@ -1,19 +1,47 @@
-"""Guest-side RDMA tests: run in the qemu VM bed with rxe (see tests/rdma/README or the rdmavm tool).
+"""Guest-side RDMA tests: run inside a VM with Soft-RoCE.
 
-Tests marked ``vm`` need Soft-RoCE: ``rxe_pair`` further needs the two rxe devices of the
-reference ``rxe-up.sh`` (rxe0 on veth0 192.0.2.1, rxe1 on veth1 192.0.2.2, RXE_MODE=pair).
-Everywhere else they skip with the reason.
+Ways to run them:
+* the project bed: ``.venv/bin/python -m pytest tests/vm/test_rdma_layer.py`` (host twins);
+* by hand: ``rdmavm -t 600 -c '. $RDMAVM_GUEST/rxe-up.sh; cd /work/main;
+  .venv/bin/python -m pytest tests/rdma -m vm -p no:cacheprovider'``.
+
+Tests marked ``vm`` need Soft-RoCE: ``rxe_pair`` further needs the two rxe devices of
+``rxe-up.sh`` (rxe0 on veth0 192.0.2.1, rxe1 on veth1 192.0.2.2, RXE_MODE=pair); inside a VM
+(``BLOCKD_VM``/``RDMAVM`` set) they are brought up with that script if missing.  Everywhere else
+the tests skip with the reason.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
 RXE_ADDR0 = os.environ.get("RXE_ADDR0", "192.0.2.1")
 RXE_DEV0 = os.environ.get("RXE_DEV0", "rxe0")
 RXE_DEV1 = os.environ.get("RXE_DEV1", "rxe1")
+
+
+def _in_vm_guest() -> bool:
+    return bool(os.environ.get("BLOCKD_VM") or os.environ.get("RDMAVM"))
+
+
+def _rxe_up_script() -> str | None:
+    for var in ("BLOCKD_VM_GUEST", "RDMAVM_GUEST"):
+        d = os.environ.get(var)
+        if d and os.path.exists(os.path.join(d, "rxe-up.sh")):
+            return os.path.join(d, "rxe-up.sh")
+    return None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vm_rxe_up():
+    """In a VM guest without rxe devices yet, run rxe-up.sh once (test set-up only)."""
+    script = _rxe_up_script()
+    if _in_vm_guest() and script and os.geteuid() == 0 and not (
+            os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")):
+        subprocess.run(["bash", script], check=False, timeout=180)
 
 
 def rdma_skip_reason() -> str | None:
