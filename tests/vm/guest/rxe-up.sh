@@ -11,6 +11,9 @@
 # connecting to 192.0.2.1 (rdma_cm, TCP, nvme connect) then runs on rxe1/veth1.
 # RXE_MODE=loop skips the routing.  RXE_MTU: veth MTU (1500 -> RoCE MTU 1024).
 # rxe in this kernel only works in the initial network namespace: no netns here.
+# RXE_TOOL=rdma (default) creates the links with iproute2's `rdma link add`;
+# RXE_TOOL=blockd with blockd's own pyroute2 code (`blockctl rxe add`, here run as
+# `python -m blockd.rdma.rxe add NETDEV --name NAME` from the repo's .venv).
 
 RXE_MODE=${RXE_MODE:-pair}
 RXE_MTU=${RXE_MTU:-1500}
@@ -20,7 +23,19 @@ RXE_NETDEV0=${RXE_NETDEV0:-veth0}
 RXE_NETDEV1=${RXE_NETDEV1:-veth1}
 RXE_DEV0=${RXE_DEV0:-rxe0}
 RXE_DEV1=${RXE_DEV1:-rxe1}
+RXE_TOOL=${RXE_TOOL:-rdma}
+export RXE_TOOL
 export RXE_MODE RXE_MTU RXE_ADDR0 RXE_ADDR1 RXE_NETDEV0 RXE_NETDEV1 RXE_DEV0 RXE_DEV1
+
+_rxe_add() {  # NAME NETDEV
+    if [ "$RXE_TOOL" = blockd ]; then
+        _py=${BLOCKD_VM_REPO:-.}/.venv/bin/python
+        [ -x "$_py" ] || _py=python3
+        "$_py" -m blockd.rdma.rxe add "$2" --name "$1"
+    else
+        rdma link add "$1" type rxe netdev "$2"
+    fi
+}
 
 _rxe_up() {
     # crc32_generic first: rxe's ICRC needs it, else `rdma link add` says ENOENT
@@ -54,9 +69,9 @@ _rxe_up() {
     fi
 
     rdma link show "$RXE_DEV0/1" >/dev/null 2>&1 ||
-        rdma link add "$RXE_DEV0" type rxe netdev "$RXE_NETDEV0" || return 1
+        _rxe_add "$RXE_DEV0" "$RXE_NETDEV0" || return 1
     rdma link show "$RXE_DEV1/1" >/dev/null 2>&1 ||
-        rdma link add "$RXE_DEV1" type rxe netdev "$RXE_NETDEV1" || return 1
+        _rxe_add "$RXE_DEV1" "$RXE_NETDEV1" || return 1
     _i=0
     while [ $_i -lt 20 ]; do
         [ "$(rdma link show | grep -c 'state ACTIVE')" -ge 2 ] && return 0
