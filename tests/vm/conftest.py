@@ -10,11 +10,13 @@ passes, fails or skips on its own.
 
 Results of a group stay in ``results/vm/<group>/`` (``$BLOCKD_VM_RESULTS_ROOT`` overrides
 ``results/vm``): ``console.log`` (the VM console), ``junit.xml``, daemon logs.
+``timings.json``.  ``BLOCKD_VM_ECHO=1`` streams the VM console to the terminal (use -s).
 Tests marked ``vm`` are skipped, with the reason, where qemu and friends are missing.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -142,7 +144,8 @@ def vm_group(request) -> GroupRun:
     t0 = time.monotonic()
     try:
         vm = harness.run(cmd, rw=[res], env={"BLOCKD_VM_RESULTS": str(res)}, timeout=timeout,
-                         log_path=res / "console.log", cwd=harness.REPO)
+                         log_path=res / "console.log", cwd=harness.REPO,
+                         echo=os.environ.get("BLOCKD_VM_ECHO") == "1")
     except harness.VMError as e:
         pytest.fail(f"VM test bed could not start: {e}", pytrace=False)
     cases: dict[str, GuestCase] = {}
@@ -158,6 +161,11 @@ def vm_group(request) -> GroupRun:
     per_case = ", ".join(f"{c.name} {c.outcome} {c.time:.1f}s" for c in cases.values())
     _TIMINGS.append(f"{group}: boot {boot}, {vm.summary()}, host wall "
                     f"{time.monotonic() - t0:.1f}s; {per_case}")
+    (res / "timings.json").write_text(json.dumps({
+        "group": group, "rc": vm.rc, "timed_out": vm.timed_out, "wall_s": round(vm.wall, 1),
+        "guest_uptime_at_start_s": vm.t_start, "guest_uptime_at_end_s": vm.t_end,
+        "cases": {c.name: {"outcome": c.outcome, "time_s": c.time} for c in cases.values()},
+    }, indent=1) + "\n")
     return GroupRun(group, res, vm, cases, error)
 
 

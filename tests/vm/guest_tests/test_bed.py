@@ -5,6 +5,7 @@ Run from the host by tests/vm/test_bed.py (one boot for the whole file).
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -75,6 +76,15 @@ def test_kernel_nvme_tcp(rxe, nvmet, scratch, record_property):
     # the host really connected over veth1 -> 192.0.2.1
     out = sh(f"c=$(nvmeh_ctrl {NQN}); cat /sys/class/nvme/$c/transport /sys/class/nvme/$c/address")
     assert out.splitlines()[0] == "tcp" and f"traddr={ADDR0}" in out, out
+    # identify as nvme-cli shows it (the parsing tests/vm/guest_tests/test_blockd.py relies on)
+    line = next((ln for ln in sh("nvme list").splitlines() if ln.startswith(dev + " ")), "")
+    assert "BEDSERIAL01" in line, line
+    ctrl = sh(f"nvmeh_ctrl {NQN}").strip()
+    ic = json.loads(sh(f"nvme id-ctrl /dev/{ctrl} -o json"))
+    assert ic["sn"].strip() == "BEDSERIAL01" and ic["subnqn"].strip() == NQN, ic
+    assert ic["mn"].strip() == sh(f"cat /sys/class/nvme/{ctrl}/model").strip()
+    ns = json.loads(sh(f"nvme id-ns {dev} -o json"))
+    assert ns["nsze"] << ns["lbafs"][ns["flbas"] & 0xF]["ds"] == 64 << 20, ns
     t0 = time.monotonic()
     sh(f"fio --name=verify --filename={dev} --rw=write --bs=64k --size=16M --direct=1 "
        "--ioengine=psync --verify=crc32c --do_verify=1 --verify_fatal=1 --output-format=terse "
