@@ -1,0 +1,110 @@
+"""Host-side queue bookkeeping with no I/O of its own (sans-I/O).
+
+Command ids, the commands in flight and their completion are tracked here; transports only
+turn :class:`HostCommand` objects into wire units and feed completions back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass, field
+
+from protocol.status import describe
+
+
+class NvmeError(Exception):
+    """The target completed a command with a non-zero status."""
+
+    def __init__(self, status: int, what: str = "command") -> None:
+        super().__init__(f"{what} failed: {describe(status)}")
+        self.status = status
+
+
+class QueueLost(ConnectionError):
+    """The connection carrying a command went away before it completed."""
+
+
+@dataclass(eq=False)
+class HostCommand:
+    """One command from the host's point of view.
+
+    ``data_out`` is what a write sends; ``data_in`` is where a read's data lands (the caller's
+    own buffer, so reads need no extra copy).
+    """
+
+    sqe: bytearray
+    data_out: bytes | memoryview | None = None
+    data_in: memoryview | None = None
+    cid: int = -1
+    received: int = 0
+    status: int = 0
+    dw0: int = 0
+    dw1: int = 0
+    future: asyncio.Future[HostCommand] | None = None
+    attempts: int = 0
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+    @property
+    def length(self) -> int:
+        if self.data_out is not None:
+            return len(self.data_out)
+        if self.data_in is not None:
+            return len(self.data_in)
+        return 0
+
+
+class HostQueue:
+    """Command ids and in-flight commands of one queue (depth = the negotiated queue size)."""
+
+    def __init__(self, qid: int, depth: int) -> None:
+        self.qid = qid
+        self.depth = depth
+        self._free = collections.deque(range(depth))
+        self.pending: dict[int, HostCommand] = {}
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def has_room(self) -> bool:
+        return bool(self._free)
+
+    async def wait_for_room(self) -> None:
+        """Block until a command id is free (more callers than queue depth)."""
+        while not self._free:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            finally:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+
+    def start(self, cmd: HostCommand) -> None:
+        """Give ``cmd`` a command id and write it into the SQE."""
+        cid = self._free.popleft()
+        cmd.cid = cid
+        cmd.sqe[2] = cid & 0xFF
+        cmd.sqe[3] = cid >> 8
+        cmd.received = 0
+        self.pending[cid] = cmd
+
+    def finish(self, cid: int) -> HostCommand | None:
+        """Forget ``cid``; returns its command, or None for an unknown/stale id."""
+        cmd = self.pending.pop(cid, None)
+        if cmd is None:
+            return None
+        self._free.append(cid)
+        if cmd.timer is not None:
+            cmd.timer.cancel()
+            cmd.timer = None
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                break
+        return cmd
+
+    def take_all(self) -> list[HostCommand]:
+        """Everything still in flight (the connection died); the queue is empty afterwards."""
+        cmds = [self.finish(cid) for cid in list(self.pending)]
+        return [c for c in cmds if c is not None]

@@ -1,0 +1,182 @@
+"""NVMe/TCP transport of the host: one TCP connection per queue, as the Linux host does."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Callable
+
+from blockd.tcp_pdu import DataDigestError, FramingError, PduReader, PduWriter, term_req
+from initiator.queue import HostCommand, HostQueue, QueueLost
+from protocol.constants import SglId
+from protocol.nvme import CQE_FAST, build_sgl_data_block
+from protocol.status import Status
+from protocol.tcp import DATA_PDU_HEADER_FAST, IC_REQ, IC_RESP, PduFlags, PduType
+
+ICRESP_TIMEOUT = 10.0
+ADMIN_INLINE = 8192
+_C2H_TYPES = frozenset({PduType.IC_RESP, PduType.C2H_TERM_REQ, PduType.CAPSULE_RESP,
+                        PduType.C2H_DATA, PduType.R2T})
+_unpack_data_header = DATA_PDU_HEADER_FAST.unpack_from
+_unpack_cqe = CQE_FAST.unpack_from
+_NULL_SGL = build_sgl_data_block(SglId.TRANSPORT_DATA_BLOCK, 0, 0)
+
+
+class TcpHostConnection(asyncio.Protocol):
+    """One queue's TCP connection; completions resolve each command's future."""
+
+    def __init__(self, queue: HostQueue, on_lost: Callable[[TcpHostConnection, Exception | None], None],
+                 max_data: int = 1 << 22) -> None:
+        self.queue = queue
+        self.on_lost = on_lost
+        self.reader = PduReader(_C2H_TYPES, max_data=max_data)
+        self.writer = PduWriter()
+        self.transport: asyncio.Transport | None = None
+        self.inline_limit = ADMIN_INLINE
+        self.maxh2cdata = 0
+        self._icresp: asyncio.Future[bytes] | None = None
+        self.closed = False
+        self.error: Exception | None = None
+        """Why we closed the connection ourselves, reported to ``on_lost``."""
+
+    @classmethod
+    async def open(cls, address: str, port: int, queue: HostQueue,
+                   on_lost: Callable[[TcpHostConnection, Exception | None], None],
+                   hdgst: bool = False, ddgst: bool = False, timeout: float = ICRESP_TIMEOUT) -> TcpHostConnection:
+        """Connect and run the ICReq/ICResp exchange."""
+        loop = asyncio.get_running_loop()
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(lambda: cls(queue, on_lost), address, port), timeout)
+        try:
+            await asyncio.wait_for(conn._initialize(hdgst, ddgst), timeout)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    async def _initialize(self, hdgst: bool, ddgst: bool) -> None:
+        self._icresp = asyncio.get_running_loop().create_future()
+        dgst = int(hdgst) | (int(ddgst) << 1)
+        self.transport.write(IC_REQ.build(dict(pdu_type=PduType.IC_REQ, flags=0, hlen=128, pdo=0,
+                                               plen=128, pfv=0, hpda=0, dgst=dgst, maxr2t=0)))
+        raw = await self._icresp
+        resp = IC_RESP.parse(raw)
+        if resp.pfv != 0 or resp.cpda != 0:
+            raise ConnectionError(f"target offers PFV {resp.pfv} / CPDA {resp.cpda}; only 0 is supported")
+        if resp.dgst != dgst:
+            raise ConnectionError(f"target answered digests {resp.dgst:#x} to our {dgst:#x}")
+        if resp.maxh2cdata < 4096 or resp.maxh2cdata % 4:
+            raise ConnectionError(f"target's MAXH2CDATA {resp.maxh2cdata} is invalid")
+        self.maxh2cdata = resp.maxh2cdata
+        self.reader.hdgst = self.writer.hdgst = hdgst
+        self.reader.ddgst = self.writer.ddgst = ddgst
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    def submit(self, cmd: HostCommand) -> None:
+        """Send ``cmd`` (the queue must have room); in-capsule data when it fits."""
+        if self.closed:
+            raise QueueLost("connection closed")
+        self.queue.start(cmd)
+        sqe = cmd.sqe
+        out = cmd.data_out
+        if out is not None and len(out) <= self.inline_limit:
+            sqe[24:40] = build_sgl_data_block(SglId.DATA_BLOCK_OFFSET, 0, len(out))
+            self.transport.writelines(self.writer.pdu(PduType.CAPSULE_CMD, sqe, out))
+            return
+        length = cmd.length
+        sqe[24:40] = build_sgl_data_block(SglId.TRANSPORT_DATA_BLOCK, 0, length) if length else _NULL_SGL
+        self.transport.writelines(self.writer.pdu(PduType.CAPSULE_CMD, sqe))
+
+    # -- receiving -------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._icresp is not None and not self._icresp.done():
+            self._icresp.set_exception(ConnectionError("connection closed during ICReq"))
+        self.on_lost(self, self.error or exc)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for pdu in self.reader.feed(data):
+                ptype = pdu.pdu_type
+                if ptype == PduType.CAPSULE_RESP:
+                    self._response(pdu.header)
+                elif ptype == PduType.C2H_DATA:
+                    self._c2h_data(pdu.header, pdu.data, pdu.flags)
+                elif ptype == PduType.R2T:
+                    self._r2t(pdu.header)
+                elif ptype == PduType.IC_RESP and self._icresp is not None and not self._icresp.done():
+                    self._icresp.set_result(bytes(pdu.header))
+                elif ptype == PduType.C2H_TERM_REQ:
+                    fes = int.from_bytes(pdu.header[8:10], "little")
+                    self._fail(ConnectionError(f"target terminated the connection (FES {fes})"))
+                    return
+                else:
+                    raise FramingError(2, 0, f"unexpected PDU type {ptype:#x}", bytes(pdu.header))
+        except FramingError as exc:
+            if not self.transport.is_closing():
+                self.transport.write(term_req(PduType.H2C_TERM_REQ, exc.fes, exc.fei, exc.header))
+            self._fail(ConnectionError(f"protocol error from target: {exc}"))
+        except DataDigestError:
+            self._fail(ConnectionError("data digest error from target"))
+
+    def _response(self, header: memoryview) -> None:
+        dw0, dw1, _, _, cid, status = _unpack_cqe(header, 8)
+        cmd = self.queue.finish(cid)
+        if cmd is None:
+            raise FramingError(1, 12, f"completion for unknown command id {cid}", bytes(header))
+        cmd.status = status >> 1
+        cmd.dw0, cmd.dw1 = dw0, dw1
+        if cmd.status == 0 and cmd.data_in is not None and cmd.received != len(cmd.data_in):
+            cmd.status = Status.DATA_TRANSFER_ERROR
+        if cmd.future is not None and not cmd.future.done():
+            cmd.future.set_result(cmd)
+
+    def _c2h_data(self, header: memoryview, data: memoryview | None, flags: int) -> None:
+        _, _, _, _, _, cid, _, datao, datal = _unpack_data_header(header)
+        cmd = self.queue.pending.get(cid)
+        if cmd is None or cmd.data_in is None or data is None:
+            raise FramingError(1, 8, f"C2HData for unknown command id {cid}", bytes(header))
+        if datao != cmd.received or datao + datal > len(cmd.data_in) or datal != len(data):
+            raise FramingError(4, 12, "C2HData outside the command's buffer", bytes(header))
+        cmd.data_in[datao:datao + datal] = data
+        cmd.received += datal
+        if flags & PduFlags.SUCCESS:
+            if not flags & PduFlags.LAST_PDU:
+                raise FramingError(1, 1, "SUCCESS without LAST_PDU", bytes(header))
+            self.queue.finish(cid)
+            if cmd.future is not None and not cmd.future.done():
+                cmd.future.set_result(cmd)
+
+    def _r2t(self, header: memoryview) -> None:
+        _, _, _, _, _, cid, ttag, offset, length = _unpack_data_header(header)
+        cmd = self.queue.pending.get(cid)
+        if cmd is None or cmd.data_out is None:
+            raise FramingError(1, 8, f"R2T for unknown command id {cid}", bytes(header))
+        out = memoryview(cmd.data_out)
+        if length == 0 or offset + length > len(out):
+            raise FramingError(4, 12, "R2T outside the command's data", bytes(header))
+        end = offset + length
+        chunk = self.maxh2cdata
+        while offset < end:
+            n = min(chunk, end - offset)
+            last = PduFlags.LAST_PDU if offset + n == end else 0
+            self.transport.writelines(self.writer.data_pdu(
+                PduType.H2C_DATA, cid, ttag, offset, out[offset:offset + n], last))
+            offset += n
+
+    def _fail(self, exc: Exception) -> None:
+        self.error = exc
+        self.close()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()

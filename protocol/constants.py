@@ -1,0 +1,132 @@
+"""NVMe and NVMe-oF numbers: opcodes, feature ids, log ids, CNS values, transport types.
+
+Values follow the NVMe Base 2.0 and NVMe-oF 1.1 specs, as used by the Linux kernel's
+include/linux/nvme.h.
+"""
+
+from enum import IntEnum
+
+DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
+DEFAULT_IO_PORT = 4420
+DEFAULT_TCP_DISCOVERY_PORT = 8009
+DYNAMIC_CNTLID = 0xFFFF
+PSDT_SGL = 0x40
+"""FLAGS byte with PSDT=01b: every fabrics SQE carries it (Linux nvmet rejects anything else)."""
+
+
+class AdminOpcode(IntEnum):
+    GET_LOG_PAGE = 0x02
+    IDENTIFY = 0x06
+    ABORT = 0x08
+    SET_FEATURES = 0x09
+    GET_FEATURES = 0x0A
+    ASYNC_EVENT_REQUEST = 0x0C
+    KEEP_ALIVE = 0x18
+    FABRICS = 0x7F
+
+
+class IoOpcode(IntEnum):
+    FLUSH = 0x00
+    WRITE = 0x01
+    READ = 0x02
+    WRITE_ZEROES = 0x08
+    DATASET_MANAGEMENT = 0x09
+    FABRICS = 0x7F
+
+
+class FabricsType(IntEnum):
+    PROPERTY_SET = 0x00
+    CONNECT = 0x01
+    PROPERTY_GET = 0x04
+    AUTH_SEND = 0x05
+    AUTH_RECEIVE = 0x06
+    DISCONNECT = 0x08
+
+
+class Cns(IntEnum):
+    NAMESPACE = 0x00
+    CONTROLLER = 0x01
+    ACTIVE_NS_LIST = 0x02
+    NS_DESCRIPTORS = 0x03
+    CSI_CONTROLLER = 0x06
+    CSI_INDEPENDENT_NS = 0x08
+
+
+class FeatureId(IntEnum):
+    ARBITRATION = 0x01
+    POWER_MANAGEMENT = 0x02
+    TEMPERATURE_THRESHOLD = 0x04
+    VOLATILE_WRITE_CACHE = 0x06
+    NUMBER_OF_QUEUES = 0x07
+    INTERRUPT_COALESCING = 0x08
+    WRITE_ATOMICITY = 0x0A
+    ASYNC_EVENT_CONFIG = 0x0B
+    KEEP_ALIVE_TIMER = 0x0F
+
+
+class LogPageId(IntEnum):
+    ERROR = 0x01
+    SMART = 0x02
+    FIRMWARE_SLOT = 0x03
+    CHANGED_NS_LIST = 0x04
+    COMMANDS_EFFECTS = 0x05
+    DISCOVERY = 0x70
+
+
+class Property(IntEnum):
+    """Controller properties (register offsets) reachable with Property Get/Set."""
+
+    CAP = 0x00
+    VS = 0x08
+    CC = 0x14
+    CSTS = 0x1C
+    NSSR = 0x20
+
+
+class TransportType(IntEnum):
+    RDMA = 1
+    FC = 2
+    TCP = 3
+    LOOP = 254
+
+
+class AddressFamily(IntEnum):
+    IPV4 = 1
+    IPV6 = 2
+    IB = 3
+    FC = 4
+
+
+class SubsystemType(IntEnum):
+    REFERRAL = 1
+    NVME = 2
+    CURRENT_DISCOVERY = 3
+
+
+class SglId(IntEnum):
+    """Byte 15 of an SGL descriptor: type in bits 7:4, subtype in bits 3:0."""
+
+    DATA_BLOCK_OFFSET = 0x01
+    KEYED_DATA_BLOCK = 0x40
+    KEYED_DATA_BLOCK_INVALIDATE = 0x4F
+    TRANSPORT_DATA_BLOCK = 0x5A
+
+
+class NidType(IntEnum):
+    """Namespace Identification Descriptor types (Identify CNS 03h)."""
+
+    EUI64 = 1
+    NGUID = 2
+    UUID = 3
+    CSI = 4
+
+
+# CQE DW0 of an Asynchronous Event Request completion: type notice (2), info, log page.
+AEN_NS_ATTR_CHANGED = 0x00040002
+AEN_DISCOVERY_CHANGED = 0x0070F002
+
+# Identify Controller fields this implementation advertises.
+ONCS_DSM = 1 << 2
+ONCS_WRITE_ZEROES = 1 << 3
+OAES_NS_ATTR = 1 << 8
+OAES_DISCOVERY_CHANGE = 1 << 31

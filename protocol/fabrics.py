@@ -1,0 +1,56 @@
+"""Fabrics commands (opcode 7Fh): Connect and its 1024-byte data, Property Get/Set (NVMe-oF 1.1)."""
+
+from __future__ import annotations
+
+import construct as c
+
+from protocol.layout import at_offsets, nul_padded
+from protocol.nvme import SGL_SIZE, SQE_SIZE
+
+NQN_FIELD = 256
+CONNECT_DATA_SIZE = 1024
+
+FABRICS_COMMAND = at_offsets(SQE_SIZE, [
+    (0, "opcode", c.Int8ul),
+    (1, "flags", c.Int8ul),
+    (2, "cid", c.Int16ul),
+    (4, "fctype", c.Int8ul),
+    (24, "dptr", c.Bytes(SGL_SIZE)),
+    (40, "specific", c.Bytes(24)),
+])
+
+CONNECT_COMMAND = at_offsets(SQE_SIZE, [
+    (0, "opcode", c.Int8ul),
+    (1, "flags", c.Int8ul),
+    (2, "cid", c.Int16ul),
+    (4, "fctype", c.Int8ul),
+    (24, "dptr", c.Bytes(SGL_SIZE)),
+    (40, "recfmt", c.Int16ul),
+    (42, "qid", c.Int16ul),
+    (44, "sqsize", c.Int16ul),
+    (46, "cattr", c.Int8ul),
+    (48, "kato", c.Int32ul),
+])
+"""SQSIZE is 0's based; KATO in milliseconds (admin queue only); CATTR bit 2 disables SQ flow control."""
+
+CONNECT_DATA = at_offsets(CONNECT_DATA_SIZE, [
+    (0, "hostid", c.Bytes(16)),
+    (16, "cntlid", c.Int16ul),
+    (256, "subnqn", nul_padded(NQN_FIELD)),
+    (512, "hostnqn", nul_padded(NQN_FIELD)),
+])
+
+PROPERTY_COMMAND = at_offsets(SQE_SIZE, [
+    (0, "opcode", c.Int8ul),
+    (1, "flags", c.Int8ul),
+    (2, "cid", c.Int16ul),
+    (4, "fctype", c.Int8ul),
+    (24, "dptr", c.Bytes(SGL_SIZE)),
+    (40, "attrib", c.Int8ul),
+    (44, "offset", c.Int32ul),
+    (48, "value", c.Int64ul),
+])
+"""ATTRIB bits 2:0: 0 = 4-byte property, 1 = 8-byte property."""
+
+# Connect: CQE DW0 for Invalid Parameters points at the bad field.
+IATTR_DATA = 1 << 16

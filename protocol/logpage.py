@@ -1,0 +1,57 @@
+"""Log pages: Discovery (70h), Error Information (01h), Changed Namespace List (04h)."""
+
+from __future__ import annotations
+
+import construct as c
+
+from protocol.layout import at_offsets, nul_padded
+
+DISCOVERY_HEADER_SIZE = 1024
+DISCOVERY_ENTRY_SIZE = 1024
+ERROR_LOG_ENTRY_SIZE = 64
+
+DISCOVERY_HEADER = at_offsets(DISCOVERY_HEADER_SIZE, [
+    (0, "genctr", c.Int64ul),
+    (8, "numrec", c.Int64ul),
+    (16, "recfmt", c.Int16ul),
+])
+
+DISCOVERY_ENTRY = at_offsets(DISCOVERY_ENTRY_SIZE, [
+    (0, "trtype", c.Int8ul),
+    (1, "adrfam", c.Int8ul),
+    (2, "subtype", c.Int8ul),
+    (3, "treq", c.Int8ul),
+    (4, "portid", c.Int16ul),
+    (6, "cntlid", c.Int16ul),
+    (8, "asqsz", c.Int16ul),
+    (10, "eflags", c.Int16ul),
+    (32, "trsvcid", nul_padded(32)),
+    (256, "subnqn", nul_padded(256)),
+    (512, "traddr", nul_padded(256)),
+    (768, "tsas", c.Bytes(256)),
+])
+"""TREQ bits 1:0 secure channel (2 = not required); TSAS for RDMA: QPTYPE, PRTYPE, CMS."""
+
+ERROR_LOG_ENTRY = at_offsets(ERROR_LOG_ENTRY_SIZE, [
+    (0, "error_count", c.Int64ul),
+    (8, "sqid", c.Int16ul),
+    (10, "cid", c.Int16ul),
+    (12, "status", c.Int16ul),
+    (14, "param_location", c.Int16ul),
+    (16, "lba", c.Int64ul),
+    (24, "nsid", c.Int32ul),
+    (28, "vs", c.Int8ul),
+    (29, "trtype", c.Int8ul),
+    (32, "cs", c.Int64ul),
+    (40, "trtype_specific", c.Int16ul),
+])
+"""``status`` is the CQE status word (phase bit included)."""
+
+CHANGED_NS_LIST = c.Array(1024, c.Int32ul)
+
+TSAS_RDMA = at_offsets(256, [
+    (0, "qptype", c.Int8ul),
+    (1, "prtype", c.Int8ul),
+    (2, "cms", c.Int8ul),
+    (8, "pkey", c.Int16ul),
+])

@@ -1,0 +1,69 @@
+"""NVMe completion status codes.
+
+Each value is the Linux kernel's encoding: SC in bits 7:0, SCT in bits 10:8, DNR = 0x4000.
+The 16-bit status word on the wire (CQE bytes 14-15) is that value shifted left by one, the
+phase bit (always 0 over fabrics) taking bit 0.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+DNR = 0x4000
+MORE = 0x2000
+
+
+class Status(IntEnum):
+    SUCCESS = 0x000
+    INVALID_OPCODE = 0x001 | DNR
+    INVALID_FIELD = 0x002 | DNR
+    DATA_TRANSFER_ERROR = 0x004
+    INTERNAL_ERROR = 0x006 | DNR
+    INVALID_NS = 0x00B | DNR
+    COMMAND_SEQUENCE_ERROR = 0x00C | DNR
+    SGL_INVALID_DATA_LENGTH = 0x00F | DNR
+    SGL_INVALID_TYPE = 0x011 | DNR
+    SGL_INVALID_OFFSET = 0x016 | DNR
+    NS_WRITE_PROTECTED = 0x020
+    KEEP_ALIVE_EXPIRED = 0x019
+    KEEP_ALIVE_INVALID = 0x01A | DNR
+    LBA_RANGE = 0x080 | DNR
+    CAPACITY_EXCEEDED = 0x081 | DNR
+    NS_NOT_READY = 0x082
+    INVALID_QID = 0x101 | DNR
+    INVALID_QUEUE_SIZE = 0x102 | DNR
+    ASYNC_LIMIT = 0x105 | DNR
+    INVALID_LOG_PAGE = 0x109 | DNR
+    FEATURE_NOT_SAVEABLE = 0x10D | DNR
+    CONNECT_INCOMPATIBLE_FORMAT = 0x180 | DNR
+    CONNECT_CONTROLLER_BUSY = 0x181 | DNR
+    CONNECT_INVALID_PARAMETERS = 0x182 | DNR
+    CONNECT_RESTART_DISCOVERY = 0x183
+    CONNECT_INVALID_HOST = 0x184 | DNR
+    WRITE_FAULT = 0x280
+    UNRECOVERED_READ_ERROR = 0x281
+
+
+def to_wire(status: int) -> int:
+    """The CQE status word for ``status`` (phase bit 0)."""
+    return (status << 1) & 0xFFFF
+
+
+def from_wire(word: int) -> int:
+    """Inverse of :func:`to_wire`; drops the phase bit."""
+    return word >> 1
+
+
+def describe(status: int) -> str:
+    """Human text for a status, e.g. ``"LBA_RANGE (sct 0 sc 0x80, dnr)"``."""
+    try:
+        name = Status(status).name
+    except ValueError:
+        try:
+            name = Status(status ^ DNR).name
+        except ValueError:
+            name = "UNKNOWN"
+    sct = (status >> 8) & 0x7
+    sc = status & 0xFF
+    dnr = ", dnr" if status & DNR else ""
+    return f"{name} (sct {sct} sc {sc:#04x}{dnr})"

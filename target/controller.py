@@ -1,0 +1,459 @@
+"""An NVMe controller on the target: registers, admin commands and NVM I/O commands.
+
+One controller exists per host association (dynamic controller model): the admin Connect makes
+it, I/O Connects attach queues to it, and it dies with its admin queue or when the host stops
+sending Keep Alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from protocol.constants import (
+    AEN_NS_ATTR_CHANGED, DISCOVERY_NQN, OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, ONCS_DSM,
+    ONCS_WRITE_ZEROES, AdminOpcode, Cns, FeatureId, IoOpcode, LogPageId, NidType, Property,
+)
+from protocol.identify import (
+    ACTIVE_NS_LIST, IDENTIFY_CONTROLLER, IDENTIFY_CSI_INDEPENDENT_NS, IDENTIFY_NAMESPACE,
+    IDENTIFY_SIZE, NS_DESCRIPTOR_LIST,
+)
+from protocol.logpage import CHANGED_NS_LIST, ERROR_LOG_ENTRY, ERROR_LOG_ENTRY_SIZE
+from protocol.nvme import DSM_ATTR_DEALLOCATE, DSM_RANGE_FAST, RW_CONTROL_FUA, RW_FAST
+from protocol.status import Status, to_wire
+from target.request import Direction, Request, RequestState
+
+if TYPE_CHECKING:
+    from target.queue import TargetQueue
+    from target.subsystem import Namespace, Subsystem
+    from target.target import Target
+
+log = structlog.get_logger("blockd.target.controller")
+
+VERSION_1_3 = 0x00010300
+MQES = 127
+CAP = (1 << 37) | (15 << 24) | MQES
+"""NVM command set only, CAP.TO = 7.5 s, MPSMIN = MPSMAX = 4 KiB, 128-entry queues."""
+CC_EN = 1
+CC_SHN_MASK = 3 << 14
+CSTS_RDY = 1
+CSTS_CFS = 2
+CSTS_SHST_COMPLETE = 2 << 2
+KAS_100MS = 10
+ERROR_LOG_ENTRIES = 64
+AER_LIMIT = 4
+MDTS = 8
+DISCOVERY_DEFAULT_KATO_MS = 120_000
+"""A discovery controller without keep-alive is still reaped after 2 minutes, as nvmet does."""
+
+
+class Controller:
+    """State of one host association with one subsystem."""
+
+    def __init__(self, target: Target, subsystem: Subsystem, cntlid: int, hostnqn: str,
+                 hostid: bytes, kato_ms: int, transport: str, port_id: int,
+                 max_io_queues: int) -> None:
+        self.target = target
+        self.subsystem = subsystem
+        self.cntlid = cntlid
+        self.hostnqn = hostnqn
+        self.hostid = hostid
+        self.transport = transport
+        self.port_id = port_id
+        self.kato_ms = kato_ms
+        self.max_io_queues = max_io_queues
+        self.cc = 0
+        self.csts = 0
+        self.queues: dict[int, TargetQueue] = {}
+        self.aer_waiters: collections.deque[asyncio.Future[int]] = collections.deque()
+        self.pending_events: collections.deque[int] = collections.deque()
+        self.changed_nsids: set[int] = set()
+        self.async_event_config = 0
+        self.error_count = 0
+        self.error_log: collections.deque[bytes] = collections.deque(maxlen=ERROR_LOG_ENTRIES)
+        self.last_keep_alive = time.monotonic()
+        self.dead = False
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.cc & CC_EN and self.csts & CSTS_RDY)
+
+    @property
+    def is_discovery(self) -> bool:
+        return self.subsystem.nqn == DISCOVERY_NQN
+
+    def keep_alive_expired(self, now: float) -> bool:
+        kato = self.kato_ms or (DISCOVERY_DEFAULT_KATO_MS if self.is_discovery else 0)
+        return bool(kato) and now - self.last_keep_alive > (kato + 999) // 1000
+
+    def queue_closed(self, queue: TargetQueue) -> None:
+        if self.queues.get(queue.qid) is queue:
+            del self.queues[queue.qid]
+        if queue.qid == 0:
+            self.target.remove_controller(self)
+
+    def shutdown(self, reason: str) -> None:
+        """Tear down every queue (keep-alive expiry, subsystem removal, daemon exit)."""
+        if self.dead:
+            return
+        self.dead = True
+        log.info("controller torn down", cntlid=self.cntlid, subnqn=self.subsystem.nqn,
+                 hostnqn=self.hostnqn, reason=reason)
+        for fut in self.aer_waiters:
+            fut.cancel()
+        self.aer_waiters.clear()
+        for queue in list(self.queues.values()):
+            queue.close_transport()
+        self.target.remove_controller(self)
+
+    def log_error(self, qid: int, req: Request) -> None:
+        self.error_count += 1
+        self.error_log.appendleft(ERROR_LOG_ENTRY.build(dict(
+            error_count=self.error_count, sqid=qid, cid=req.cid, status=to_wire(req.status),
+            param_location=0xFFFF, lba=0, nsid=req.nsid, vs=0, trtype=0, cs=0,
+            trtype_specific=0)))
+
+    def notify(self, event: int, changed_nsid: int | None = None) -> None:
+        """Queue an asynchronous event; completes a waiting AER if there is one."""
+        if changed_nsid is not None:
+            if not self.async_event_config & OAES_NS_ATTR:
+                return
+            already = bool(self.changed_nsids)
+            self.changed_nsids.add(changed_nsid)
+            if already:
+                return
+        while self.aer_waiters:
+            fut = self.aer_waiters.popleft()
+            if not fut.done():
+                fut.set_result(event)
+                return
+        self.pending_events.append(event)
+
+    # -- properties ----------------------------------------------------------------------------
+
+    def property_command(self, req: Request) -> None:
+        sqe = req.sqe
+        size8 = sqe[40] & 7 == 1
+        offset = int.from_bytes(sqe[44:48], "little")
+        if sqe[4] == 0x04:  # Property Get
+            if offset == Property.CAP and size8:
+                value = CAP
+            elif offset == Property.VS and not size8:
+                value = VERSION_1_3
+            elif offset == Property.CC and not size8:
+                value = self.cc
+            elif offset == Property.CSTS and not size8:
+                value = self.csts
+            else:
+                req.status = Status.INVALID_FIELD
+                return
+            req.dw0 = value & 0xFFFFFFFF
+            req.dw1 = value >> 32
+            return
+        if offset != Property.CC or size8:
+            req.status = Status.INVALID_FIELD
+            return
+        self._write_cc(int.from_bytes(sqe[48:52], "little"))
+
+    def _write_cc(self, new: int) -> None:
+        old = self.cc
+        self.cc = new
+        if new & CC_EN and not old & CC_EN:
+            mps, ams, css = (new >> 7) & 0xF, (new >> 11) & 7, (new >> 4) & 7
+            iosqes, iocqes = (new >> 16) & 0xF, (new >> 20) & 0xF
+            io_ok = self.is_discovery or (iosqes == 6 and iocqes == 4)
+            if mps or ams or css not in (0, 6) or not io_ok:
+                self.csts = CSTS_CFS
+            else:
+                self.csts = CSTS_RDY
+                self.last_keep_alive = time.monotonic()
+        elif not new & CC_EN and old & CC_EN:
+            self.csts = 0
+            self.cc = 0
+        if new & CC_SHN_MASK and not old & CC_SHN_MASK:
+            self.csts = (self.csts & ~CSTS_RDY) | CSTS_SHST_COMPLETE
+            self.target.flush_subsystem_soon(self.subsystem)
+
+    # -- admin commands ------------------------------------------------------------------------
+
+    async def execute_admin(self, req: Request) -> None:
+        opc = req.opcode
+        if opc == AdminOpcode.KEEP_ALIVE:
+            if not self.kato_ms:
+                req.status = Status.KEEP_ALIVE_INVALID
+            self.last_keep_alive = time.monotonic()
+        elif opc == AdminOpcode.IDENTIFY:
+            self._identify(req)
+        elif opc == AdminOpcode.GET_LOG_PAGE:
+            self._get_log_page(req)
+        elif opc == AdminOpcode.SET_FEATURES:
+            self._set_features(req)
+        elif opc == AdminOpcode.GET_FEATURES:
+            self._get_features(req)
+        elif opc == AdminOpcode.ASYNC_EVENT_REQUEST:
+            await self._async_event_request(req)
+        elif opc == AdminOpcode.ABORT and not self.is_discovery:
+            req.dw0 = 1  # the command was not aborted
+        else:
+            req.status = Status.INVALID_OPCODE
+
+    def _give(self, req: Request, data: bytes) -> None:
+        """Return controller-to-host data of exactly the command's transfer length."""
+        if req.direction is not Direction.CONTROLLER_TO_HOST:
+            req.status = Status.INVALID_FIELD if req.length else Status.SGL_INVALID_DATA_LENGTH
+            return
+        if len(data) < req.length:
+            data = data + bytes(req.length - len(data))
+        req.data = data[:req.length]
+
+    def _identify(self, req: Request) -> None:
+        if req.length != IDENTIFY_SIZE:
+            req.status = Status.SGL_INVALID_DATA_LENGTH
+            return
+        sqe = req.sqe
+        cns, csi = sqe[40], sqe[47]
+        if cns == Cns.CONTROLLER:
+            self._give(req, self.identify_controller())
+            return
+        if self.is_discovery:
+            req.status = Status.INVALID_FIELD
+            return
+        if cns == Cns.ACTIVE_NS_LIST:
+            if req.nsid >= 0xFFFFFFFE:
+                req.status = Status.INVALID_NS
+                return
+            ids = sorted(n for n in self.subsystem.namespaces if n > req.nsid)[:1024]
+            self._give(req, ACTIVE_NS_LIST.build(ids + [0] * (1024 - len(ids))))
+            return
+        if cns == Cns.CSI_CONTROLLER:
+            if csi != 0:
+                req.status = Status.INVALID_FIELD
+                return
+            self._give(req, bytes(IDENTIFY_SIZE))
+            return
+        ns = self.subsystem.namespaces.get(req.nsid)
+        if cns not in (Cns.NAMESPACE, Cns.NS_DESCRIPTORS, Cns.CSI_INDEPENDENT_NS):
+            req.status = Status.INVALID_FIELD
+        elif ns is None:
+            req.status = Status.INVALID_NS
+        elif cns == Cns.NAMESPACE:
+            self._give(req, identify_namespace(ns))
+        elif cns == Cns.NS_DESCRIPTORS:
+            self._give(req, NS_DESCRIPTOR_LIST.build([
+                dict(nidt=NidType.NGUID, nidl=16, nid=ns.nguid),
+                dict(nidt=NidType.UUID, nidl=16, nid=ns.uuid.bytes),
+                dict(nidt=NidType.CSI, nidl=1, nid=b"\0"),
+                dict(nidt=0, nidl=0, nid=b""),
+            ]))
+        else:
+            self._give(req, IDENTIFY_CSI_INDEPENDENT_NS.build(dict(
+                nsfeat=0, nmic=1, rescap=0, fpi=0, anagrpid=0, nsattr=int(ns.read_only),
+                nvmsetid=0, endgid=0, nstat=1)))
+
+    def identify_controller(self) -> bytes:
+        sub = self.subsystem
+        disc = self.is_discovery
+        inline = self.target.inline_size(self.transport)
+        return IDENTIFY_CONTROLLER.build(dict(
+            vid=0, ssvid=0, sn=sub.serial[:20], mn=sub.model[:40], fr="0.1.0", rab=6,
+            ieee=b"\0\0\0", cmic=0 if disc else 0x02, mdts=MDTS, cntlid=self.cntlid,
+            ver=VERSION_1_3, rtd3r=0, rtd3e=0,
+            oaes=OAES_DISCOVERY_CHANGE if disc else OAES_NS_ATTR, ctratt=0,
+            cntrltype=2 if disc else 1, fguid=bytes(16), crdt1=0, crdt2=0, crdt3=0,
+            oacs=0, acl=3, aerl=AER_LIMIT - 1, frmw=0x3, lpa=0x04, elpe=ERROR_LOG_ENTRIES - 1,
+            npss=0, avscc=0, apsta=0, kas=KAS_100MS, sqes=0x66, cqes=0x44, maxcmd=MQES + 1,
+            nn=max(sub.namespaces, default=0) if not disc else 0,
+            oncs=0 if disc else ONCS_DSM | ONCS_WRITE_ZEROES, fuses=0, fna=0,
+            vwc=0 if disc else 1, awun=0, awupf=0, icsvscc=0, nwpc=0, acwu=0,
+            sgls=self.target.sgls(self.transport),
+            mnan=0, subnqn=sub.nqn, ioccsz=(64 + inline) // 16, iorcsz=1, icdoff=0,
+            fcatt=0, msdbd=1, ofcs=0))
+
+    def _get_log_page(self, req: Request) -> None:
+        sqe = req.sqe
+        lid = sqe[40]
+        numd = int.from_bytes(sqe[42:46], "little") + 1
+        lpo = int.from_bytes(sqe[48:56], "little")
+        if numd * 4 != req.length:
+            req.status = Status.SGL_INVALID_DATA_LENGTH
+            return
+        if lpo & 3:
+            req.status = Status.INVALID_FIELD
+            return
+        if lid == LogPageId.DISCOVERY and self.is_discovery:
+            page = self.target.discovery_log(self)
+        elif lid == LogPageId.ERROR:
+            page = b"".join(self.error_log)
+        elif self.is_discovery:
+            req.status = Status.INVALID_LOG_PAGE
+            return
+        elif lid in (LogPageId.SMART, LogPageId.FIRMWARE_SLOT):
+            page = bytes(512)
+        elif lid == LogPageId.CHANGED_NS_LIST:
+            ids = sorted(self.changed_nsids)[:1024]
+            page = CHANGED_NS_LIST.build(ids + [0] * (1024 - len(ids)))
+            if not sqe[41] & 0x80:  # RAE clear: reading the log re-arms the event
+                self.changed_nsids.clear()
+        else:
+            req.status = Status.INVALID_LOG_PAGE
+            return
+        self._give(req, page[lpo:lpo + req.length] if lpo < len(page) else b"")
+
+    def _set_features(self, req: Request) -> None:
+        sqe = req.sqe
+        fid = sqe[40]
+        value = int.from_bytes(sqe[44:48], "little")
+        if sqe[43] & 0x80:  # SV: saving features is not supported
+            req.status = Status.FEATURE_NOT_SAVEABLE
+        elif fid == FeatureId.NUMBER_OF_QUEUES and not self.is_discovery:
+            if value & 0xFFFF == 0xFFFF or value >> 16 == 0xFFFF:
+                req.status = Status.INVALID_FIELD
+                return
+            n = self.max_io_queues - 1
+            req.dw0 = n | (n << 16)
+        elif fid == FeatureId.KEEP_ALIVE_TIMER:
+            self.kato_ms = value
+            self.last_keep_alive = time.monotonic()
+        elif fid == FeatureId.ASYNC_EVENT_CONFIG:
+            self.async_event_config = value
+        elif fid == FeatureId.VOLATILE_WRITE_CACHE and not self.is_discovery:
+            req.status = Status.INVALID_FIELD if value != 1 else Status.SUCCESS
+        else:
+            req.status = Status.INVALID_FIELD
+
+    def _get_features(self, req: Request) -> None:
+        fid = req.sqe[40]
+        if fid == FeatureId.NUMBER_OF_QUEUES and not self.is_discovery:
+            n = self.max_io_queues - 1
+            req.dw0 = n | (n << 16)
+        elif fid == FeatureId.KEEP_ALIVE_TIMER:
+            req.dw0 = self.kato_ms
+        elif fid == FeatureId.ASYNC_EVENT_CONFIG:
+            req.dw0 = self.async_event_config
+        elif fid == FeatureId.VOLATILE_WRITE_CACHE and not self.is_discovery:
+            req.dw0 = 1
+        else:
+            req.status = Status.INVALID_FIELD
+
+    async def _async_event_request(self, req: Request) -> None:
+        if self.pending_events:
+            req.dw0 = self.pending_events.popleft()
+            return
+        if len(self.aer_waiters) >= AER_LIMIT:
+            req.status = Status.ASYNC_LIMIT
+            return
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.aer_waiters.append(fut)
+        req.dw0 = await fut
+
+    # -- NVM I/O commands ----------------------------------------------------------------------
+
+    def check_io(self, req: Request) -> int:
+        """Validate an I/O command before any data moves; returns a status (0 = fine)."""
+        ns = self.subsystem.namespaces.get(req.nsid)
+        opc = req.opcode
+        if opc in (IoOpcode.READ, IoOpcode.WRITE, IoOpcode.WRITE_ZEROES):
+            if ns is None:
+                return Status.INVALID_NS
+            _, _, _, _, _, slba, nlb, control, _ = RW_FAST.unpack_from(req.sqe)
+            if slba + nlb + 1 > ns.blocks:
+                return Status.LBA_RANGE
+            if opc != IoOpcode.READ and ns.read_only:
+                return Status.NS_WRITE_PROTECTED
+            expected = 0 if opc == IoOpcode.WRITE_ZEROES else (nlb + 1) << ns.lba_shift
+            if req.length != expected:
+                return Status.SGL_INVALID_DATA_LENGTH
+            return Status.SUCCESS
+        if opc == IoOpcode.FLUSH:
+            return Status.SUCCESS if ns is not None or req.nsid == 0xFFFFFFFF else Status.INVALID_NS
+        if opc == IoOpcode.DATASET_MANAGEMENT:
+            if ns is None:
+                return Status.INVALID_NS
+            if ns.read_only:
+                return Status.NS_WRITE_PROTECTED
+            nr = req.sqe[40] + 1
+            if req.length < nr * 16 or req.direction is not Direction.HOST_TO_CONTROLLER:
+                return Status.SGL_INVALID_DATA_LENGTH
+            return Status.SUCCESS
+        return Status.INVALID_OPCODE
+
+    async def execute_io(self, req: Request) -> None:
+        opc = req.opcode
+        if opc == IoOpcode.READ or opc == IoOpcode.WRITE:
+            ns = self.subsystem.namespaces.get(req.nsid)
+            if ns is None:  # removed by a reload while the command was in flight
+                req.status = Status.INVALID_NS
+                return
+            _, _, _, _, _, slba, _, control, _ = RW_FAST.unpack_from(req.sqe)
+            offset = slba << ns.lba_shift
+            if opc == IoOpcode.READ:
+                buf = bytearray(req.length)
+                try:
+                    await ns.backend.read_into(offset, memoryview(buf))
+                except OSError as exc:
+                    log.error("read failed", nsid=ns.nsid, offset=offset, error=str(exc))
+                    req.status = Status.UNRECOVERED_READ_ERROR
+                    return
+                req.data = buf
+            else:
+                try:
+                    await ns.backend.write(offset, req.data, bool(control & RW_CONTROL_FUA))
+                except OSError as exc:
+                    log.error("write failed", nsid=ns.nsid, offset=offset, error=str(exc))
+                    req.status = Status.WRITE_FAULT
+            return
+        if opc == IoOpcode.FLUSH:
+            targets = ([self.subsystem.namespaces[req.nsid]] if req.nsid != 0xFFFFFFFF
+                       else list(self.subsystem.namespaces.values()))
+            for ns in targets:
+                try:
+                    await ns.backend.flush()
+                except OSError as exc:
+                    log.error("flush failed", nsid=ns.nsid, error=str(exc))
+                    req.status = Status.WRITE_FAULT
+            return
+        ns = self.subsystem.namespaces.get(req.nsid)
+        if ns is None:
+            req.status = Status.INVALID_NS
+            return
+        try:
+            if opc == IoOpcode.WRITE_ZEROES:
+                _, _, _, _, _, slba, nlb, _, _ = RW_FAST.unpack_from(req.sqe)
+                await ns.backend.write_zeroes(slba << ns.lba_shift, (nlb + 1) << ns.lba_shift)
+            else:
+                await self._deallocate(req, ns)
+        except OSError as exc:
+            log.error("zeroing failed", nsid=ns.nsid, error=str(exc))
+            req.status = Status.WRITE_FAULT
+
+    async def _deallocate(self, req: Request, ns: Namespace) -> None:
+        if not int.from_bytes(req.sqe[44:48], "little") & DSM_ATTR_DEALLOCATE:
+            return  # only hints: nothing to do
+        ranges = []
+        for i in range(req.sqe[40] + 1):
+            _, nlb, slba = DSM_RANGE_FAST.unpack_from(req.data, i * 16)
+            if slba + nlb > ns.blocks:
+                req.status = Status.LBA_RANGE
+                return
+            ranges.append((slba, nlb))
+        for slba, nlb in ranges:
+            if nlb:
+                await ns.backend.discard(slba << ns.lba_shift, nlb << ns.lba_shift)
+
+
+def identify_namespace(ns: Namespace) -> bytes:
+    blocks = ns.blocks
+    lbaf = [dict(ms=0, lbads=ns.lba_shift, rp=0)] + [dict(ms=0, lbads=0, rp=0)] * 63
+    return IDENTIFY_NAMESPACE.build(dict(
+        nsze=blocks, ncap=blocks, nuse=blocks, nsfeat=0, nlbaf=0, flbas=0, mc=0, dpc=0,
+        dps=0, nmic=1, rescap=0, fpi=0, dlfeat=0x09, nawun=0, nawupf=0, nacwu=0, noiob=0,
+        anagrpid=0, nsattr=int(ns.read_only), nguid=ns.nguid, eui64=ns.eui64, lbaf=lbaf))
+
+
+__all__ = ["Controller", "identify_namespace", "AEN_NS_ATTR_CHANGED", "RequestState"]

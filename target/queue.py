@@ -1,0 +1,236 @@
+"""One submission/completion queue pair on the target, with no I/O of its own (sans-I/O).
+
+A transport feeds it raw SQEs (plus any in-capsule data), moves data when a request asks for
+it, and sends the 16-byte completions it produces. The queue checks the command's framing
+(flags, SGL, transfer length) before any data moves, then hands execution to the controller.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import structlog
+
+from protocol.constants import PSDT_SGL, FabricsType, SglId
+from protocol.fabrics import CONNECT_DATA, CONNECT_DATA_SIZE, IATTR_DATA
+from protocol.nvme import CQE_FAST, SQE_FAST, parse_sgl_keyed
+from protocol.status import Status, to_wire
+from target.request import Direction, Request, RequestState
+
+if TYPE_CHECKING:
+    from target.controller import Controller
+    from target.target import Target
+
+log = structlog.get_logger("blockd.target.queue")
+
+MAX_TRANSFER = 1 << 20
+"""Largest data transfer of one command (Identify MDTS = 8: 2^8 x 4 KiB)."""
+
+_FABRICS = 0x7F
+_TRANSPORT_SGL_IDS = {
+    "tcp": frozenset({SglId.TRANSPORT_DATA_BLOCK}),
+    "rdma": frozenset({SglId.KEYED_DATA_BLOCK, SglId.KEYED_DATA_BLOCK_INVALIDATE}),
+}
+
+
+class TargetQueue:
+    """Admin (qid 0) or I/O queue of one controller, bound to one transport connection."""
+
+    def __init__(self, target: Target, transport: str, port_id: int, inline_size: int,
+                 close: Callable[[], None], peer: str = "", local_address: str = "") -> None:
+        self.target = target
+        self.transport = transport
+        self.port_id = port_id
+        self.inline_size = inline_size
+        self.close_transport = close
+        self.peer = peer
+        self.local_address = local_address
+        """Our address on this connection: the discovery log's TRADDR for wildcard ports."""
+        self.controller: Controller | None = None
+        self.qid: int | None = None
+        self.sqsize = 0
+        self.sqhd = 0
+        self.in_flight = 0
+        self._data_sgl_ids = _TRANSPORT_SGL_IDS[transport]
+
+    # -- the request life cycle -------------------------------------------------------------
+
+    def submit(self, sqe: bytes | memoryview, incapsule: memoryview | None = None) -> Request:
+        """Take one command; afterwards it is NEED_DATA, EXECUTING or COMPLETING."""
+        fields = SQE_FAST.unpack_from(sqe)
+        req = Request(bytes(sqe[:64]), fields)
+        self.in_flight += 1
+        if fields[1] & 0xC3 != PSDT_SGL:
+            req.fail(Status.INVALID_FIELD)
+            return req
+        ctrl = self.controller
+        if req.opcode == _FABRICS:
+            fctype = req.sqe[4]
+            if fctype != FabricsType.CONNECT and ctrl is None:
+                req.fail(Status.COMMAND_SEQUENCE_ERROR)
+                return req
+            direction = Direction.HOST_TO_CONTROLLER if fctype & 1 else Direction.CONTROLLER_TO_HOST
+        elif ctrl is None:
+            req.fail(Status.INVALID_OPCODE)
+            return req
+        elif not ctrl.ready:
+            req.fail(Status.COMMAND_SEQUENCE_ERROR)
+            return req
+        elif self.in_flight > self.sqsize + 1:
+            req.fail(Status.COMMAND_SEQUENCE_ERROR)
+            return req
+        else:
+            direction = Direction(req.opcode & 3) if req.opcode & 3 != 3 else None
+            if direction is None:
+                req.fail(Status.INVALID_OPCODE)
+                return req
+        if not self._map_sgl(req, direction, fields[7], incapsule):
+            return req
+        if ctrl is not None and self.qid and req.opcode != _FABRICS:
+            status = ctrl.check_io(req)
+            if status:
+                req.fail(status)
+                return req
+        if req.state is RequestState.NEW:
+            req.state = RequestState.EXECUTING
+        return req
+
+    def _map_sgl(self, req: Request, direction: Direction, dptr: bytes,
+                 incapsule: memoryview | None) -> bool:
+        """Validate SGL1 and decide how data moves; False when ``req`` already failed."""
+        sgl_id = dptr[15]
+        if sgl_id in (SglId.KEYED_DATA_BLOCK, SglId.KEYED_DATA_BLOCK_INVALIDATE) and self.transport == "rdma":
+            address, length, key, _ = parse_sgl_keyed(dptr)
+        else:
+            address = int.from_bytes(dptr[0:8], "little")
+            length = int.from_bytes(dptr[8:12], "little")
+            key = 0
+        req.sgl_id = sgl_id
+        if length == 0:
+            return True
+        if direction is Direction.NONE:
+            req.fail(Status.INVALID_FIELD)
+            return False
+        if length > MAX_TRANSFER:
+            req.fail(Status.SGL_INVALID_DATA_LENGTH)
+            return False
+        req.direction = direction
+        req.length = length
+        if sgl_id == SglId.DATA_BLOCK_OFFSET:
+            if direction is not Direction.HOST_TO_CONTROLLER:
+                req.fail(Status.INVALID_FIELD)
+                return False
+            avail = len(incapsule) if incapsule is not None else 0
+            if address != 0 or length > self.inline_size or length > avail:
+                req.fail(Status.SGL_INVALID_OFFSET)
+                return False
+            req.data = incapsule[:length]
+            return True
+        if sgl_id not in self._data_sgl_ids:
+            req.fail(Status.SGL_INVALID_TYPE if sgl_id >> 4 else Status.INVALID_FIELD)
+            return False
+        req.sgl_address = address
+        req.sgl_key = key
+        if direction is Direction.HOST_TO_CONTROLLER:
+            req.data = bytearray(length)
+            req.state = RequestState.NEED_DATA
+        return True
+
+    def data_received(self, req: Request) -> None:
+        """The transport filled ``req.data`` from the host."""
+        assert req.state is RequestState.NEED_DATA, req
+        req.state = RequestState.EXECUTING
+
+    def data_failed(self, req: Request) -> None:
+        """The transport could not fetch the host's data."""
+        req.fail(Status.DATA_TRANSFER_ERROR)
+
+    async def execute(self, req: Request) -> None:
+        """Run the command; afterwards it is SENDING_DATA or COMPLETING."""
+        assert req.state is RequestState.EXECUTING, req
+        try:
+            if req.opcode == _FABRICS:
+                await self._fabrics(req)
+            elif self.qid == 0:
+                await self.controller.execute_admin(req)
+            else:
+                await self.controller.execute_io(req)
+        except Exception:
+            log.exception("command failed", cid=req.cid, opcode=req.opcode, qid=self.qid)
+            req.status = Status.INTERNAL_ERROR
+        if req.state is RequestState.EXECUTING:
+            if req.status == Status.SUCCESS and req.direction is Direction.CONTROLLER_TO_HOST:
+                req.state = RequestState.SENDING_DATA
+            else:
+                req.state = RequestState.COMPLETING
+
+    def data_sent(self, req: Request) -> None:
+        assert req.state is RequestState.SENDING_DATA, req
+        req.state = RequestState.COMPLETING
+
+    def completion(self, req: Request) -> bytes:
+        """The 16-byte CQE for ``req``; the request is DONE afterwards."""
+        assert req.state is RequestState.COMPLETING, req
+        if req.status and self.controller is not None:
+            self.controller.log_error(self.qid or 0, req)
+        if self.sqsize:
+            self.sqhd = (self.sqhd + 1) % (self.sqsize + 1)
+        req.state = RequestState.DONE
+        self.in_flight -= 1
+        return CQE_FAST.pack(req.dw0, req.dw1, self.sqhd, self.qid or 0, req.cid, to_wire(req.status))
+
+    def close(self) -> None:
+        """The connection is gone: detach from the controller."""
+        if self.controller is not None:
+            self.controller.queue_closed(self)
+
+    # -- fabrics commands ----------------------------------------------------------------------
+
+    async def _fabrics(self, req: Request) -> None:
+        fctype = req.sqe[4]
+        if fctype == FabricsType.CONNECT:
+            self._connect(req)
+        elif fctype in (FabricsType.PROPERTY_GET, FabricsType.PROPERTY_SET):
+            if self.qid != 0:
+                req.status = Status.INVALID_FIELD
+                return
+            self.controller.property_command(req)
+        else:
+            req.status = Status.INVALID_OPCODE
+
+    def _connect(self, req: Request) -> None:
+        if self.controller is not None:
+            req.status = Status.COMMAND_SEQUENCE_ERROR
+            return
+        if req.length != CONNECT_DATA_SIZE or req.data is None:
+            req.status = Status.SGL_INVALID_DATA_LENGTH
+            return
+        sqe = req.sqe
+        recfmt = int.from_bytes(sqe[40:42], "little")
+        qid = int.from_bytes(sqe[42:44], "little")
+        sqsize = int.from_bytes(sqe[44:46], "little")
+        kato = int.from_bytes(sqe[48:52], "little")
+        if recfmt != 0:
+            req.status = Status.CONNECT_INCOMPATIBLE_FORMAT
+            return
+        try:
+            data = CONNECT_DATA.parse(bytes(req.data))
+        except Exception:
+            req.status, req.dw0 = Status.CONNECT_INVALID_PARAMETERS, IATTR_DATA | 256
+            return
+        if sqsize == 0:
+            req.status, req.dw0 = Status.CONNECT_INVALID_PARAMETERS, 44
+            return
+        if qid == 0:
+            status, dw0, ctrl = self.target.connect_admin(
+                self, data.subnqn, data.hostnqn, data.hostid, data.cntlid, sqsize, kato)
+        else:
+            status, dw0, ctrl = self.target.connect_io(
+                self, data.subnqn, data.hostnqn, data.cntlid, qid, sqsize)
+        req.status, req.dw0 = status, dw0
+        if ctrl is not None:
+            self.controller = ctrl
+            self.qid = qid
+            self.sqsize = sqsize
+            log.info("queue connected", subnqn=data.subnqn, hostnqn=data.hostnqn,
+                     cntlid=ctrl.cntlid, qid=qid, sqsize=sqsize + 1, peer=self.peer)

@@ -1,0 +1,70 @@
+"""Subsystems and namespaces: what the target exports and to whom."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from protocol.constants import DISCOVERY_NQN
+from target.backend import Backend
+
+_ID_NAMESPACE = uuid.UUID("6d1c7a43-3b64-4a63-9c55-0b7c0d0ad0b1")
+
+
+@dataclass
+class Namespace:
+    """One namespace of a subsystem.
+
+    Its UUID/NGUID/EUI-64 derive from (subsystem NQN, NSID), so they are unique across
+    subsystems and stable across restarts: the Linux host drops a namespace whose ids change.
+    """
+
+    nsid: int
+    backend: Backend
+    block_size: int = 512
+    read_only: bool = False
+    subsystem_nqn: str = ""
+    path: str = ""
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (512, 4096):
+            raise ValueError(f"namespace {self.nsid}: block size must be 512 or 4096, not {self.block_size}")
+        if not 1 <= self.nsid < 0xFFFFFFFF:
+            raise ValueError(f"namespace id {self.nsid} is out of range")
+        self.uuid = uuid.uuid5(_ID_NAMESPACE, f"{self.subsystem_nqn}/{self.nsid}")
+        self.nguid = self.uuid.bytes
+        self.eui64 = self.uuid.bytes[:8]
+        self.lba_shift = self.block_size.bit_length() - 1
+
+    @property
+    def blocks(self) -> int:
+        return self.backend.size >> self.lba_shift
+
+
+@dataclass
+class Subsystem:
+    """An NVM subsystem (or the discovery subsystem) with its access list."""
+
+    nqn: str
+    serial: str = "blockd0000000001"
+    model: str = "blockd"
+    allow_any_host: bool = True
+    hosts: set[str] = field(default_factory=set)
+    namespaces: dict[int, Namespace] = field(default_factory=dict)
+    port_ids: set[int] | None = None
+    """Ports this subsystem is reachable through; None = every port."""
+
+    @property
+    def is_discovery(self) -> bool:
+        return self.nqn == DISCOVERY_NQN
+
+    def allows(self, hostnqn: str) -> bool:
+        return self.is_discovery or self.allow_any_host or hostnqn in self.hosts
+
+    def exported_on(self, port_id: int) -> bool:
+        return self.port_ids is None or port_id in self.port_ids
+
+    def add_namespace(self, ns: Namespace) -> None:
+        if ns.nsid in self.namespaces:
+            raise ValueError(f"{self.nqn}: namespace {ns.nsid} already exists")
+        self.namespaces[ns.nsid] = ns

@@ -1,0 +1,235 @@
+"""The target as a whole: subsystems, live controllers, ports, discovery and keep-alive."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import structlog
+
+from protocol.constants import (
+    AEN_DISCOVERY_CHANGED, AEN_NS_ATTR_CHANGED, DISCOVERY_NQN, DYNAMIC_CNTLID, AddressFamily,
+    SubsystemType, TransportType,
+)
+from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_HEADER, TSAS_RDMA
+from protocol.status import Status
+from target.controller import MQES, Controller
+from target.queue import TargetQueue
+from target.subsystem import Namespace, Subsystem
+
+log = structlog.get_logger("blockd.target")
+
+MAX_CNTLID = 0xFFEF
+ADMIN_QUEUE_MAX = 32
+TCP_IO_INLINE = 16384
+TCP_ADMIN_INLINE = 8192
+RDMA_INLINE = 4096
+SGLS = {"tcp": 0x00100001, "rdma": 0x00100005}
+
+
+@dataclass(frozen=True)
+class PortInfo:
+    """A listening port, as the discovery log describes it."""
+
+    port_id: int
+    transport: str
+    address: str
+    service: str
+
+    @property
+    def family(self) -> int:
+        return AddressFamily.IPV6 if ":" in self.address else AddressFamily.IPV4
+
+
+class Target:
+    """Everything the transports share; transports call into it, never the reverse."""
+
+    def __init__(self, max_io_queues: int = 16) -> None:
+        self.subsystems: dict[str, Subsystem] = {DISCOVERY_NQN: Subsystem(DISCOVERY_NQN, serial="discovery", model="blockd discovery")}
+        self.controllers: dict[int, Controller] = {}
+        self.ports: dict[int, PortInfo] = {}
+        self.max_io_queues = max_io_queues
+        self.genctr = 1
+        self._next_cntlid = 1
+        self._reaper: asyncio.Task[None] | None = None
+
+    # -- configuration ----------------------------------------------------------------------------
+
+    def add_port(self, port: PortInfo) -> None:
+        self.ports[port.port_id] = port
+        self._discovery_changed()
+
+    def remove_port(self, port_id: int) -> None:
+        self.ports.pop(port_id, None)
+        self._discovery_changed()
+
+    def add_subsystem(self, sub: Subsystem) -> None:
+        if sub.nqn in self.subsystems:
+            raise ValueError(f"subsystem {sub.nqn} already exists")
+        self.subsystems[sub.nqn] = sub
+        self._discovery_changed()
+
+    def remove_subsystem(self, nqn: str) -> None:
+        sub = self.subsystems.pop(nqn)
+        for ctrl in [c for c in self.controllers.values() if c.subsystem is sub]:
+            ctrl.shutdown("subsystem removed")
+        for ns in sub.namespaces.values():
+            ns.backend.close()
+        self._discovery_changed()
+
+    def add_namespace(self, sub: Subsystem, ns: Namespace) -> None:
+        sub.add_namespace(ns)
+        self._ns_changed(sub, ns.nsid)
+
+    def remove_namespace(self, sub: Subsystem, nsid: int) -> None:
+        ns = sub.namespaces.pop(nsid)
+        ns.backend.close()
+        self._ns_changed(sub, nsid)
+
+    def update_access(self, sub: Subsystem, allow_any_host: bool, hosts: set[str]) -> None:
+        """Change who may connect; controllers of hosts no longer allowed are torn down."""
+        sub.allow_any_host = allow_any_host
+        sub.hosts = set(hosts)
+        for ctrl in [c for c in self.controllers.values() if c.subsystem is sub]:
+            if not sub.allows(ctrl.hostnqn):
+                ctrl.shutdown("host no longer allowed")
+        self._discovery_changed()
+
+    def _ns_changed(self, sub: Subsystem, nsid: int) -> None:
+        for ctrl in self.controllers.values():
+            if ctrl.subsystem is sub:
+                ctrl.notify(AEN_NS_ATTR_CHANGED, changed_nsid=nsid)
+
+    def _discovery_changed(self) -> None:
+        self.genctr += 1
+        for ctrl in self.controllers.values():
+            if ctrl.is_discovery and ctrl.async_event_config & (1 << 31):
+                ctrl.notify(AEN_DISCOVERY_CHANGED)
+
+    # -- associations -----------------------------------------------------------------------------
+
+    def connect_admin(self, queue: TargetQueue, subnqn: str, hostnqn: str, hostid: bytes,
+                      cntlid: int, sqsize: int, kato_ms: int) -> tuple[int, int, Controller | None]:
+        """Admin Connect: make a controller. Returns (status, CQE DW0, controller)."""
+        if cntlid != DYNAMIC_CNTLID:
+            return Status.CONNECT_INVALID_PARAMETERS, (1 << 16) | 16, None
+        if sqsize + 1 > ADMIN_QUEUE_MAX:
+            return Status.CONNECT_INVALID_PARAMETERS, 44, None
+        sub = self.subsystems.get(subnqn)
+        if sub is None or not sub.exported_on(queue.port_id) and not sub.is_discovery:
+            log.warning("connect to unknown subsystem", subnqn=subnqn, hostnqn=hostnqn, peer=queue.peer)
+            return Status.CONNECT_INVALID_PARAMETERS, (1 << 16) | 256, None
+        if not sub.allows(hostnqn):
+            log.warning("host not allowed", subnqn=subnqn, hostnqn=hostnqn, peer=queue.peer)
+            return Status.CONNECT_INVALID_HOST, 0, None
+        new_id = self._allocate_cntlid()
+        if new_id is None:
+            return Status.CONNECT_CONTROLLER_BUSY, 0, None
+        ctrl = Controller(self, sub, new_id, hostnqn, hostid, kato_ms, queue.transport,
+                          queue.port_id, self.max_io_queues)
+        ctrl.queues[0] = queue
+        self.controllers[new_id] = ctrl
+        self._ensure_reaper()
+        return Status.SUCCESS, new_id, ctrl
+
+    def connect_io(self, queue: TargetQueue, subnqn: str, hostnqn: str, cntlid: int, qid: int,
+                   sqsize: int) -> tuple[int, int, Controller | None]:
+        """I/O Connect: attach a queue to a live controller."""
+        ctrl = self.controllers.get(cntlid)
+        if ctrl is None or ctrl.dead or ctrl.subsystem.nqn != subnqn or ctrl.hostnqn != hostnqn:
+            return Status.CONNECT_INVALID_PARAMETERS, (1 << 16) | 16, None
+        if ctrl.is_discovery or not ctrl.ready:
+            return Status.COMMAND_SEQUENCE_ERROR, 0, None
+        if qid > ctrl.max_io_queues:
+            return Status.CONNECT_INVALID_PARAMETERS, 42, None
+        if sqsize > MQES:
+            return Status.CONNECT_INVALID_PARAMETERS, 44, None
+        if qid in ctrl.queues:
+            return Status.COMMAND_SEQUENCE_ERROR, 0, None
+        ctrl.queues[qid] = queue
+        return Status.SUCCESS, cntlid, ctrl
+
+    def _allocate_cntlid(self) -> int | None:
+        for _ in range(MAX_CNTLID):
+            cid = self._next_cntlid
+            self._next_cntlid = cid % MAX_CNTLID + 1
+            if cid not in self.controllers:
+                return cid
+        return None
+
+    def remove_controller(self, ctrl: Controller) -> None:
+        if self.controllers.get(ctrl.cntlid) is ctrl:
+            del self.controllers[ctrl.cntlid]
+            ctrl.shutdown("admin queue closed")
+
+    def flush_subsystem_soon(self, sub: Subsystem) -> None:
+        """Controller shutdown (CC.SHN) makes the subsystem's data durable in the background."""
+        for ns in list(sub.namespaces.values()):
+            asyncio.get_running_loop().create_task(ns.backend.flush())
+
+    # -- transport parameters ----------------------------------------------------------------------
+
+    def inline_size(self, transport: str) -> int:
+        return TCP_IO_INLINE if transport == "tcp" else RDMA_INLINE
+
+    def sgls(self, transport: str) -> int:
+        return SGLS[transport]
+
+    # -- discovery --------------------------------------------------------------------------------
+
+    def discovery_log(self, ctrl: Controller) -> bytes:
+        """Discovery log for ``ctrl``'s host: this discovery subsystem, then every allowed
+        subsystem on every port of the same transport family."""
+        entries = []
+        own = self.ports.get(ctrl.port_id)
+        if own is not None:
+            entries.append(self._entry(own, DISCOVERY_NQN, SubsystemType.CURRENT_DISCOVERY, ctrl))
+        for port in self.ports.values():
+            for sub in self.subsystems.values():
+                if sub.is_discovery or not sub.exported_on(port.port_id) or not sub.allows(ctrl.hostnqn):
+                    continue
+                entries.append(self._entry(port, sub.nqn, SubsystemType.NVME, ctrl))
+        header = DISCOVERY_HEADER.build(dict(genctr=self.genctr, numrec=len(entries), recfmt=0))
+        return header + b"".join(entries)
+
+    def _entry(self, port: PortInfo, nqn: str, subtype: int, ctrl: Controller) -> bytes:
+        address = port.address
+        if address in ("0.0.0.0", "::", ""):
+            queue = ctrl.queues.get(0)
+            address = queue.local_address if queue is not None and queue.local_address else "127.0.0.1"
+        rdma = port.transport == "rdma"
+        tsas = TSAS_RDMA.build(dict(qptype=1, prtype=1, cms=1, pkey=0)) if rdma else bytes(256)
+        return DISCOVERY_ENTRY.build(dict(
+            trtype=TransportType.RDMA if rdma else TransportType.TCP, adrfam=port.family,
+            subtype=subtype, treq=2, portid=port.port_id, cntlid=DYNAMIC_CNTLID,
+            asqsz=ADMIN_QUEUE_MAX, eflags=0, trsvcid=port.service, subnqn=nqn,
+            traddr=address, tsas=tsas))
+
+    # -- keep-alive and shutdown ------------------------------------------------------------------
+
+    def _ensure_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    async def _reap(self) -> None:
+        """Tear down controllers whose host stopped sending Keep Alive."""
+        while self.controllers:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for ctrl in list(self.controllers.values()):
+                if ctrl.keep_alive_expired(now):
+                    ctrl.shutdown("keep-alive timeout")
+
+    async def close(self) -> None:
+        """Tear down every controller, flush and close every namespace."""
+        for ctrl in list(self.controllers.values()):
+            ctrl.shutdown("target stopping")
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for sub in self.subsystems.values():
+            for ns in sub.namespaces.values():
+                try:
+                    await ns.backend.flush()
+                finally:
+                    ns.backend.close()
