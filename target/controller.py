@@ -105,12 +105,16 @@ class Controller:
         self.dead = True
         log.info("controller torn down", cntlid=self.cntlid, subnqn=self.subsystem.nqn,
                  hostnqn=self.hostnqn, reason=reason)
-        for fut in self.aer_waiters:
-            fut.cancel()
-        self.aer_waiters.clear()
+        self.cancel_async_events()
         for queue in list(self.queues.values()):
             queue.close_transport()
         self.target.remove_controller(self)
+
+    def cancel_async_events(self) -> None:
+        """Drop outstanding AERs without completing them (the host re-arms after reconnect)."""
+        for fut in self.aer_waiters:
+            fut.cancel()
+        self.aer_waiters.clear()
 
     def log_error(self, qid: int, req: Request) -> None:
         self.error_count += 1
@@ -455,5 +459,3 @@ def identify_namespace(ns: Namespace) -> bytes:
         dps=0, nmic=1, rescap=0, fpi=0, dlfeat=0x09, nawun=0, nawupf=0, nacwu=0, noiob=0,
         anagrpid=0, nsattr=int(ns.read_only), nguid=ns.nguid, eui64=ns.eui64, lbaf=lbaf))
 
-
-__all__ = ["Controller", "identify_namespace", "AEN_NS_ATTR_CHANGED", "RequestState"]

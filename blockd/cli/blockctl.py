@@ -1,0 +1,323 @@
+"""``blockctl``: discover targets and drive the initiator daemon's connections.
+
+Connection flags follow nvme-cli (-t/-a/-s/-n/-q/-i/-Q/-k). Every user mistake ends in one line
+on stderr and a non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from typing import Any, BinaryIO, Iterator
+
+from initiator.control import CHUNK, ControlClient, ControlError
+
+
+class UsageError(Exception):
+    """A mistake in the command line or its files."""
+
+
+def _connection_flags(p: argparse.ArgumentParser, need_nqn: bool) -> None:
+    p.add_argument("-t", "--transport", choices=("tcp", "rdma"), default="tcp")
+    p.add_argument("-a", "--traddr", required=True, help="target address")
+    p.add_argument("-s", "--trsvcid", type=int, help="target port (tcp: 4420, or 8009 for discovery)")
+    p.add_argument("-q", "--hostnqn", help="host NQN (default /etc/nvme/hostnqn or one from the machine id)")
+    if need_nqn:
+        p.add_argument("-n", "--nqn", required=True, help="subsystem NQN")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blockctl", description="NVMe over Fabrics host control")
+    parser.add_argument("--socket", help="initiator daemon control socket")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("discover", help="print a target's discovery log")
+    _connection_flags(d, need_nqn=False)
+
+    c = sub.add_parser("connect", help="connect to a subsystem (held by the initiator daemon)")
+    _connection_flags(c, need_nqn=True)
+    c.add_argument("-i", "--nr-io-queues", type=int, default=4)
+    c.add_argument("-Q", "--queue-size", type=int, default=128)
+    c.add_argument("-k", "--keep-alive-tmo", type=float, default=5.0, help="seconds")
+    c.add_argument("-l", "--ctrl-loss-tmo", type=float, default=60.0, help="seconds to keep reconnecting")
+    c.add_argument("-g", "--hdr-digest", action="store_true")
+    c.add_argument("-G", "--data-digest", action="store_true")
+    c.add_argument("--name", help="connection name (default: the NQN)")
+
+    x = sub.add_parser("disconnect", help="disconnect a connection")
+    x.add_argument("name", help="connection name or NQN")
+    sub.add_parser("list", help="list connections")
+
+    for cmd, helptext in (("read", "read a byte range to a file or stdout"),
+                          ("write", "write a file or stdin to a byte range")):
+        r = sub.add_parser(cmd, help=helptext)
+        r.add_argument("name", help="connection name or NQN")
+        r.add_argument("-N", "--nsid", type=int, default=1)
+        r.add_argument("--offset", type=int, help="byte offset (multiple of the block size)")
+        r.add_argument("--length", type=int, help="bytes (read: required unless --block-count)")
+        r.add_argument("--start-block", type=int, help="first block instead of --offset")
+        r.add_argument("--block-count", type=int, help="blocks instead of --length")
+        if cmd == "read":
+            r.add_argument("-o", "--output", default="-", help="file, or - for stdout")
+        else:
+            r.add_argument("-i", "--input", default="-", help="file, or - for stdin")
+            r.add_argument("--fua", action="store_true", help="force unit access (durable on completion)")
+
+    rx = sub.add_parser("rxe", help="Soft-RoCE links: add NETDEV [--name NAME] | del NAME | list")
+    rx.add_argument("rxe_args", nargs=argparse.REMAINDER)
+
+    i = sub.add_parser("id-ctrl", help="Identify Controller")
+    i.add_argument("name")
+    n = sub.add_parser("id-ns", help="Identify Namespace")
+    n.add_argument("name")
+    n.add_argument("-N", "--nsid", type=int, default=1)
+    return parser
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+
+def cmd_discover(args: argparse.Namespace) -> int:
+    from initiator.controller import discover
+
+    port = args.trsvcid or (8009 if args.transport == "tcp" else 4420)
+    entries = asyncio.run(discover(args.traddr, port, args.transport, args.hostnqn))
+    print(f"Discovery Log Number of Records {len(entries)}")
+    for n, e in enumerate(entries):
+        kind = {1: "referral", 2: "nvme subsystem", 3: "current discovery subsystem"}.get(e.subtype, str(e.subtype))
+        print(f"=====Discovery Log Entry {n}======\ntrtype:  {e.transport}\nsubtype: {kind}\n"
+              f"portid:  {e.portid}\ntrsvcid: {e.trsvcid}\nsubnqn:  {e.subnqn}\ntraddr:  {e.traddr}")
+    return 0
+
+
+def cmd_connect(args: argparse.Namespace) -> int:
+    with ControlClient(args.socket) as client:
+        reply = client.call({
+            "op": "connect", "transport": args.transport, "traddr": args.traddr,
+            "trsvcid": args.trsvcid or 4420, "nqn": args.nqn, "hostnqn": args.hostnqn,
+            "nr_io_queues": args.nr_io_queues, "queue_size": args.queue_size,
+            "keep_alive_tmo": args.keep_alive_tmo, "ctrl_loss_tmo": args.ctrl_loss_tmo,
+            "hdr_digest": args.hdr_digest, "data_digest": args.data_digest, "name": args.name})
+    print(f"connected {reply['name']}: {reply['nqn']} cntlid {reply['cntlid']}, "
+          f"{reply['io_queues']} I/O queue(s), {len(reply['namespaces'])} namespace(s)")
+    return 0
+
+
+def cmd_disconnect(args: argparse.Namespace) -> int:
+    with ControlClient(args.socket) as client:
+        client.call({"op": "disconnect", "name": args.name})
+    print(f"disconnected {args.name}")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    with ControlClient(args.socket) as client:
+        conns = client.call({"op": "list"})["connections"]
+    if not conns:
+        print("no connections")
+    for c in conns:
+        print(f"{c['name']}: {c['transport']}://{c['traddr']}:{c['trsvcid']} {c['nqn']} "
+              f"cntlid {c['cntlid']} {c['state']}, {c['io_queues']} I/O queue(s)")
+        for ns in c["namespaces"]:
+            ro = " read-only" if ns["read_only"] else ""
+            print(f"  nsid {ns['nsid']}: {ns['size']} bytes, {ns['block_size']}-byte blocks{ro}")
+    return 0
+
+
+def _namespace(client: ControlClient, name: str, nsid: int) -> dict[str, Any]:
+    for c in client.call({"op": "list"})["connections"]:
+        if c["name"] == name or c["nqn"] == name:
+            for ns in c["namespaces"]:
+                if ns["nsid"] == nsid:
+                    return ns
+            raise UsageError(f"{name} has no namespace {nsid}")
+    raise UsageError(f"no connection named {name!r} (see 'blockctl list')")
+
+
+def _range(args: argparse.Namespace, ns: dict[str, Any], length: int | None) -> tuple[int, int]:
+    """(offset, length) in bytes from --offset/--length or --start-block/--block-count."""
+    bs = ns["block_size"]
+    if args.start_block is not None and args.offset is not None:
+        raise UsageError("give --offset or --start-block, not both")
+    offset = args.start_block * bs if args.start_block is not None else (args.offset or 0)
+    if args.block_count is not None:
+        length = args.block_count * bs
+    elif args.length is not None:
+        length = args.length
+    if length is None:
+        raise UsageError("give --length or --block-count")
+    if offset < 0 or length < 0:
+        raise UsageError("offset and length must not be negative")
+    if offset % bs or length % bs:
+        raise UsageError(f"offset {offset} and length {length} must be multiples of the {bs}-byte block size")
+    if offset + length > ns["size"]:
+        raise UsageError(f"range {offset}+{length} is beyond the end of the namespace ({ns['size']} bytes)")
+    return offset, length
+
+
+class Progress:
+    """A one-line progress bar on stderr, only when stderr is a terminal and the transfer is big."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+        self.start = time.monotonic()
+        self.enabled = sys.stderr.isatty() and total >= 8 * CHUNK
+        self._last = 0.0
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and (now - self._last > 0.1 or self.done == self.total):
+            self._last = now
+            frac = self.done / self.total
+            rate = self.done / max(now - self.start, 1e-6) / 1e6
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(f"\r[{bar:<30}] {frac:6.1%} {self.done >> 20}/{self.total >> 20} MiB {rate:7.1f} MB/s")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def cmd_read(args: argparse.Namespace) -> int:
+    with ControlClient(args.socket) as client:
+        ns = _namespace(client, args.name, args.nsid)
+    offset, length = _range(args, ns, None)
+    out: BinaryIO = sys.stdout.buffer if args.output == "-" else _open(args.output, "wb")
+    progress = Progress(length)
+    try:
+        with ControlClient(args.socket) as client:
+            client.send({"op": "read", "name": args.name, "nsid": args.nsid, "offset": offset,
+                         "length": length})
+            client.reply()
+            left = length
+            while left:
+                chunk = client.read_exact(min(CHUNK, left))
+                out.write(chunk)
+                left -= len(chunk)
+                progress.update(len(chunk))
+        out.flush()
+    finally:
+        if out is not sys.stdout.buffer:
+            out.close()
+    return 0
+
+
+def cmd_write(args: argparse.Namespace) -> int:
+    with ControlClient(args.socket) as client:
+        ns = _namespace(client, args.name, args.nsid)
+    if args.input == "-":
+        data_in: BinaryIO = sys.stdin.buffer
+        size = None
+    else:
+        data_in = _open(args.input, "rb")
+        size = os.fstat(data_in.fileno()).st_size
+    if args.length is None and args.block_count is None:
+        if size is None:
+            data = data_in.read()
+            size = len(data)
+            data_in = _BytesSource(data)
+        args.length = size
+    offset, length = _range(args, ns, size)
+    if size is not None and size < length:
+        raise UsageError(f"{args.input} has {size} bytes, fewer than the {length} to write")
+    progress = Progress(length)
+
+    def payload() -> Iterator[bytes]:
+        left = length
+        while left:
+            chunk = data_in.read(min(CHUNK, left))
+            if not chunk:
+                raise UsageError(f"input ended {left} bytes short of {length}")
+            left -= len(chunk)
+            progress.update(len(chunk))
+            yield chunk
+
+    try:
+        with ControlClient(args.socket) as client:
+            client.send({"op": "write", "name": args.name, "nsid": args.nsid, "offset": offset,
+                         "length": length, "fua": args.fua}, payload())
+            client.reply()
+    finally:
+        data_in.close()
+    print(f"wrote {length} bytes at offset {offset} of namespace {args.nsid}", file=sys.stderr)
+    return 0
+
+
+class _BytesSource:
+    def __init__(self, data: bytes) -> None:
+        self.view = memoryview(data)
+        self.pos = 0
+
+    def read(self, n: int) -> bytes:
+        chunk = self.view[self.pos:self.pos + n]
+        self.pos += len(chunk)
+        return bytes(chunk)
+
+    def close(self) -> None:
+        self.view.release()
+
+
+def _open(path: str, mode: str) -> BinaryIO:
+    try:
+        return open(path, mode)  # noqa: SIM115 - closed by the caller
+    except OSError as exc:
+        raise UsageError(f"cannot open {path}: {exc.strerror}") from None
+
+
+def _print_fields(ident: dict[str, Any], fields: list[str]) -> None:
+    for f in fields:
+        print(f"{f:<10}: {ident[f]}")
+
+
+def cmd_id_ctrl(args: argparse.Namespace) -> int:
+    with ControlClient(args.socket) as client:
+        ident = client.call({"op": "id-ctrl", "name": args.name})["identify"]
+    _print_fields(ident, ["vid", "sn", "mn", "fr", "cntlid", "ver", "cmic", "mdts", "kas", "maxcmd",
+                          "nn", "oncs", "vwc", "sgls", "ioccsz", "iorcsz", "cntrltype", "subnqn"])
+    return 0
+
+
+def cmd_id_ns(args: argparse.Namespace) -> int:
+    with ControlClient(args.socket) as client:
+        ident = client.call({"op": "id-ns", "name": args.name, "nsid": args.nsid})["identify"]
+    _print_fields(ident, ["nsze", "ncap", "nuse", "nlbaf", "flbas", "nmic", "dlfeat", "nsattr", "nguid", "eui64"])
+    lbaf = ident["lbaf"][ident["flbas"] & 0xF]
+    print(f"lbaf 0    : ms:{lbaf['ms']} lbads:{lbaf['lbads']} rp:{lbaf['rp']} (in use)")
+    return 0
+
+
+def cmd_rxe(args: argparse.Namespace) -> int:
+    from blockd.rdma.rxe import rxe_main
+    return rxe_main(args.rxe_args)
+
+
+COMMANDS = {
+    "rxe": cmd_rxe,
+    "discover": cmd_discover, "connect": cmd_connect, "disconnect": cmd_disconnect,
+    "list": cmd_list, "read": cmd_read, "write": cmd_write, "id-ctrl": cmd_id_ctrl,
+    "id-ns": cmd_id_ns,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from initiator.controller import ConnectError
+    from initiator.queue import NvmeError
+    try:
+        return COMMANDS[args.command](args)
+    except (ControlError, UsageError, ConnectError, NvmeError, TimeoutError) as exc:
+        print(f"blockctl: {exc}", file=sys.stderr)
+        return 1
+    except (ConnectionError, OSError) as exc:
+        print(f"blockctl: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

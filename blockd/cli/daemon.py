@@ -1,0 +1,97 @@
+"""``blockd target --config FILE`` and ``blockd initiator``: the two daemons, in the foreground.
+
+Signals: SIGTERM/SIGINT drain in-flight I/O, flush and exit 0; SIGHUP reloads the target's
+configuration (a bad new file is logged and the old configuration stays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+import structlog
+
+from blockd import log as blog
+from blockd.config import ConfigError, load
+
+log = structlog.get_logger("blockd")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blockd", description="NVMe over Fabrics target and initiator daemons")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("target", help="run the NVMe-oF target")
+    t.add_argument("--config", "-c", default="/etc/blockd/target.toml", help="TOML configuration file")
+    t.add_argument("--log-format", choices=("console", "json"), help="overrides [logging] format")
+    t.add_argument("--log-level", help="overrides [logging] level")
+    i = sub.add_parser("initiator", help="run the initiator daemon that blockctl talks to")
+    i.add_argument("--socket", help="control socket (default /run/blockd/initiator.sock)")
+    i.add_argument("--log-format", choices=("console", "json"), default="console")
+    i.add_argument("--log-level", default="info")
+    return parser
+
+
+async def run_target(config_path: str, log_format: str | None, log_level: str | None) -> int:
+    from target.service import TargetService
+
+    config = load(config_path)
+    blog.setup(log_format or config.log_format, log_level or config.log_level)
+    service = TargetService(config)
+    try:
+        await service.start()
+    except (RuntimeError, OSError) as exc:
+        log.error("cannot start the target", error=str(exc))
+        await service.stop()
+        return 1
+    log.info("target ready", status=service.describe())
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    async def reload() -> None:
+        try:
+            await service.reload(load(config_path))
+        except (ConfigError, RuntimeError, OSError) as exc:
+            log.error("reload failed; keeping the previous configuration", error=str(exc))
+
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(reload()))
+    await stop.wait()
+    log.info("stopping: draining in-flight I/O")
+    await service.stop()
+    return 0
+
+
+async def run_initiator(socket: str | None) -> int:
+    from initiator.daemon import InitiatorDaemon
+
+    daemon = InitiatorDaemon(socket)
+    await daemon.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    await stop.wait()
+    await daemon.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "target":
+            return asyncio.run(run_target(args.config, args.log_format, args.log_level))
+        blog.setup(args.log_format, args.log_level)
+        return asyncio.run(run_initiator(args.socket))
+    except ConfigError as exc:
+        print(f"blockd: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"blockd: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Target configuration (TOML): ports, subsystems, namespaces, allowed hosts.
+
+Example::
+
+    [logging]
+    format = "console"        # or "json"
+    level = "info"
+
+    [[port]]
+    id = 1                    # optional, defaults to the position (1, 2, ...)
+    transport = "tcp"         # or "rdma"
+    address = "127.0.0.1"
+    port = 4420
+
+    [[subsystem]]
+    nqn = "nqn.2026-11.io.blockd:vol1"
+    serial = "BLOCKD0001"
+    model = "blockd"
+    allow_any_host = false
+    hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]
+    ports = [1]               # optional: default every port
+
+    [[subsystem.namespace]]
+    nsid = 1
+    path = "/var/lib/blockd/vol1.img"
+    size = "10GiB"            # files are created at this size when missing
+    block_size = 512          # or 4096
+    read_only = false
+
+Every mistake is reported as one :class:`ConfigError` line naming the offending entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.constants import DEFAULT_IO_PORT, DISCOVERY_NQN
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+_NQN = re.compile(r"^nqn\.\d{4}-\d{2}\.[^:]+(:.+)?$")
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, worded for the person who made it."""
+
+
+@dataclass(frozen=True)
+class PortConfig:
+    port_id: int
+    transport: str
+    address: str
+    port: int
+
+
+@dataclass(frozen=True)
+class NamespaceConfig:
+    nsid: int
+    path: str
+    size: int | None
+    block_size: int = 512
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class SubsystemConfig:
+    nqn: str
+    serial: str
+    model: str
+    allow_any_host: bool
+    hosts: frozenset[str]
+    ports: frozenset[int] | None
+    namespaces: tuple[NamespaceConfig, ...]
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    ports: tuple[PortConfig, ...]
+    subsystems: tuple[SubsystemConfig, ...]
+    log_format: str = "console"
+    log_level: str = "info"
+    max_io_queues: int = 16
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+def parse_size(value: int | str, where: str) -> int:
+    """``4096``, ``"64MiB"``, ``"10G"`` → bytes."""
+    if isinstance(value, int) and value > 0:
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ConfigError(f"{where}: size {value!r} is not a number of bytes like 512MiB or 10GiB")
+    unit = (m.group(2) or "").upper()[:1]
+    size = int(m.group(1)) * _UNITS[unit if unit != "B" else ""]
+    if size <= 0:
+        raise ConfigError(f"{where}: size must be positive")
+    return size
+
+
+def _take(table: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str, default: Any = ...) -> Any:
+    if key not in table:
+        if default is ...:
+            raise ConfigError(f"{where}: missing '{key}'")
+        return default
+    value = table[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        name = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ConfigError(f"{where}: '{key}' must be {name}, not {value!r}")
+    return value
+
+
+def _unknown(table: dict[str, Any], known: set[str], where: str) -> None:
+    extra = set(table) - known
+    if extra:
+        raise ConfigError(f"{where}: unknown setting(s) {', '.join(sorted(extra))}")
+
+
+def load(path: str) -> TargetConfig:
+    """Read and validate a target configuration file."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return parse(raw, path)
+
+
+def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
+    _unknown(raw, {"port", "subsystem", "logging", "target"}, source)
+    logging_t = _take(raw, "logging", dict, source, {})
+    _unknown(logging_t, {"format", "level"}, f"{source} [logging]")
+    log_format = _take(logging_t, "format", str, f"{source} [logging]", "console")
+    if log_format not in ("console", "json"):
+        raise ConfigError(f"{source} [logging]: format must be 'console' or 'json'")
+    target_t = _take(raw, "target", dict, source, {})
+    _unknown(target_t, {"max_io_queues"}, f"{source} [target]")
+    max_io_queues = _take(target_t, "max_io_queues", int, f"{source} [target]", 16)
+    if not 1 <= max_io_queues <= 1024:
+        raise ConfigError(f"{source} [target]: max_io_queues must be 1..1024")
+
+    ports: list[PortConfig] = []
+    for i, p in enumerate(_take(raw, "port", list, source, [])):
+        where = f"{source} port #{i + 1}"
+        _unknown(p, {"id", "transport", "address", "port"}, where)
+        transport = _take(p, "transport", str, where, "tcp")
+        if transport not in ("tcp", "rdma"):
+            raise ConfigError(f"{where}: transport must be 'tcp' or 'rdma', not {transport!r}")
+        address = _take(p, "address", str, where)
+        if transport == "rdma" and address in ("0.0.0.0", "::"):
+            raise ConfigError(f"{where}: RDMA ports must name a local address, not the wildcard {address}")
+        number = _take(p, "port", int, where, DEFAULT_IO_PORT)
+        if not 1 <= number <= 65535:
+            raise ConfigError(f"{where}: port {number} is out of range")
+        ports.append(PortConfig(_take(p, "id", int, where, i + 1), transport, address, number))
+    ids = [p.port_id for p in ports]
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"{source}: port ids must be unique")
+
+    subsystems: list[SubsystemConfig] = []
+    for i, s in enumerate(_take(raw, "subsystem", list, source, [])):
+        where = f"{source} subsystem #{i + 1}"
+        _unknown(s, {"nqn", "serial", "model", "allow_any_host", "hosts", "ports", "namespace"}, where)
+        nqn = _take(s, "nqn", str, where)
+        where = f"{source} subsystem {nqn}"
+        if not _NQN.match(nqn) or len(nqn.encode()) > 223 or nqn == DISCOVERY_NQN:
+            raise ConfigError(f"{where}: not a valid subsystem NQN (nqn.yyyy-mm.reverse.domain:name, at most 223 bytes)")
+        hosts = _take(s, "hosts", list, where, [])
+        allow_any = _take(s, "allow_any_host", bool, where, not hosts)
+        sub_ports = _take(s, "ports", list, where, None)
+        if sub_ports is not None and not set(sub_ports) <= set(ids):
+            raise ConfigError(f"{where}: ports {sorted(set(sub_ports) - set(ids))} are not configured")
+        serial = _take(s, "serial", str, where, hashlib.sha1(nqn.encode()).hexdigest()[:20])
+        if len(serial) > 20 or not serial.isascii():
+            raise ConfigError(f"{where}: serial must be at most 20 ASCII characters")
+        model = _take(s, "model", str, where, "blockd")
+        if len(model) > 40 or not model.isascii():
+            raise ConfigError(f"{where}: model must be at most 40 ASCII characters")
+        namespaces = []
+        for j, n in enumerate(_take(s, "namespace", list, where, [])):
+            nwhere = f"{where} namespace #{j + 1}"
+            _unknown(n, {"nsid", "path", "size", "block_size", "read_only"}, nwhere)
+            nsid = _take(n, "nsid", int, nwhere, j + 1)
+            size = n.get("size")
+            block_size = _take(n, "block_size", int, nwhere, 512)
+            if block_size not in (512, 4096):
+                raise ConfigError(f"{nwhere}: block_size must be 512 or 4096")
+            size_b = parse_size(size, nwhere) if size is not None else None
+            if size_b is not None and size_b % block_size:
+                raise ConfigError(f"{nwhere}: size must be a multiple of the block size {block_size}")
+            namespaces.append(NamespaceConfig(nsid, _take(n, "path", str, nwhere), size_b,
+                                              block_size, _take(n, "read_only", bool, nwhere, False)))
+        nsids = [n.nsid for n in namespaces]
+        if len(set(nsids)) != len(nsids) or any(not 1 <= x < 0xFFFFFFFF for x in nsids):
+            raise ConfigError(f"{where}: namespace ids must be unique and between 1 and 4294967294")
+        subsystems.append(SubsystemConfig(nqn, serial, model, allow_any, frozenset(hosts),
+                                          frozenset(sub_ports) if sub_ports is not None else None,
+                                          tuple(namespaces)))
+    nqns = [s.nqn for s in subsystems]
+    if len(set(nqns)) != len(nqns):
+        raise ConfigError(f"{source}: subsystem NQNs must be unique")
+    return TargetConfig(tuple(ports), tuple(subsystems), log_format,
+                        _take(logging_t, "level", str, f"{source} [logging]", "info"), max_io_queues)

@@ -1,0 +1,221 @@
+"""``blockd initiator``: holds named NVMe-oF connections and serves blockctl (see control.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from typing import Any, Awaitable, Callable
+
+import structlog
+
+from initiator.control import CHUNK, socket_path
+from initiator.controller import ConnectError, ConnectParams, Controller
+from initiator.queue import NvmeError, QueueLost
+
+log = structlog.get_logger("blockd.initiator.daemon")
+
+PIPELINE = 8
+"""Chunks of a read kept in flight at once."""
+
+
+class RequestError(Exception):
+    """A request the daemon refuses, with a message for the user."""
+
+
+class InitiatorDaemon:
+    """Named connections plus the control socket server."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = socket_path(path)
+        self.connections: dict[str, Controller] = {}
+        self.server: asyncio.base_events.Server | None = None
+        self.handlers: dict[str, Callable[..., Awaitable[dict[str, Any] | None]]] = {
+            "connect": self.op_connect,
+            "disconnect": self.op_disconnect,
+            "list": self.op_list,
+            "id-ctrl": self.op_id_ctrl,
+            "id-ns": self.op_id_ns,
+        }
+
+    async def start(self) -> None:
+        directory = os.path.dirname(self.path)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        old = os.umask(0o077)
+        try:
+            self.server = await asyncio.start_unix_server(self._client, self.path, limit=CHUNK * 2)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        log.info("initiator listening", socket=self.path)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for name, ctrl in list(self.connections.items()):
+            await ctrl.close()
+            log.info("disconnected", name=name)
+        self.connections.clear()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+    def find(self, name: str) -> Controller:
+        """A connection by its name, or by its subsystem NQN when that is unambiguous."""
+        if name in self.connections:
+            return self.connections[name]
+        matches = [c for c in self.connections.values() if c.params.subnqn == name]
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            raise RequestError(f"several connections to {name}; use the connection name")
+        raise RequestError(f"no connection named {name!r} (see 'blockctl list')")
+
+    # -- request loop ---------------------------------------------------------------------------------
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await reader.readline()
+            if not line:
+                return
+            try:
+                req = json.loads(line)
+                op = req.pop("op")
+            except (ValueError, KeyError, AttributeError):
+                raise RequestError("malformed request") from None
+            if op == "read":
+                await self.op_read(writer, **req)
+            elif op == "write":
+                await self.op_write(reader, writer, **req)
+            elif op in self.handlers:
+                reply = await self.handlers[op](**req) or {}
+                writer.write(json.dumps({"ok": True, **reply}).encode() + b"\n")
+            else:
+                raise RequestError(f"unknown request {op!r}")
+        except (RequestError, ConnectError, NvmeError, QueueLost, ValueError, TimeoutError) as exc:
+            writer.write(json.dumps({"ok": False, "error": str(exc)}).encode() + b"\n")
+        except TypeError as exc:
+            writer.write(json.dumps({"ok": False, "error": f"bad request: {exc}"}).encode() + b"\n")
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except Exception as exc:  # the daemon keeps serving whatever one request does
+            log.exception("request failed")
+            writer.write(json.dumps({"ok": False, "error": f"internal error: {exc}"}).encode() + b"\n")
+        finally:
+            try:
+                await writer.drain()
+                writer.close()
+            except ConnectionError:
+                pass
+
+    # -- operations -----------------------------------------------------------------------------------
+
+    async def op_connect(self, traddr: str, nqn: str, transport: str = "tcp", trsvcid: int | None = None,
+                         name: str | None = None, hostnqn: str | None = None, nr_io_queues: int = 4,
+                         queue_size: int = 128, keep_alive_tmo: float = 5.0, hdr_digest: bool = False,
+                         data_digest: bool = False, ctrl_loss_tmo: float = 60.0) -> dict[str, Any]:
+        name = name or nqn
+        if name in self.connections:
+            raise RequestError(f"a connection named {name!r} already exists")
+        params = ConnectParams(traddr=traddr, subnqn=nqn, trsvcid=int(trsvcid or 4420),
+                               transport=transport, nr_io_queues=nr_io_queues,
+                               queue_size=queue_size, keep_alive_tmo=keep_alive_tmo,
+                               hdr_digest=hdr_digest, data_digest=data_digest,
+                               ctrl_loss_tmo=ctrl_loss_tmo)
+        if hostnqn:
+            params.hostnqn = hostnqn
+            params.hostid = uuid.uuid5(uuid.NAMESPACE_OID, hostnqn)
+        ctrl = await Controller.connect(params)
+        self.connections[name] = ctrl
+        log.info("connected", name=name, nqn=nqn, traddr=traddr, transport=transport,
+                 cntlid=ctrl.cntlid, io_queues=len(ctrl.io))
+        return {"name": name, **self._describe(name, ctrl)}
+
+    async def op_disconnect(self, name: str) -> dict[str, Any]:
+        ctrl = self.find(name)
+        for key, value in list(self.connections.items()):
+            if value is ctrl:
+                del self.connections[key]
+        await ctrl.close()
+        return {}
+
+    async def op_list(self) -> dict[str, Any]:
+        return {"connections": [{"name": n, **self._describe(n, c)} for n, c in self.connections.items()]}
+
+    def _describe(self, name: str, ctrl: Controller) -> dict[str, Any]:
+        p = ctrl.params
+        return {"nqn": p.subnqn, "transport": p.transport, "traddr": p.traddr, "trsvcid": p.trsvcid,
+                "cntlid": ctrl.cntlid, "io_queues": len(ctrl.io),
+                "state": "failed" if ctrl.failed else "live" if ctrl._live.is_set() else "reconnecting",
+                "namespaces": [{"nsid": ns.nsid, "size": ns.size, "block_size": ns.block_size,
+                                "read_only": ns.read_only} for ns in ctrl.namespaces.values()]}
+
+    async def op_id_ctrl(self, name: str) -> dict[str, Any]:
+        ident = await self.find(name).identify_controller()
+        return {"identify": _plain(ident)}
+
+    async def op_id_ns(self, name: str, nsid: int) -> dict[str, Any]:
+        ident = await self.find(name).identify_namespace(nsid)
+        return {"identify": _plain(ident)}
+
+    async def op_read(self, writer: asyncio.StreamWriter, name: str, nsid: int, offset: int,
+                      length: int) -> None:
+        ctrl = self.find(name)
+        ctrl._check_range(nsid, offset, length)
+        chunks = [(pos, min(CHUNK, length - pos)) for pos in range(0, length, CHUNK)]
+        reads = [asyncio.ensure_future(ctrl.read_bytes(nsid, offset + pos, n)) for pos, n in chunks[:PIPELINE]]
+        header_sent = False
+        try:
+            for i in range(len(chunks)):
+                data = await reads[i]
+                if i + PIPELINE < len(chunks):
+                    pos, n = chunks[i + PIPELINE]
+                    reads.append(asyncio.ensure_future(ctrl.read_bytes(nsid, offset + pos, n)))
+                if not header_sent:
+                    writer.write(json.dumps({"ok": True, "length": length}).encode() + b"\n")
+                    header_sent = True
+                writer.write(data)
+                await writer.drain()
+            if not header_sent:
+                writer.write(json.dumps({"ok": True, "length": 0}).encode() + b"\n")
+        except BaseException:
+            for fut in reads:
+                fut.cancel()
+            if header_sent:  # too late for an error line: cut the stream so the client sees it short
+                writer.transport.abort()
+                return
+            raise
+
+    async def op_write(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str,
+                       nsid: int, offset: int, length: int, fua: bool = False) -> None:
+        ctrl = self.find(name)
+        ctrl._check_range(nsid, offset, length)
+        done = 0
+        writes: list[asyncio.Future[None]] = []
+        try:
+            while done < length:
+                n = min(CHUNK, length - done)
+                data = await reader.readexactly(n)
+                writes.append(asyncio.ensure_future(ctrl.write_bytes(nsid, offset + done, data, fua)))
+                done += n
+                if len(writes) >= PIPELINE:
+                    await writes.pop(0)
+            await asyncio.gather(*writes)
+        except BaseException:
+            for fut in writes:
+                fut.cancel()
+            raise
+        writer.write(json.dumps({"ok": True, "written": length}).encode() + b"\n")
+
+
+def _plain(obj: Any) -> Any:
+    """construct Containers → JSON-friendly dicts (bytes as hex)."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items() if not k.startswith("_")}
+    if isinstance(obj, list):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, bytes):
+        return obj.hex()
+    return obj

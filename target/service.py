@@ -1,0 +1,157 @@
+"""The running target daemon: builds a :class:`Target` from a config, listens, reloads, drains.
+
+Reload applies only the difference between the old and the new configuration, so hosts of
+subsystems and namespaces that did not change keep their connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+import structlog
+
+from blockd.config import NamespaceConfig, PortConfig, SubsystemConfig, TargetConfig
+from target.backend import FileBackend
+from target.subsystem import Namespace, Subsystem
+from target.target import PortInfo, Target
+
+log = structlog.get_logger("blockd.target.service")
+
+DRAIN_TIMEOUT = 30.0
+
+
+class Listener(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def _listener(target: Target, port: PortInfo, tasks: set[asyncio.Task[None]]) -> Listener:
+    if port.transport == "tcp":
+        from target.tcp import TcpListener
+        return TcpListener(target, port, tasks)
+    from target.rdma import RdmaListener
+    return RdmaListener(target, port, tasks)
+
+
+def _port_info(p: PortConfig) -> PortInfo:
+    return PortInfo(p.port_id, p.transport, p.address, str(p.port))
+
+
+def _open_namespace(sub: Subsystem, nc: NamespaceConfig) -> Namespace:
+    try:
+        backend = FileBackend(nc.path, nc.size, read_only=nc.read_only)
+    except OSError as exc:
+        raise RuntimeError(f"{sub.nqn} namespace {nc.nsid}: cannot open {nc.path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise RuntimeError(f"{sub.nqn} namespace {nc.nsid}: {exc}") from None
+    if backend.size % nc.block_size:
+        backend.close()
+        raise RuntimeError(f"{sub.nqn} namespace {nc.nsid}: {nc.path} size is not a multiple of {nc.block_size}")
+    return Namespace(nc.nsid, backend, nc.block_size, nc.read_only, sub.nqn, nc.path)
+
+
+class TargetService:
+    """Owns the Target, its listeners and the tasks that execute commands."""
+
+    def __init__(self, config: TargetConfig) -> None:
+        self.config = config
+        self.target = Target(max_io_queues=config.max_io_queues)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.listeners: dict[int, Listener] = {}
+
+    async def start(self) -> None:
+        """Open every namespace, then listen on every port (the service is then ready)."""
+        for sc in self.config.subsystems:
+            self._add_subsystem(sc)
+        for pc in self.config.ports:
+            await self._add_port(pc)
+
+    def describe(self) -> str:
+        """One line on what is exported, for logs and systemd STATUS=."""
+        subs = [s for s in self.target.subsystems.values() if not s.is_discovery]
+        nss = sum(len(s.namespaces) for s in subs)
+        ports = ", ".join(f"{p.transport}://{p.address}:{p.service}" for p in self.target.ports.values())
+        return f"exporting {len(subs)} subsystem(s), {nss} namespace(s) on {ports or 'no ports'}"
+
+    async def _add_port(self, pc: PortConfig) -> None:
+        info = _port_info(pc)
+        listener = _listener(self.target, info, self.tasks)
+        await listener.start()
+        self.listeners[pc.port_id] = listener
+        self.target.add_port(info)
+
+    async def _remove_port(self, port_id: int) -> None:
+        await self.listeners.pop(port_id).stop()
+        self.target.remove_port(port_id)
+
+    def _add_subsystem(self, sc: SubsystemConfig) -> None:
+        sub = Subsystem(sc.nqn, sc.serial, sc.model, sc.allow_any_host, set(sc.hosts),
+                        port_ids=set(sc.ports) if sc.ports is not None else None)
+        try:
+            for nc in sc.namespaces:
+                sub.add_namespace(_open_namespace(sub, nc))
+        except BaseException:
+            for ns in sub.namespaces.values():
+                ns.backend.close()
+            raise
+        self.target.add_subsystem(sub)
+
+    async def reload(self, new: TargetConfig) -> None:
+        """Apply ``new``: only what changed is touched."""
+        old = self.config
+        old_ports = {p.port_id: p for p in old.ports}
+        new_ports = {p.port_id: p for p in new.ports}
+        for pid, pc in old_ports.items():
+            if new_ports.get(pid) != pc:
+                await self._remove_port(pid)
+        old_subs = {s.nqn: s for s in old.subsystems}
+        new_subs = {s.nqn: s for s in new.subsystems}
+        for nqn in old_subs.keys() - new_subs.keys():
+            self.target.remove_subsystem(nqn)
+            log.info("subsystem removed", nqn=nqn)
+        for nqn, sc in new_subs.items():
+            before = old_subs.get(nqn)
+            if before is None:
+                self._add_subsystem(sc)
+                log.info("subsystem added", nqn=nqn)
+            elif before != sc:
+                self._update_subsystem(before, sc)
+        for pid, pc in new_ports.items():
+            if old_ports.get(pid) != pc:
+                await self._add_port(pc)
+        self.config = new
+        log.info("configuration reloaded", status=self.describe())
+
+    def _update_subsystem(self, before: SubsystemConfig, after: SubsystemConfig) -> None:
+        sub = self.target.subsystems[after.nqn]
+        sub.serial, sub.model = after.serial, after.model
+        sub.port_ids = set(after.ports) if after.ports is not None else None
+        if (before.allow_any_host, before.hosts) != (after.allow_any_host, after.hosts):
+            self.target.update_access(sub, after.allow_any_host, set(after.hosts))
+        old_ns = {n.nsid: n for n in before.namespaces}
+        new_ns = {n.nsid: n for n in after.namespaces}
+        for nsid, nc in old_ns.items():
+            if new_ns.get(nsid) != nc:
+                self.target.remove_namespace(sub, nsid)
+                log.info("namespace removed", nqn=sub.nqn, nsid=nsid)
+        for nsid, nc in new_ns.items():
+            if old_ns.get(nsid) != nc:
+                self.target.add_namespace(sub, _open_namespace(sub, nc))
+                log.info("namespace added", nqn=sub.nqn, nsid=nsid, path=nc.path)
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight commands finish, tear down, flush, close files."""
+        for pid in list(self.listeners):
+            await self._remove_port(pid)
+        for ctrl in self.target.controllers.values():
+            ctrl.cancel_async_events()
+        pending = [t for t in self.tasks if not t.done()]
+        if pending:
+            log.info("draining in-flight commands", count=len(pending))
+            done, not_done = await asyncio.wait(pending, timeout=DRAIN_TIMEOUT)
+            if not_done:
+                log.warning("commands still running after the drain timeout", count=len(not_done))
+        await self.target.close()
+        log.info("target stopped")
