@@ -128,7 +128,13 @@ class PduReader:
             if self.ddgst and ptype not in _NO_DIGEST:
                 got = int.from_bytes(view[start + data_len:start + data_len + DIGEST_SIZE], "little")
                 if got != crc32c(data):
-                    raise DataDigestError(ptype, bytes(header))
+                    # The stream goes on after the bad PDU, and the exception (its traceback)
+                    # must not pin the buffer with views, or the next feed cannot resize it.
+                    self._pos = pos + plen
+                    copy = bytes(header)
+                    header.release()
+                    data.release()
+                    raise DataDigestError(ptype, copy)
         return Pdu(ptype, flags, header, data), pos + plen
 
 
