@@ -15,6 +15,7 @@ import structlog
 
 from blockd import log as blog
 from blockd.config import ConfigError, load
+from blockd.sdnotify import Notifier
 
 log = structlog.get_logger("blockd")
 
@@ -28,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--log-level", help="overrides [logging] level")
     i = sub.add_parser("initiator", help="run the initiator daemon that blockctl talks to")
     i.add_argument("--socket", help="control socket (default /run/blockd/initiator.sock)")
+    i.add_argument("--config", "-c", help="TOML file of connections to make at start (e.g. /etc/blockd/initiator.toml)")
     i.add_argument("--log-format", choices=("console", "json"), default="console")
     i.add_argument("--log-level", default="info")
     return parser
@@ -39,42 +41,64 @@ async def run_target(config_path: str, log_format: str | None, log_level: str | 
     config = load(config_path)
     blog.setup(log_format or config.log_format, log_level or config.log_level)
     service = TargetService(config)
+    notify = Notifier.from_env(unset=True)
     try:
         await service.start()
     except (RuntimeError, OSError) as exc:
         log.error("cannot start the target", error=str(exc))
+        notify.status(f"cannot start: {exc}")
         await service.stop()
         return 1
     log.info("target ready", status=service.describe())
+    # systemd Type=notify: every namespace is open and every port listens by now
+    notify.ready(service.describe())
+    notify.start_watchdog()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
     async def reload() -> None:
+        notify.reloading()
         try:
             await service.reload(load(config_path))
         except (ConfigError, RuntimeError, OSError) as exc:
             log.error("reload failed; keeping the previous configuration", error=str(exc))
+        notify.ready(service.describe())
 
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(reload()))
     await stop.wait()
     log.info("stopping: draining in-flight I/O")
+    notify.stopping()
     await service.stop()
+    notify.close()
     return 0
 
 
-async def run_initiator(socket: str | None) -> int:
+async def run_initiator(socket: str | None, config_path: str | None = None) -> int:
+    from blockd.initiator_config import BootConnections
+    from blockd.initiator_config import load as load_initiator
     from initiator.daemon import InitiatorDaemon
 
+    config = load_initiator(config_path) if config_path else None
+    notify = Notifier.from_env(unset=True)
     daemon = InitiatorDaemon(socket)
     await daemon.start()
+    boot = BootConnections(daemon, config, notify.status) if config else None
+    if boot:
+        boot.start()
+    notify.ready(boot.summary() if boot else "listening on " + daemon.path)
+    notify.start_watchdog()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     await stop.wait()
+    notify.stopping("stopping: disconnecting")
+    if boot:
+        await boot.stop()
     await daemon.stop()
+    notify.close()
     return 0
 
 
@@ -84,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "target":
             return asyncio.run(run_target(args.config, args.log_format, args.log_level))
         blog.setup(args.log_format, args.log_level)
-        return asyncio.run(run_initiator(args.socket))
+        return asyncio.run(run_initiator(args.socket, args.config))
     except ConfigError as exc:
         print(f"blockd: {exc}", file=sys.stderr)
         return 2
