@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
 
     rx = sub.add_parser("rxe", help="Soft-RoCE links: add NETDEV [--name NAME] | del NAME | list")
     rx.add_argument("rxe_args", nargs=argparse.REMAINDER)
+    iu = sub.add_parser("install-units", help="install the systemd units (see docs/systemd.md)")
+    from blockd.units import add_arguments as units_arguments
+    units_arguments(iu)
 
     i = sub.add_parser("id-ctrl", help="Identify Controller")
     i.add_argument("name")
@@ -295,8 +298,13 @@ def cmd_rxe(args: argparse.Namespace) -> int:
     return rxe_main(args.rxe_args)
 
 
+def cmd_install_units(args: argparse.Namespace) -> int:
+    from blockd.units import run
+    return run(args)
+
+
 COMMANDS = {
-    "rxe": cmd_rxe,
+    "rxe": cmd_rxe, "install-units": cmd_install_units,
     "discover": cmd_discover, "connect": cmd_connect, "disconnect": cmd_disconnect,
     "list": cmd_list, "read": cmd_read, "write": cmd_write, "id-ctrl": cmd_id_ctrl,
     "id-ns": cmd_id_ns,
