@@ -551,6 +551,9 @@ class Controller:
                 pass
         self._closing = True
         self._close_connections()
+        if self.failed is None:  # later or waiting commands fail instead of spinning or hanging
+            self.failed = QueueLost("disconnected")
+        self._live.set()
 
     async def __aenter__(self) -> Controller:
         return self
