@@ -261,3 +261,11 @@ async def raw_io(port: int, nqn: str = NQN) -> tuple[RawConn, RawConn]:
 
 def file_blocks(path: Path) -> int:
     return os.stat(path).st_blocks
+
+
+async def until(cond: Any, timeout: float = 5.0) -> None:
+    """Wait until ``cond()`` is true (target-side teardown follows the TCP close)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
