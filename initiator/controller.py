@@ -534,10 +534,10 @@ class Controller:
         """Clean disconnect: I/O queues first, then CC.SHN on the admin queue (as Linux does)."""
         if self._closing:
             return
+        self._closing = True
         if self._keep_alive_task is not None:
             self._keep_alive_task.cancel()
         if self._reconnect_task is not None:
-            self._closing = True
             self._reconnect_task.cancel()
         for conn in self.io:
             conn.close()
@@ -549,7 +549,6 @@ class Controller:
                     await asyncio.sleep(0.01)
             except (NvmeError, QueueLost, TimeoutError, ConnectionError):
                 pass
-        self._closing = True
         self._close_connections()
         if self.failed is None:  # later or waiting commands fail instead of spinning or hanging
             self.failed = QueueLost("disconnected")

@@ -6,7 +6,9 @@ import asyncio
 import socket
 from typing import Callable
 
-from blockd.tcp_pdu import DataDigestError, FramingError, PduReader, PduWriter, term_req
+from blockd.tcp_pdu import (
+    DataDigestError, FramingError, OutputBatcher, PduReader, PduWriter, term_req,
+)
 from initiator.queue import HostCommand, HostQueue, QueueLost
 from protocol.constants import SglId
 from protocol.nvme import CQE_FAST, build_sgl_data_block
@@ -32,6 +34,7 @@ class TcpHostConnection(asyncio.Protocol):
         self.reader = PduReader(_C2H_TYPES, max_data=max_data)
         self.writer = PduWriter()
         self.transport: asyncio.Transport | None = None
+        self.out: OutputBatcher | None = None
         self.inline_limit = ADMIN_INLINE
         self.maxh2cdata = 0
         self._icresp: asyncio.Future[bytes] | None = None
@@ -82,16 +85,17 @@ class TcpHostConnection(asyncio.Protocol):
         out = cmd.data_out
         if out is not None and len(out) <= self.inline_limit:
             sqe[24:40] = build_sgl_data_block(SglId.DATA_BLOCK_OFFSET, 0, len(out))
-            self.transport.writelines(self.writer.pdu(PduType.CAPSULE_CMD, sqe, out))
+            self.out.send(self.writer.pdu(PduType.CAPSULE_CMD, sqe, out))
             return
         length = cmd.length
         sqe[24:40] = build_sgl_data_block(SglId.TRANSPORT_DATA_BLOCK, 0, length) if length else _NULL_SGL
-        self.transport.writelines(self.writer.pdu(PduType.CAPSULE_CMD, sqe))
+        self.out.send(self.writer.pdu(PduType.CAPSULE_CMD, sqe))
 
     # -- receiving -------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.out = OutputBatcher(self.transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -121,8 +125,7 @@ class TcpHostConnection(asyncio.Protocol):
                 else:
                     raise FramingError(2, 0, f"unexpected PDU type {ptype:#x}", bytes(pdu.header))
         except FramingError as exc:
-            if not self.transport.is_closing():
-                self.transport.write(term_req(PduType.H2C_TERM_REQ, exc.fes, exc.fei, exc.header))
+            self.out.send([term_req(PduType.H2C_TERM_REQ, exc.fes, exc.fei, exc.header)])
             self._fail(ConnectionError(f"protocol error from target: {exc}"))
         except DataDigestError:
             self._fail(ConnectionError("data digest error from target"))
@@ -168,7 +171,7 @@ class TcpHostConnection(asyncio.Protocol):
         while offset < end:
             n = min(chunk, end - offset)
             last = PduFlags.LAST_PDU if offset + n == end else 0
-            self.transport.writelines(self.writer.data_pdu(
+            self.out.send(self.writer.data_pdu(
                 PduType.H2C_DATA, cid, ttag, offset, out[offset:offset + n], last))
             offset += n
 
@@ -179,4 +182,5 @@ class TcpHostConnection(asyncio.Protocol):
     def close(self) -> None:
         self.closed = True
         if self.transport is not None and not self.transport.is_closing():
+            self.out.flush()
             self.transport.close()

@@ -12,7 +12,9 @@ import socket
 
 import structlog
 
-from blockd.tcp_pdu import DataDigestError, FramingError, PduReader, PduWriter, term_req
+from blockd.tcp_pdu import (
+    DataDigestError, FramingError, OutputBatcher, PduReader, PduWriter, term_req,
+)
 from protocol.tcp import (
     IC_RESP, DATA_PDU_HEADER_FAST, PduFlags, PduType, TermReqFes,
 )
@@ -38,6 +40,7 @@ class TcpTargetConnection(asyncio.Protocol):
         self.reader = PduReader(_H2C_TYPES, max_data=MAX_TRANSFER)
         self.writer = PduWriter()
         self.transport: asyncio.Transport | None = None
+        self.out: OutputBatcher | None = None
         self.queue: TargetQueue | None = None
         self.initialized = False
         self.r2t_pending: dict[int, tuple[Request, int]] = {}
@@ -48,6 +51,7 @@ class TcpTargetConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.out = OutputBatcher(self.transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -64,26 +68,32 @@ class TcpTargetConnection(asyncio.Protocol):
         self.r2t_pending.clear()
 
     def data_received(self, data: bytes) -> None:
-        try:
-            for pdu in self.reader.feed(data):
-                ptype = pdu.pdu_type
-                if ptype == PduType.CAPSULE_CMD and self.initialized:
-                    self._capsule(pdu.header, pdu.data)
-                elif ptype == PduType.H2C_DATA and self.initialized:
-                    self._h2c_data(pdu.header, pdu.data, pdu.flags)
-                elif ptype == PduType.IC_REQ and not self.initialized:
-                    self._icreq(pdu.header)
-                elif ptype == PduType.H2C_TERM_REQ:
-                    log.info("host terminated the connection", peer=self.queue.peer)
-                    self.close()
+        while True:
+            try:
+                for pdu in self.reader.feed(data):
+                    ptype = pdu.pdu_type
+                    if ptype == PduType.CAPSULE_CMD and self.initialized:
+                        self._capsule(pdu.header, pdu.data)
+                    elif ptype == PduType.H2C_DATA and self.initialized:
+                        self._h2c_data(pdu.header, pdu.data, pdu.flags)
+                    elif ptype == PduType.IC_REQ and not self.initialized:
+                        self._icreq(pdu.header)
+                    elif ptype == PduType.H2C_TERM_REQ:
+                        log.info("host terminated the connection", peer=self.queue.peer)
+                        self.close()
+                        return
+                    else:
+                        raise FramingError(TermReqFes.PDU_SEQUENCE_ERROR, 0,
+                                           f"PDU type {ptype:#x} out of sequence", bytes(pdu.header))
+                return
+            except FramingError as exc:
+                self._terminate(exc)
+                return
+            except DataDigestError as exc:
+                self._digest_error(exc)
+                if self.transport.is_closing():
                     return
-                else:
-                    raise FramingError(TermReqFes.PDU_SEQUENCE_ERROR, 0,
-                                       f"PDU type {ptype:#x} out of sequence", bytes(pdu.header))
-        except FramingError as exc:
-            self._terminate(exc)
-        except DataDigestError as exc:
-            self._digest_error(exc)
+                data = b""  # the reader skipped the bad PDU; go on with what follows it
 
     # -- PDUs from the host ---------------------------------------------------------------------
 
@@ -114,7 +124,7 @@ class TcpTargetConnection(asyncio.Protocol):
             ttag = self._next_ttag
             self._next_ttag = (ttag + 1) & 0xFFFF
             self.r2t_pending[ttag] = (req, 0)
-            self.transport.writelines(self.writer.r2t(req.cid, ttag, 0, req.length))
+            self.out.send(self.writer.r2t(req.cid, ttag, 0, req.length))
         else:
             self._respond(req)
 
@@ -168,7 +178,7 @@ class TcpTargetConnection(asyncio.Protocol):
         if self.transport.is_closing():
             return
         if req.state is RequestState.SENDING_DATA:
-            self.transport.writelines(self.writer.data_pdu(
+            self.out.send(self.writer.data_pdu(
                 PduType.C2H_DATA, req.cid, 0, 0, req.data, PduFlags.LAST_PDU))
             self.queue.data_sent(req)
         self._respond(req)
@@ -178,19 +188,20 @@ class TcpTargetConnection(asyncio.Protocol):
         if self.transport.is_closing():
             return
         if self.writer.hdgst:
-            self.transport.writelines(self.writer.pdu(PduType.CAPSULE_RESP, cqe))
+            self.out.send(self.writer.pdu(PduType.CAPSULE_RESP, cqe))
         else:
-            self.transport.write(_CAPSULE_RESP_HEADER + cqe)
+            self.out.send([_CAPSULE_RESP_HEADER + cqe])
 
     def _terminate(self, exc: FramingError) -> None:
         log.warning("closing connection after a framing error", peer=self.queue.peer,
                     fes=exc.fes, fei=exc.fei, error=str(exc))
-        if not self.transport.is_closing():
-            self.transport.write(term_req(PduType.C2H_TERM_REQ, exc.fes, exc.fei, exc.header))
+        self.out.send([term_req(PduType.C2H_TERM_REQ, exc.fes, exc.fei, exc.header)])
         self.close()
 
     def close(self) -> None:
+        """Send what is queued, then close."""
         if self.transport is not None and not self.transport.is_closing():
+            self.out.flush()
             self.transport.close()
 
 

@@ -7,7 +7,6 @@ on stderr and a non-zero exit status, never a traceback.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import time
@@ -66,6 +65,14 @@ def _parser() -> argparse.ArgumentParser:
             r.add_argument("-i", "--input", default="-", help="file, or - for stdin")
             r.add_argument("--fua", action="store_true", help="force unit access (durable on completion)")
 
+    m = sub.add_parser("mount", help="expose a connection's namespaces as files MOUNTPOINT/ns<N> (FUSE)")
+    m.add_argument("name", help="connection name or NQN")
+    m.add_argument("mountpoint")
+    u = sub.add_parser("umount", help="unmount a blockd FUSE mount")
+    u.add_argument("mountpoint")
+    u.add_argument("-l", "--lazy", action="store_true", help="detach now even if files are open")
+    sub.add_parser("mounts", help="list blockd FUSE mounts")
+
     rx = sub.add_parser("rxe", help="Soft-RoCE links: add NETDEV [--name NAME] | del NAME | list")
     rx.add_argument("rxe_args", nargs=argparse.REMAINDER)
     iu = sub.add_parser("install-units", help="install the systemd units (see docs/systemd.md)")
@@ -87,7 +94,8 @@ def cmd_discover(args: argparse.Namespace) -> int:
     from initiator.controller import discover
 
     port = args.trsvcid or (8009 if args.transport == "tcp" else 4420)
-    entries = asyncio.run(discover(args.traddr, port, args.transport, args.hostnqn))
+    from blockd import eventloop
+    entries = eventloop.run(discover(args.traddr, port, args.transport, args.hostnqn))
     print(f"Discovery Log Number of Records {len(entries)}")
     for n, e in enumerate(entries):
         kind = {1: "referral", 2: "nvme subsystem", 3: "current discovery subsystem"}.get(e.subtype, str(e.subtype))
@@ -293,6 +301,31 @@ def cmd_id_ns(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_mount(args: argparse.Namespace) -> int:
+    with ControlClient(args.socket) as client:
+        reply = client.call({"op": "mount", "name": args.name, "mountpoint": os.path.abspath(args.mountpoint)})
+    print(f"mounted {reply['name']} on {reply['mountpoint']}: {', '.join(reply['files']) or 'no namespaces'}")
+    return 0
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    with ControlClient(args.socket) as client:
+        reply = client.call({"op": "umount", "mountpoint": os.path.abspath(args.mountpoint), "lazy": args.lazy})
+    print(f"unmounted {reply['mountpoint']}")
+    return 0
+
+
+def cmd_mounts(args: argparse.Namespace) -> int:
+    with ControlClient(args.socket) as client:
+        mounts = client.call({"op": "mounts"})["mounts"]
+    if not mounts:
+        print("no mounts")
+    for m in mounts:
+        print(f"{m['mountpoint']}: {m['name']} ({', '.join(m['files'])}) reads {m['read']} writes {m['write']} "
+              f"errors {m['errors']}")
+    return 0
+
+
 def cmd_rxe(args: argparse.Namespace) -> int:
     from blockd.rdma.rxe import rxe_main
     return rxe_main(args.rxe_args)
@@ -307,7 +340,7 @@ COMMANDS = {
     "rxe": cmd_rxe, "install-units": cmd_install_units,
     "discover": cmd_discover, "connect": cmd_connect, "disconnect": cmd_disconnect,
     "list": cmd_list, "read": cmd_read, "write": cmd_write, "id-ctrl": cmd_id_ctrl,
-    "id-ns": cmd_id_ns,
+    "id-ns": cmd_id_ns, "mount": cmd_mount, "umount": cmd_umount, "mounts": cmd_mounts,
 }
 
 

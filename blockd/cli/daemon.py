@@ -13,6 +13,7 @@ import sys
 
 import structlog
 
+from blockd import eventloop
 from blockd import log as blog
 from blockd.config import ConfigError, load
 from blockd.sdnotify import Notifier
@@ -106,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "target":
-            return asyncio.run(run_target(args.config, args.log_format, args.log_level))
+            return eventloop.run(run_target(args.config, args.log_format, args.log_level))
         blog.setup(args.log_format, args.log_level)
-        return asyncio.run(run_initiator(args.socket, args.config))
+        return eventloop.run(run_initiator(args.socket, args.config))
     except ConfigError as exc:
         print(f"blockd: {exc}", file=sys.stderr)
         return 2
