@@ -10,21 +10,20 @@ from protocol.nvme import SGL_SIZE, SQE_SIZE
 NQN_FIELD = 256
 CONNECT_DATA_SIZE = 1024
 
-FABRICS_COMMAND = at_offsets(SQE_SIZE, [
+FABRICS_COMMAND_HEAD = [
     (0, "opcode", c.Int8ul),
     (1, "flags", c.Int8ul),
     (2, "cid", c.Int16ul),
     (4, "fctype", c.Int8ul),
     (24, "dptr", c.Bytes(SGL_SIZE)),
+]
+"""Rows every fabrics command (opcode 7Fh) starts with: FCTYPE replaces NSID."""
+
+FABRICS_COMMAND = at_offsets(SQE_SIZE, FABRICS_COMMAND_HEAD + [
     (40, "specific", c.Bytes(24)),
 ])
 
-CONNECT_COMMAND = at_offsets(SQE_SIZE, [
-    (0, "opcode", c.Int8ul),
-    (1, "flags", c.Int8ul),
-    (2, "cid", c.Int16ul),
-    (4, "fctype", c.Int8ul),
-    (24, "dptr", c.Bytes(SGL_SIZE)),
+CONNECT_COMMAND = at_offsets(SQE_SIZE, FABRICS_COMMAND_HEAD + [
     (40, "recfmt", c.Int16ul),
     (42, "qid", c.Int16ul),
     (44, "sqsize", c.Int16ul),
@@ -40,12 +39,7 @@ CONNECT_DATA = at_offsets(CONNECT_DATA_SIZE, [
     (512, "hostnqn", nul_padded(NQN_FIELD)),
 ])
 
-PROPERTY_COMMAND = at_offsets(SQE_SIZE, [
-    (0, "opcode", c.Int8ul),
-    (1, "flags", c.Int8ul),
-    (2, "cid", c.Int16ul),
-    (4, "fctype", c.Int8ul),
-    (24, "dptr", c.Bytes(SGL_SIZE)),
+PROPERTY_COMMAND = at_offsets(SQE_SIZE, FABRICS_COMMAND_HEAD + [
     (40, "attrib", c.Int8ul),
     (44, "offset", c.Int32ul),
     (48, "value", c.Int64ul),

@@ -64,12 +64,16 @@ CQE_FAST = fixed_layout(CQE)
 SGL_DATA_BLOCK_FAST = fixed_layout(SGL_DATA_BLOCK)
 
 # Views of the command-specific dwords (offsets are from the start of the 64-byte SQE).
-RW_COMMAND = at_offsets(SQE_SIZE, [
+NVM_COMMAND_HEAD = [
     (0, "opcode", c.Int8ul),
     (1, "flags", c.Int8ul),
     (2, "cid", c.Int16ul),
     (4, "nsid", c.Int32ul),
     (24, "dptr", c.Bytes(SGL_SIZE)),
+]
+"""Rows every admin and NVM command view starts with."""
+
+RW_COMMAND = at_offsets(SQE_SIZE, NVM_COMMAND_HEAD + [
     (40, "slba", c.Int64ul),
     (48, "nlb", c.Int16ul),
     (50, "control", c.Int16ul),
@@ -90,12 +94,7 @@ DSM_RANGE = c.Struct(
 DSM_RANGE_FAST = fixed_layout(DSM_RANGE)
 DSM_ATTR_DEALLOCATE = 1 << 2
 
-GET_LOG_PAGE_COMMAND = at_offsets(SQE_SIZE, [
-    (0, "opcode", c.Int8ul),
-    (1, "flags", c.Int8ul),
-    (2, "cid", c.Int16ul),
-    (4, "nsid", c.Int32ul),
-    (24, "dptr", c.Bytes(SGL_SIZE)),
+GET_LOG_PAGE_COMMAND = at_offsets(SQE_SIZE, NVM_COMMAND_HEAD + [
     (40, "lid", c.Int8ul),
     (41, "lsp_rae", c.Int8ul),
     (42, "numdl", c.Int16ul),
@@ -105,12 +104,7 @@ GET_LOG_PAGE_COMMAND = at_offsets(SQE_SIZE, [
     (59, "csi", c.Int8ul),
 ])
 
-IDENTIFY_COMMAND = at_offsets(SQE_SIZE, [
-    (0, "opcode", c.Int8ul),
-    (1, "flags", c.Int8ul),
-    (2, "cid", c.Int16ul),
-    (4, "nsid", c.Int32ul),
-    (24, "dptr", c.Bytes(SGL_SIZE)),
+IDENTIFY_COMMAND = at_offsets(SQE_SIZE, NVM_COMMAND_HEAD + [
     (40, "cns", c.Int8ul),
     (42, "cntid", c.Int16ul),
     (44, "cnssid", c.Int16ul),
