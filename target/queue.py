@@ -159,6 +159,8 @@ class TargetQueue:
             log.exception("command failed", cid=req.cid, opcode=req.opcode, qid=self.qid)
             req.status = Status.INTERNAL_ERROR
         if req.state is RequestState.EXECUTING:
+            if req.status == Status.SUCCESS and req.direction is Direction.CONTROLLER_TO_HOST and req.data is None:
+                req.status = Status.SGL_INVALID_DATA_LENGTH  # a data buffer on a command that returns none
             if req.status == Status.SUCCESS and req.direction is Direction.CONTROLLER_TO_HOST:
                 req.state = RequestState.SENDING_DATA
             else:
