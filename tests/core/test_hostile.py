@@ -380,3 +380,42 @@ def test_data_digest_error_fails_command_only(tmp_path: Path) -> None:
         await conn.close()
 
     check_survives(tmp_path, attack)
+
+
+def test_header_digest_error_terminates(tmp_path: Path) -> None:
+    async def attack(port: int) -> None:
+        conn = await RawConn.open(port)
+        await conn.initialize(dgst=1)
+        bad = bytearray(capsule(connect_sqe(), connect_data(), hdgst=True))
+        bad[72] ^= 0x01  # first byte of the header digest
+        conn.send(bytes(bad))
+        await expect_termination(conn, 3, 0)
+
+    check_survives(tmp_path, attack)
+
+
+def test_queue_depth_overflow(tmp_path: Path) -> None:
+    """More commands than the negotiated SQ size: the excess fail, the queue keeps working."""
+    async def attack(port: int) -> None:
+        admin, cntlid = await raw_admin(port)
+        io = await RawConn.open(port)
+        await io.initialize()
+        status, *_ = await io.command(connect_sqe(qid=1, sqsize=3), connect_data(cntlid=cntlid))
+        assert status == 0
+        # 64 reads in one TCP write on a 4-entry queue: each completes, successfully or with
+        # Command Sequence Error, and nothing else happens.
+        io.send(b"".join(capsule(build_sqe(0x02, cid, nsid=1, dptr=transport_sgl(512))) for cid in range(64)))
+        statuses = {}
+        while len(statuses) < 64:
+            pdu = await io.recv()
+            assert pdu is not None
+            if pdu.ptype == PduType.CAPSULE_RESP:
+                cid, status = struct.unpack_from("<HH", pdu.header, 20)
+                statuses[cid] = status
+        assert set(statuses.values()) <= {0, 0x8018}
+        status, _, _, got = await io.command(_rw(0x02, 0, 1))
+        assert status == 0 and len(got) == 512
+        await io.close()
+        await admin.close()
+
+    check_survives(tmp_path, attack)
