@@ -1,0 +1,547 @@
+"""NVMe/RDMA transport of the target: one RC queue pair per NVMe queue, driven by asyncio.
+
+It only moves data; the NVMe core (:class:`target.queue.TargetQueue`) validates and executes.
+
+* Listening: one rdma_cm listener per local IP (never the wildcard: pyverbs 44 segfaults on
+  it; a wildcard port listens on every IPv4 address of a netdev that has an RDMA device).
+* Connect request: the NVMe-oF private data is checked (RECFMT, QID, HSQSIZE, HRQSIZE; admin
+  HSQSIZE+1 <= 32) and a bad one rejected with its NVMe-oF STS.  Otherwise a CQ and an external
+  QP are created on the request's device, HSQSIZE+1 receives of 64 (+4096 in-capsule bytes on
+  I/O queues; the admin queue takes 64-byte capsules only, as nvmet) are posted *before* the
+  accept, which carries CRQSIZE = HSQSIZE+1.
+* Command (RECV): the SQE and any in-capsule data go to ``queue.submit``.  Host-to-controller
+  data behind a keyed SGL is fetched with one RDMA READ of exactly the SGL's (validated)
+  address/length/key into a registered slot, at most ``initiator_depth`` READs in flight per QP
+  (the rest wait in FIFO order); then ``data_received`` + ``execute``.
+* Reply: controller-to-host data is copied into a registered slot and RDMA WRITTEN to the SGL's
+  address/key (never more than the SGL length), chained with the 16-byte response SEND; the
+  command's receive buffer is re-posted before that SEND.  SEND_WITH_INV carries the
+  command's key only when the host asked for it (SGL id 0x4F with data).
+* Failures: a failed RDMA READ fails its command with DATA TRANSFER ERROR where the
+  connection still lives; a remote access error (bad key/address from the host) moves an RC
+  QP to the error state, so that host's queue is torn down -- every other connection is
+  untouched.
+
+Data buffers come from per-device registered pools in three size classes
+(:class:`blockd.rdma.slots.SlotClasses`), shared by all connections on that device; receive
+and response buffers are per connection.  Nothing is registered per I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ctypes
+import ipaddress
+import os
+import socket
+from typing import Any
+
+import structlog
+
+from target.controller import MQES
+from target.queue import MAX_TRANSFER, TargetQueue
+from target.request import Request, RequestState
+from target.target import ADMIN_QUEUE_MAX, RDMA_INLINE, PortInfo, Target
+
+log = structlog.get_logger("blockd.target.rdma")
+
+SQE_SIZE = 64
+CQE_SIZE = 16
+_KIND_SHIFT = 48
+_RECV, _READ, _SEND = 1, 2, 3
+_MASK = (1 << _KIND_SHIFT) - 1
+_SGL_KEYED = (0x40, 0x4F)
+_SGL_INVALIDATE = 0x4F
+
+# shared data buffers per device: (slot size, count); 2 + 4 + 8 MiB registered once
+DATA_CLASSES = [(8192, 256), (128 << 10, 32), (MAX_TRANSFER, 8)]
+
+_data_slots: dict[str, Any] = {}
+
+
+def _device_slots(dev):
+    from blockd.rdma.slots import SlotClasses
+    s = _data_slots.get(dev.name)
+    if s is None or s.closed:
+        s = _data_slots[dev.name] = SlotClasses(dev, DATA_CLASSES)
+    return s
+
+
+def rdma_netdev_addresses() -> dict[str, str]:
+    """IPv4 address -> RDMA device name, for every netdev an RDMA device sits on."""
+    base = "/sys/class/infiniband"
+    netdevs: dict[str, str] = {}
+    try:
+        devs = os.listdir(base)
+    except OSError:
+        return {}
+    for dev in devs:
+        ports = os.path.join(base, dev, "ports")
+        for port in os.listdir(ports) if os.path.isdir(ports) else []:
+            nd = os.path.join(ports, port, "gid_attrs", "ndevs")
+            for ent in os.listdir(nd) if os.path.isdir(nd) else []:
+                try:
+                    with open(os.path.join(nd, ent)) as f:
+                        name = f.read().strip()
+                except OSError:
+                    continue
+                if name:
+                    netdevs.setdefault(name, dev)
+    out: dict[str, str] = {}
+    if not netdevs:
+        return out
+    from pyroute2 import IPRoute
+    with IPRoute() as ipr:
+        names = {link["index"]: link.get_attr("IFLA_IFNAME") for link in ipr.get_links()}
+        for msg in ipr.get_addr(family=socket.AF_INET):
+            name = names.get(msg["index"])
+            addr = msg.get_attr("IFA_LOCAL") or msg.get_attr("IFA_ADDRESS")
+            if name in netdevs and addr:
+                out[addr] = netdevs[name]
+    return out
+
+
+def _peer_of(cmid) -> str:
+    """The peer's IPv4 address:port from the raw rdma_cm_id (route.addr.dst_addr @160)."""
+    try:
+        from blockd.rdma import _raw
+        base = _raw.raw_ptr(cmid) + 160
+        raw = ctypes.string_at(base, 8)
+        if int.from_bytes(raw[0:2], "little") == socket.AF_INET:
+            return f"{socket.inet_ntoa(raw[4:8])}:{int.from_bytes(raw[2:4], 'big')}"
+    except Exception:  # best effort, only for logs
+        pass
+    return ""
+
+
+class _Cmd:
+    """Transport state of one command: its receive slot, data slot, send token."""
+
+    __slots__ = ("req", "recv", "data", "nbytes")
+
+    def __init__(self, req: Request, recv: int) -> None:
+        self.req = req
+        self.recv = recv
+        self.data = None
+        self.nbytes = 0
+
+
+class RdmaTargetConnection:
+    """One accepted NVMe/RDMA queue (admin or I/O)."""
+
+    def __init__(self, listener: "RdmaListener", creq) -> None:
+        from blockd.rdma.verbs import open_device
+        nv = creq.nvme
+        self.listener = listener
+        self.tasks = listener.tasks
+        self.depth = nv.hsqsize + 1
+        self.inline = 0 if nv.qid == 0 else RDMA_INLINE
+        self.loop = asyncio.get_running_loop()
+        self.dev = dev = open_device(creq.dev_name)
+        self.data = _device_slots(dev)
+        depth = self.depth
+        self.cq = dev.create_cq(6 * depth + 16)
+        self.recv_pool = dev.create_pool(SQE_SIZE + self.inline, depth)
+        self.resp_pool = dev.create_pool(CQE_SIZE, 2 * depth)
+        self.qp = dev.create_qp(self.cq, max_send_wr=4 * depth + 8, max_recv_wr=depth + 1)
+        self.closing = False
+        self.destroyed = False
+        self._held: list = []
+        self.cm = None
+        self.reads_in_flight = 0
+        self.read_wait: collections.deque[_Cmd] = collections.deque()
+        self.resp_wait: collections.deque[tuple[_Cmd, bytes, int]] = collections.deque()
+        self.tokens: dict[int, _Cmd] = {}
+        self._next_token = 0
+        self.cmds: set[_Cmd] = set()
+        self.executing = 0
+        self._idle: asyncio.Event = asyncio.Event()
+        self._idle.set()
+        self.peer = _peer_of(creq.cmid)
+        port = listener.port
+        self.queue = TargetQueue(listener.target, "rdma", port.port_id, self.inline, self.close,
+                                 peer=self.peer, local_address=creq.listener.addr)
+        try:
+            self.cm = creq.accept_nvme(self.qp, crqsize=depth, before_rtr=self._post_all_recvs,
+                                       on_disconnect=self._cm_closed)
+        except Exception:
+            self._destroy()
+            raise
+        self.cq.attach(self.loop, self._completions)
+        log.info("rdma queue accepted", peer=self.peer, qid=nv.qid, depth=depth,
+                 inline=self.inline, initiator_depth=self.cm.initiator_depth, dev=dev.name)
+
+    # -- receives -------------------------------------------------------------------------------
+
+    def _post_all_recvs(self, qp) -> None:
+        for s in self.recv_pool.slots:
+            qp.post_recv((_RECV << _KIND_SHIFT) | s.index, *s.sge())
+
+    def _repost(self, idx: int) -> None:
+        s = self.recv_pool.slots[idx]
+        self.qp.post_recv((_RECV << _KIND_SHIFT) | idx, *s.sge())
+
+    def _token(self, cmd: _Cmd) -> int:
+        t = self._next_token
+        self._next_token = (t + 1) & _MASK
+        self.tokens[t] = cmd
+        return t
+
+    # -- completions ----------------------------------------------------------------------------
+
+    def _completions(self, wcs: list) -> None:
+        for wc in wcs:
+            kind = wc.wr_id >> _KIND_SHIFT
+            idx = wc.wr_id & _MASK
+            try:
+                if kind == _RECV:
+                    if wc.status:
+                        if not self.closing:
+                            self._fatal(f"receive failed: status {wc.status}")
+                        continue
+                    if not self.closing:
+                        self._command(idx, wc.byte_len)
+                elif kind == _READ:
+                    self._read_done(idx, wc.status)
+                elif kind == _SEND:
+                    self._send_done(idx, wc.status)
+            except Exception as exc:  # never let one completion stall the rest
+                log.exception("rdma completion handling failed", peer=self.peer)
+                self._fatal(f"internal error: {exc}")
+
+    def _fatal(self, why: str) -> None:
+        if not self.closing:
+            log.warning("closing rdma queue", peer=self.peer, qid=self.queue.qid, reason=why)
+        self.close()
+
+    def _command(self, idx: int, nbytes: int) -> None:
+        if nbytes < SQE_SIZE:
+            self._fatal(f"capsule of {nbytes} bytes is shorter than an SQE")
+            return
+        view = self.recv_pool.slots[idx].view
+        incapsule = view[SQE_SIZE:nbytes] if nbytes > SQE_SIZE else None
+        req = self.queue.submit(view[:SQE_SIZE], incapsule)
+        cmd = _Cmd(req, idx)
+        self.cmds.add(cmd)
+        state = req.state
+        if state is RequestState.EXECUTING:
+            self._start(cmd)
+        elif state is RequestState.NEED_DATA:
+            if self.cm.initiator_depth == 0 or req.sgl_id not in _SGL_KEYED:
+                self.queue.data_failed(req)  # the host offered no RDMA READ service
+                self._finish(cmd)
+            else:
+                self.data.get(req.length, lambda slot, cmd=cmd: self._read_slot(cmd, slot))
+        else:
+            self._finish(cmd)
+
+    # -- host-to-controller data: RDMA READ -----------------------------------------------------
+
+    def _read_slot(self, cmd: _Cmd, slot) -> None:
+        if self.closing:
+            self.data.put(slot)  # never posted: free at once
+            return
+        cmd.data = slot
+        self.read_wait.append(cmd)
+        self._pump_reads()
+
+    def _pump_reads(self) -> None:
+        limit = self.cm.initiator_depth
+        while self.read_wait and self.reads_in_flight < limit and not self.closing:
+            cmd = self.read_wait.popleft()
+            req = cmd.req
+            slot = cmd.data
+            tok = self._token(cmd)
+            try:
+                # exactly the SGL the core validated: address, key, length (<= MAX_TRANSFER)
+                self.qp.post_rdma_read((_READ << _KIND_SHIFT) | tok, slot.addr, req.length,
+                                       slot.lkey, rkey=req.sgl_key, raddr=req.sgl_address)
+            except Exception as exc:
+                self.tokens.pop(tok, None)
+                self.queue.data_failed(req)
+                self._finish(cmd)
+                log.warning("RDMA READ post failed", peer=self.peer, error=str(exc))
+                continue
+            self.reads_in_flight += 1
+
+    def _read_done(self, tok: int, status: int) -> None:
+        cmd = self.tokens.pop(tok, None)
+        self.reads_in_flight -= 1
+        if cmd is None:
+            return
+        if self.closing:
+            self._drop(cmd)
+            return
+        req = cmd.req
+        if status:
+            log.warning("RDMA READ from host failed", peer=self.peer, cid=req.cid,
+                        status=status, addr=hex(req.sgl_address), key=hex(req.sgl_key),
+                        length=req.length)
+            self.queue.data_failed(req)
+            self._finish(cmd)
+            # an RC requester error puts the QP in the error state: the queue is gone
+            self._fatal(f"RDMA READ failed with status {status}")
+        else:
+            req.data = cmd.data.view[:req.length]  # zero copy: the core reads it in place
+            self.queue.data_received(req)
+            self._start(cmd)
+        self._pump_reads()
+
+    # -- execution and replies ------------------------------------------------------------------
+
+    def _start(self, cmd: _Cmd) -> None:
+        self.executing += 1
+        self._idle.clear()
+        task = self.loop.create_task(self._execute(cmd))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _execute(self, cmd: _Cmd) -> None:
+        try:
+            await self.queue.execute(cmd.req)
+        finally:
+            self.executing -= 1
+            if not self.executing:
+                self._idle.set()
+        if self.closing:
+            self._drop(cmd)
+            return
+        req = cmd.req
+        if req.state is RequestState.SENDING_DATA:
+            n = min(len(req.data), req.length)
+            if req.sgl_id not in _SGL_KEYED or n == 0:
+                req.fail(0x06)  # internal error: nowhere to put the data
+                self._finish(cmd)
+                return
+            cmd.nbytes = n
+            if cmd.data is not None and cmd.data.size >= n:
+                self._write_slot(cmd, cmd.data)
+            else:
+                if cmd.data is not None:
+                    self.data.put(cmd.data)
+                    cmd.data = None
+                self.data.get(n, lambda slot, cmd=cmd: self._write_slot(cmd, slot))
+            return
+        self._finish(cmd)
+
+    def _write_slot(self, cmd: _Cmd, slot) -> None:
+        if self.closing:
+            self.data.put(slot)
+            return
+        cmd.data = slot
+        n = cmd.nbytes
+        slot.view[:n] = memoryview(cmd.req.data)[:n]
+        self._finish(cmd)
+
+    def _finish(self, cmd: _Cmd) -> None:
+        """Build the CQE and send it (after the RDMA WRITE of any read data)."""
+        req = cmd.req
+        write = 0
+        if req.state is RequestState.SENDING_DATA:
+            self.queue.data_sent(req)
+            write = cmd.nbytes
+        cqe = self.queue.completion(req)
+        self.resp_wait.append((cmd, cqe, write))
+        self._pump_responses()
+
+    def _pump_responses(self) -> None:
+        pool = self.resp_pool
+        while self.resp_wait and pool.available and not self.closing:
+            cmd, cqe, write = self.resp_wait.popleft()
+            req = cmd.req
+            rslot = pool.get()
+            rslot.view[:CQE_SIZE] = cqe
+            cmd.nbytes = rslot.index  # from here on: the response slot index
+            tok = self._token(cmd)
+            import pyverbs.enums as e
+            ops = []
+            if write:
+                ops.append(dict(wr_id=0, opcode=e.IBV_WR_RDMA_WRITE, signaled=False,
+                                sge=(cmd.data.addr, write, cmd.data.lkey),
+                                rkey=req.sgl_key, raddr=req.sgl_address))
+            send = dict(wr_id=(_SEND << _KIND_SHIFT) | tok, opcode=e.IBV_WR_SEND,
+                        sge=(rslot.addr, CQE_SIZE, rslot.lkey), signaled=True)
+            if req.sgl_id == _SGL_INVALIDATE and req.length:
+                send["opcode"] = e.IBV_WR_SEND_WITH_INV
+                send["invalidate_rkey"] = req.sgl_key
+            ops.append(send)
+            try:
+                self._repost(cmd.recv)  # before the response: the host may reuse the slot at once
+                cmd.recv = -1
+                self.qp.post_chain(ops)
+            except Exception as exc:
+                self.tokens.pop(tok, None)
+                pool.put(rslot)
+                self._drop(cmd)
+                self._fatal(f"posting the response failed: {exc}")
+                return
+
+    def _send_done(self, tok: int, status: int) -> None:
+        cmd = self.tokens.pop(tok, None)
+        if cmd is None:
+            return
+        self.resp_pool.put(self.resp_pool.slots[cmd.nbytes])
+        self._drop(cmd)
+        if status and not self.closing:
+            self._fatal(f"response SEND failed with status {status}")
+            return
+        self._pump_responses()
+
+    def _drop(self, cmd: _Cmd) -> None:
+        """The command is over (answered or abandoned): give back its data slot."""
+        self.cmds.discard(cmd)
+        if cmd.data is not None:
+            slot, cmd.data = cmd.data, None
+            if self.closing and not self.destroyed:
+                self._held.append(slot)  # maybe still posted: free once the QP is gone
+            else:
+                self.data.put(slot)
+
+    # -- teardown -------------------------------------------------------------------------------
+
+    def _cm_closed(self, _conn) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the connection (host gone, fatal error, controller shut down)."""
+        if self.closing:
+            return
+        self.closing = True
+        self._held = []
+        self.listener.connections.discard(self)
+        try:
+            self.queue.close()
+        except Exception:
+            log.exception("queue close failed")
+        if self.cm is not None:
+            self.cm.disconnect()
+        task = self.loop.create_task(self._teardown())
+        self.listener.teardowns.add(task)
+        task.add_done_callback(self.listener.teardowns.discard)
+
+    async def _teardown(self) -> None:
+        try:
+            try:
+                await asyncio.wait_for(self._idle.wait(), 10)
+            except asyncio.TimeoutError:
+                log.warning("commands still executing at teardown", peer=self.peer)
+            if self.cm is not None:
+                try:
+                    await asyncio.wait_for(asyncio.shield(self.cm.closed), 2)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self._destroy()
+
+    def _destroy(self) -> None:
+        self.cq.detach()
+        if self.cm is not None:
+            self.cm.close()  # destroys the QP: no more DMA into any of our buffers
+        else:
+            self.qp.close()
+        self.cq.close()
+        # data slots still owned by commands (READ sinks / WRITE sources) are now free
+        held, self._held = self._held, []
+        for cmd in list(self.cmds):
+            if cmd.data is not None:
+                held.append(cmd.data)
+                cmd.data = None
+        self.cmds.clear()
+        self.tokens.clear()
+        self.read_wait.clear()
+        self.resp_wait.clear()
+        self.closing = True
+        self.destroyed = True
+        self.recv_pool.close()
+        self.resp_pool.close()
+        for slot in held:
+            self.data.put(slot)  # also serves other connections' waiters
+
+
+class RdmaListener:
+    """A listening NVMe/RDMA port (one rdma_cm listener per local IP)."""
+
+    def __init__(self, target: Target, port: PortInfo, tasks: set[asyncio.Task[None]]) -> None:
+        self.target = target
+        self.port = port
+        self.tasks = tasks
+        self.channel = None
+        self.listeners: list = []
+        self.connections: set[RdmaTargetConnection] = set()
+        self.teardowns: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        from blockd.rdma.cm import CmEventChannel
+        addr = self.port.address
+        # pyroute2's IPRoute runs its own event loop: keep it off ours
+        local = await asyncio.get_running_loop().run_in_executor(None, rdma_netdev_addresses)
+        wildcard = addr in ("", "0.0.0.0", "::") or ipaddress.ip_address(addr).is_unspecified
+        if wildcard:
+            addrs = sorted(local)
+            if not addrs:
+                raise OSError(f"rdma port {self.port.port_id}: no IPv4 address on an RDMA netdev "
+                              "(is an rxe link or RDMA NIC up?)")
+        else:
+            if addr not in local:
+                # pyverbs 44 crashes binding an address without an RDMA device: check first
+                raise OSError(f"rdma port {self.port.port_id}: {addr} is not on a netdev with an "
+                              f"RDMA device (RDMA addresses: {', '.join(sorted(local)) or 'none'})")
+            addrs = [addr]
+        self.channel = CmEventChannel(asyncio.get_running_loop())
+        try:
+            for a in addrs:
+                self.listeners.append(self.channel.listen(a, int(self.port.service),
+                                                          on_request=self._on_request))
+        except Exception:
+            self.channel.close()
+            self.channel = None
+            self.listeners = []
+            raise
+        log.info("listening", transport="rdma", address=",".join(addrs), port=self.port.service)
+
+    def _on_request(self, creq) -> None:
+        from protocol import rdma_cm as pcm
+        nv = creq.nvme
+        sts = None
+        if nv is None:
+            sts = creq.nvme_error.sts
+        elif nv.qid > self.target.max_io_queues:
+            sts = pcm.STS_INVALID_QID
+        elif nv.qid == 0 and nv.hsqsize + 1 > ADMIN_QUEUE_MAX:
+            sts = pcm.STS_INVALID_HSQSIZE
+        elif nv.hsqsize > MQES:
+            sts = pcm.STS_INVALID_HSQSIZE
+        elif nv.hrqsize == 0:
+            sts = pcm.STS_INVALID_HRQSIZE
+        if sts is not None:
+            log.warning("rejecting rdma connection", sts=sts,
+                        why=pcm.REJECT_STS.get(sts, "?"), request=str(nv))
+            try:
+                creq.reject_nvme(sts)
+            except Exception:
+                log.exception("reject failed")
+            return
+        try:
+            conn = RdmaTargetConnection(self, creq)
+        except Exception as exc:
+            log.exception("cannot accept rdma connection", error=str(exc))
+            if not creq.done:
+                try:
+                    creq.reject_nvme(pcm.STS_NO_RESOURCES)
+                except Exception:
+                    pass
+            return
+        self.connections.add(conn)
+
+    async def stop(self) -> None:
+        for lst in self.listeners:
+            lst.close()
+        self.listeners = []
+        for conn in list(self.connections):
+            conn.close()
+        if self.teardowns:
+            await asyncio.gather(*list(self.teardowns), return_exceptions=True)
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None

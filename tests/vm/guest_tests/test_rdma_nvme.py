@@ -1,0 +1,337 @@
+"""NVMe/RDMA: blockd's target and host against each other and against the Linux kernel (in the VM).
+
+Run from the host by tests/vm/test_rdma_nvme.py (one boot for the file).  The blockd target
+runs in-process (asyncio) or as ``python -m tests.vm.guest_tests.rdma_target`` until
+``blockd target --config`` takes rdma ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .util import ADDR0, RESULTS, Daemon, sh
+
+NQN = "nqn.2026-11.io.blockd:rdma"
+KNQN = "nqn.2026-11.io.blockd:kernel-rdma"
+BLOCK = 512
+SIZE = 32 << 20
+
+
+def _params(port: int, **kw):
+    from initiator.controller import ConnectParams
+    kw.setdefault("nr_io_queues", 2)
+    kw.setdefault("queue_size", 32)
+    return ConnectParams(traddr=ADDR0, subnqn=kw.pop("subnqn", NQN), trsvcid=port,
+                         transport="rdma", connect_timeout=20, command_timeout=60, **kw)
+
+
+async def _workload(ctrl, base_lba: int, seed: int) -> dict:
+    """Many commands in flight on every I/O queue: write, read back, verify."""
+    rnd = random.Random(seed)
+    sizes = [4096] * 48 + [512] * 8 + [16384] * 24 + [65536] * 16 + [1 << 20] * 2
+    rnd.shuffle(sizes)
+    chunks, lba = [], base_lba
+    for n in sizes:
+        chunks.append((lba, rnd.randbytes(n)))
+        lba += n // BLOCK
+    peak = 0
+
+    def sample():
+        nonlocal peak
+        peak = max(peak, sum(len(c.queue.pending) for c in ctrl.io))
+
+    t0 = time.monotonic()
+    tasks = [asyncio.ensure_future(ctrl.write(1, lba, data)) for lba, data in chunks]
+    await asyncio.sleep(0)
+    sample()
+    await asyncio.gather(*tasks)
+    t_write = time.monotonic() - t0
+    t0 = time.monotonic()
+    tasks = [asyncio.ensure_future(ctrl.read(1, lba, len(data) // BLOCK)) for lba, data in chunks]
+    await asyncio.sleep(0)
+    sample()
+    back = await asyncio.gather(*tasks)
+    t_read = time.monotonic() - t0
+    for (lba, data), got in zip(chunks, back):
+        assert bytes(got) == data, f"mismatch at lba {lba} ({len(data)} bytes)"
+    return {"commands": len(chunks), "bytes": sum(len(d) for _, d in chunks), "peak_in_flight": peak,
+            "write_s": round(t_write, 2), "read_s": round(t_read, 2), "end_lba": lba,
+            "chunks": chunks}
+
+
+def test_blockd_host_blockd_target(rxe, record_property):
+    """Controller.connect(transport="rdma") to an in-process blockd target: 2 I/O queues,
+    ~100 commands in flight (in-capsule 512 B/4 KiB, keyed 16 KiB-1 MiB), read back, verify."""
+    from initiator.controller import Controller
+    from tests.vm.guest_tests.rdma_target import serve
+
+    vol = "/dev/shm/rdma-blockd.img"
+    if os.path.exists(vol):
+        os.unlink(vol)
+
+    async def main():
+        async with serve(ADDR0, 4430, NQN, vol, SIZE):
+            ctrl = await Controller.connect(_params(4430))
+            try:
+                assert len(ctrl.io) == 2
+                modes = {c.key_mode for c in [ctrl.admin, *ctrl.io]}
+                record_property("key_mode", ",".join(sorted(modes)))
+                assert ctrl.io[0].inline_limit >= 4096 and ctrl.admin.inline_limit == 0
+                st = await _workload(ctrl, 0, 1)
+                assert st["peak_in_flight"] > 32, st["peak_in_flight"]
+                await ctrl.flush(1)
+            finally:
+                await ctrl.close()
+            return st
+
+    st = asyncio.run(asyncio.wait_for(main(), 240))
+    chunks = st.pop("chunks")
+    print(json.dumps(st))
+    for k, v in st.items():
+        record_property(k, v)
+    with open(vol, "rb") as f:
+        for lba, data in chunks[:20]:
+            f.seek(lba * BLOCK)
+            assert f.read(len(data)) == data
+
+
+@pytest.fixture(scope="module")
+def rdma_target_daemon(rxe):
+    vol = "/dev/shm/rdma-daemon.img"
+    if os.path.exists(vol):
+        os.unlink(vol)
+    d = Daemon("blockd-rdma-target", [sys.executable, "-m", "tests.vm.guest_tests.rdma_target",
+                                      ADDR0, "4431", NQN, vol, str(SIZE)])
+    deadline = time.monotonic() + 90
+    while "READY" not in d.log_path.read_text(errors="replace"):
+        if d.proc.poll() is not None or time.monotonic() > deadline:
+            d.stop()
+            raise AssertionError("rdma target did not start:\n" + d.log_tail())
+        time.sleep(0.3)
+    yield vol, d
+    d.stop()
+
+
+def test_khost_rdma_blockd_target(rdma_target_daemon, record_property):
+    """nvme connect -t rdma to blockd's target: identify, fio write+verify (4 KiB random =
+    in-capsule, 64 KiB = RDMA READ), the target's file holds the bytes, disconnect."""
+    vol, d = rdma_target_daemon
+    try:
+        out = sh(f"nvmeh_connect rdma {ADDR0} 4431 {NQN}", timeout=120)
+        dev = out.strip().splitlines()[-1]
+        ctrl = sh(f"nvmeh_ctrl {NQN}").strip()
+        assert sh(f"cat /sys/class/nvme/{ctrl}/transport").strip() == "rdma"
+        ic = json.loads(sh(f"nvme id-ctrl /dev/{ctrl} -o json"))
+        assert ic["subnqn"].strip() == NQN and ic["mn"].strip() == "blockd", ic
+        ns = json.loads(sh(f"nvme id-ns {dev} -o json"))
+        assert ns["nsze"] == SIZE // BLOCK
+        t0 = time.monotonic()
+        sh(f"fio --name=seq --filename={dev} --rw=write --bs=64k --size=4M --direct=1 "
+           "--ioengine=libaio --iodepth=8 --verify=crc32c --do_verify=1 --verify_fatal=1 "
+           "--output-format=terse >/dev/null", timeout=240)
+        sh(f"fio --name=rnd --filename={dev} --rw=randwrite --bs=4k --offset=8M --size=1M "
+           "--direct=1 --ioengine=libaio --iodepth=16 --verify=crc32c --do_verify=1 "
+           "--verify_fatal=1 --output-format=terse >/dev/null", timeout=240)
+        record_property("fio_s", round(time.monotonic() - t0, 1))
+        sh(f"dd if={dev} of=/dev/shm/khost-view bs=1M count=10 iflag=direct status=none && "
+           f"cmp -n {10 << 20} /dev/shm/khost-view {vol}")
+        sh(f"nvmeh_disconnect {NQN}")
+        assert not sh(f"nvmeh_ctrl {NQN} || true", check=False).strip()
+    except BaseException:
+        sh(f"nvme disconnect -n {NQN} || true", check=False)
+        print(d.log_tail(80))
+        raise
+    assert d.proc.poll() is None, "target died"
+
+
+def test_blockd_host_kernel_target(rxe, nvmet, record_property):
+    """blockd host -> the kernel's nvmet-rdma target: write, read back, verify; the kernel
+    target's backing file has the bytes (checks 0x4F + remote invalidation against nvmet)."""
+    from initiator.controller import Controller
+    vol = "/dev/shm/kernel-rdma.img"
+    sh(f"rm -f {vol} && truncate -s {SIZE} {vol} && nvmet_subsys {KNQN} KRDMA0001 && "
+       f"nvmet_ns_file {KNQN} 1 {vol} && nvmet_port 3 rdma {ADDR0} 4421 && nvmet_link 3 {KNQN}")
+
+    async def main():
+        ctrl = await Controller.connect(_params(4421, subnqn=KNQN))
+        try:
+            record_property("key_mode", ctrl.io[0].key_mode)
+            st = await _workload(ctrl, 0, 2)
+            await ctrl.flush(1)
+        finally:
+            await ctrl.close()
+        return st
+
+    st = asyncio.run(asyncio.wait_for(main(), 240))
+    chunks = st.pop("chunks")
+    print(json.dumps(st))
+    for k, v in st.items():
+        record_property(k, v)
+    with open(vol, "rb") as f:
+        for lba, data in chunks[:20]:
+            f.seek(lba * BLOCK)
+            assert f.read(len(data)) == data
+
+
+# -- hostile host ---------------------------------------------------------------------------------
+
+async def _raw(conn, sqe: bytes, payload: bytes = b"", timeout: float = 15):
+    """Post a hand-made capsule on a blockd host queue; the response's status (or raise)."""
+    from initiator.queue import HostCommand
+    cmd = HostCommand(bytearray(sqe))
+    cmd.future = asyncio.get_running_loop().create_future()
+    conn.queue.start(cmd)
+    st = conn.slots[cmd.cid]
+    st.reset()
+    st.cmd = cmd
+    cslot = conn.cmd_pool.slots[cmd.cid]
+    cslot.view[:64] = cmd.sqe
+    cslot.view[64:64 + len(payload)] = payload
+    conn.qp.post_send((2 << 48) | cmd.cid, cslot.addr, 64 + len(payload), cslot.lkey)
+    got = await asyncio.wait_for(cmd.future, timeout)
+    return got.status
+
+
+def _write_sqe(lba: int, nblocks: int, sgl: bytes) -> bytes:
+    from protocol.nvme import build_sqe
+    return build_sqe(0x01, 0, nsid=1, dptr=sgl, cdw10=lba, cdw12=nblocks - 1)
+
+
+def _read_sqe(lba: int, nblocks: int, sgl: bytes) -> bytes:
+    from protocol.nvme import build_sqe
+    return build_sqe(0x02, 0, nsid=1, dptr=sgl, cdw10=lba, cdw12=nblocks - 1)
+
+
+async def _wait_closed(conn, timeout=20):
+    deadline = time.monotonic() + timeout
+    while not conn.closed:
+        assert time.monotonic() < deadline, "hostile queue was not torn down"
+        await asyncio.sleep(0.05)
+
+
+def test_hostile_host(rxe, record_property):
+    """A host sending bad lengths/SGL types gets NVMe errors; bad keys/addresses (RDMA READ and
+    WRITE) get its queue torn down; nothing it targeted is written; meanwhile and afterwards
+    another host keeps writing and verifying through the same target."""
+    from initiator.controller import Controller
+    from protocol.nvme import build_sgl_data_block, build_sgl_keyed
+    from protocol.status import Status
+    from tests.vm.guest_tests.rdma_target import serve
+
+    vol = "/dev/shm/rdma-hostile.img"
+    if os.path.exists(vol):
+        os.unlink(vol)
+    VICTIM = 4096  # LBA range the hostile host aims at
+    events = []
+
+    async def good_loop(ctrl, stop):
+        rounds = 0
+        while not stop.is_set():
+            st = await _workload(ctrl, 20000 + (rounds % 2) * 6000, 100 + rounds)
+            rounds += 1
+        return rounds
+
+    async def hostile(mode: str):
+        p = _params(4432, nr_io_queues=1, ctrl_loss_tmo=0, reconnect_delay=0.1)
+        os.environ["BLOCKD_RDMA_KEYS"] = mode
+        try:
+            return await Controller.connect(p)
+        finally:
+            os.environ.pop("BLOCKD_RDMA_KEYS", None)
+
+    async def main():
+        async with serve(ADDR0, 4432, NQN, vol, SIZE) as (target, listener):
+            good = await Controller.connect(_params(4432))
+            victim_before = bytes(await good.read(1, VICTIM, 64))
+            stop = asyncio.Event()
+            gtask = asyncio.ensure_future(good_loop(good, stop))
+
+            # 1. protocol-level garbage: NVMe errors, the queue lives on
+            h = await hostile("mr")
+            q = h.io[0]
+            slot = q.data.try_get(8192)
+            key = slot.rkey
+            cases = {
+                "length != NLB": (_write_sqe(VICTIM, 8, build_sgl_keyed(slot.addr, 8192 + 512, key)), b""),
+                "length 16 MiB": (_write_sqe(VICTIM, 8, build_sgl_keyed(slot.addr, 0xFFFFFF, key)), b""),
+                "read too short": (_read_sqe(VICTIM, 8, build_sgl_keyed(slot.addr, 512, key)), b""),
+                "incapsule offset": (_write_sqe(VICTIM, 1, build_sgl_data_block(0x01, 8, 512)), bytes(512)),
+                "incapsule missing": (_write_sqe(VICTIM, 8, build_sgl_data_block(0x01, 0, 4096)), b""),
+                "incapsule too big": (_write_sqe(VICTIM, 16, build_sgl_data_block(0x01, 0, 8192)), b""),
+                "tcp sgl type": (_write_sqe(VICTIM, 8, build_sgl_data_block(0x5A, 0, 4096)), b""),
+                "zero sgl": (_write_sqe(VICTIM, 8, bytes(16)), b""),
+            }
+            for name, (sqe, payload) in cases.items():
+                status = await _raw(q, sqe, payload)
+                events.append(f"{name}: status {status:#x}")
+                assert status != 0, name
+            assert not q.closed
+            # 2. bad key on a write: the target's RDMA READ fails -> the hostile queue dies
+            await _raw_expect_death(q, _write_sqe(VICTIM, 8, build_sgl_keyed(slot.addr, 4096, key ^ 0x00ABCD00)))
+            events.append("bad key write: queue torn down")
+            await asyncio.wait_for(h.close(), 20)
+
+            # 3. bad address (right key, outside the registered pool) on a write
+            h = await hostile("mr")
+            q = h.io[0]
+            top = max(p.base + p.length for p in q.data.pools)
+            await _raw_expect_death(q, _write_sqe(VICTIM, 8, build_sgl_keyed(top + (1 << 20), 4096, q.data.pools[0].rkey)))
+            events.append("bad address write: queue torn down")
+            await asyncio.wait_for(h.close(), 20)
+
+            # 4. bad key on a read: the target's RDMA WRITE fails
+            h = await hostile("mr")
+            q = h.io[0]
+            await _raw_expect_death(q, _read_sqe(VICTIM, 8, build_sgl_keyed(q.data.pools[0].base, 4096, 0x12345678)))
+            events.append("bad key read: queue torn down")
+            await asyncio.wait_for(h.close(), 20)
+
+            # 5. with memory windows: a stale key (of a completed command) is dead
+            h = await hostile("auto")
+            q = h.io[0]
+            if q.key_mode == "mw":
+                before = [w.rkey for w in q.windows]
+                await h.write(1, 50000, b"\x11" * 4096)
+                used = [w for w, k in zip(q.windows, before) if w.rkey != k]
+                assert len(used) == 1, "one window bound for one keyed write"
+                stale = used[0].rkey
+                events.append(f"stale MW key {stale:#x}")
+                await _raw_expect_death(q, _write_sqe(VICTIM, 8, build_sgl_keyed(
+                    q.data.pools[0].base, 4096, stale, 0x40)))
+                events.append("stale MW key write: queue torn down")
+            await asyncio.wait_for(h.close(), 20)
+
+            await asyncio.sleep(0.5)
+            stop.set()
+            rounds = await gtask
+            assert rounds >= 1
+            # the victim range is untouched and the target still serves new hosts
+            assert bytes(await good.read(1, VICTIM, 64)) == victim_before
+            await good.close()
+            again = await Controller.connect(_params(4432, nr_io_queues=1))
+            await _workload(again, 40000, 7)
+            await again.close()
+            live = [c for c in listener.connections if not c.closing]
+            return rounds, len(target.controllers), len(live)
+
+    rounds, ctrls, live = asyncio.run(asyncio.wait_for(main(), 240))
+    print("\n".join(events))
+    record_property("good_rounds", rounds)
+    record_property("events", "; ".join(events))
+
+
+async def _raw_expect_death(conn, sqe):
+    try:
+        status = await _raw(conn, sqe, timeout=15)
+    except (asyncio.TimeoutError, ConnectionError, Exception) as exc:  # queue lost: the future may never resolve
+        status = repr(exc)
+    await _wait_closed(conn)
+    assert status != 0, "a command with a bad key/address succeeded"

@@ -1,0 +1,27 @@
+"""NVMe/RDMA transport (target/rdma.py, initiator/rdma.py) over rxe in one VM boot.
+
+Twins of tests/vm/guest_tests/test_rdma_nvme.py.
+"""
+
+import pytest
+
+pytestmark = pytest.mark.vm
+
+GUEST_TESTS = "tests/vm/guest_tests/test_rdma_nvme.py"
+VM_TIMEOUT = 420
+
+
+def test_blockd_host_blockd_target(guest_case):
+    """blockd host -> blockd target: 2 I/O queues, ~100 commands in flight, write/read/verify."""
+
+
+def test_khost_rdma_blockd_target(guest_case):
+    """kernel nvme-rdma host -> blockd target: identify, fio write+verify, disconnect."""
+
+
+def test_blockd_host_kernel_target(guest_case):
+    """blockd host -> kernel nvmet-rdma target: write/read/verify."""
+
+
+def test_hostile_host(guest_case):
+    """bad lengths -> NVMe errors; bad keys/addresses -> that queue torn down; others unharmed."""
