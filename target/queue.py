@@ -67,7 +67,7 @@ class TargetQueue:
         if req.opcode == _FABRICS:
             fctype = req.sqe[4]
             if fctype != FabricsType.CONNECT and ctrl is None:
-                req.fail(Status.COMMAND_SEQUENCE_ERROR)
+                req.fail(Status.INVALID_OPCODE)  # as nvmet_parse_connect_cmd
                 return req
             direction = Direction.HOST_TO_CONTROLLER if fctype & 1 else Direction.CONTROLLER_TO_HOST
         elif ctrl is None:

@@ -201,7 +201,7 @@ COMMAND_CASES: dict[str, tuple] = {
     "identify-before-connect": ("fresh", _sqe(0x06, nsid=0, sgl=transport_sgl(4096), cdw10=1), b"", 0x8002),
     "read-before-connect": ("fresh", _rw(0x02, 0, 1), b"", 0x8002),
     "write-before-connect": ("fresh", _rw(0x01, 0, 1, sgl_id=1), W512, 0x8002),
-    "property-get-before-connect": ("fresh", prop_sqe(1, True, 0x1C), b"", 0x8018),
+    "property-get-before-connect": ("fresh", prop_sqe(1, True, 0x1C), b"", 0x8002),
     # Connect itself
     "connect-bad-recfmt": ("fresh", *_connect_raw(0, 31, 0xFFFF, recfmt=1), 0x8300),
     "connect-sqsize-zero": ("fresh", *_connect_raw(0, 0, 0xFFFF), 0x8304, 44),
