@@ -1,0 +1,172 @@
+"""Real ``blockd target`` + ``blockd initiator`` processes with a FUSE mount, for tests and benchmarks.
+
+``Stack(workdir).start()`` writes a target TOML for one namespace on a free loopback port,
+starts both daemons, connects (``blockctl connect``) and mounts (``blockctl mount``) the volume
+at ``workdir/mnt``, so the namespace is ``stack.file`` (``mnt/ns1``). Everything goes through
+the same CLI a user would type.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+NQN = "nqn.2026-11.io.blockd:fuse"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tool(name: str) -> str:
+    path = BIN / name
+    return str(path) if path.exists() else name
+
+
+def mounted(path: str | Path) -> bool:
+    path = os.path.realpath(path)
+    with open("/proc/mounts") as f:
+        return any(line.split()[1] == path for line in f)
+
+
+class Stack:
+    def __init__(self, workdir: str | Path, size: int = 256 << 20, block_size: int = 512,
+                 nr_io_queues: int = 4, queue_size: int = 128, ctrl_loss_tmo: float = 20.0,
+                 log_level: str = "info", backing: str | Path | None = None) -> None:
+        self.dir = Path(workdir)
+        self.size = size
+        self.block_size = block_size
+        self.nr_io_queues = nr_io_queues
+        self.queue_size = queue_size
+        self.ctrl_loss_tmo = ctrl_loss_tmo
+        self.log_level = log_level
+        self.port = free_port()
+        self.backing = Path(backing) if backing else self.dir / "vol.img"
+        self.socket = self.dir / "initiator.sock"
+        self.mnt = self.dir / "mnt"
+        self.file = self.mnt / "ns1"
+        self.target: subprocess.Popen | None = None
+        self.initiator: subprocess.Popen | None = None
+
+    # -- processes ------------------------------------------------------------------------------
+
+    def write_config(self) -> Path:
+        cfg = self.dir / "target.toml"
+        cfg.write_text(f"""
+[logging]
+level = "{self.log_level}"
+
+[[port]]
+transport = "tcp"
+address = "127.0.0.1"
+port = {self.port}
+
+[[subsystem]]
+nqn = "{NQN}"
+serial = "BLOCKDFUSE0001"
+model = "blockd fuse"
+allow_any_host = true
+
+[[subsystem.namespace]]
+nsid = 1
+path = "{self.backing}"
+size = {self.size}
+block_size = {self.block_size}
+""")
+        return cfg
+
+    def start_target(self) -> None:
+        cfg = self.dir / "target.toml"
+        if not cfg.exists():
+            self.write_config()
+        log = open(self.dir / "target.log", "ab")
+        self.target = subprocess.Popen([tool("blockd"), "target", "--config", str(cfg)],
+                                       stdout=log, stderr=log, cwd=REPO)
+        wait_tcp(self.port, self.target)
+
+    def stop_target(self, sig: int = signal.SIGKILL) -> None:
+        if self.target is not None and self.target.poll() is None:
+            self.target.send_signal(sig)
+            self.target.wait(10)
+        self.target = None
+
+    def start_initiator(self) -> None:
+        log = open(self.dir / "initiator.log", "ab")
+        self.initiator = subprocess.Popen([tool("blockd"), "initiator", "--socket", str(self.socket),
+                                           "--log-level", self.log_level],
+                                          stdout=log, stderr=log, cwd=REPO)
+        deadline = time.monotonic() + 20
+        while not self.socket.exists():
+            if self.initiator.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"initiator did not start:\n{self.log('initiator')}")
+            time.sleep(0.05)
+
+    def blockctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run([tool("blockctl"), "--socket", str(self.socket), *args],
+                              capture_output=True, text=True, timeout=60, cwd=REPO)
+        if check and proc.returncode:
+            raise RuntimeError(f"blockctl {' '.join(args)} failed: {proc.stderr.strip()}\n{self.log('initiator')}")
+        return proc
+
+    def connect(self, name: str = "vol") -> None:
+        self.blockctl("connect", "-a", "127.0.0.1", "-s", str(self.port), "-n", NQN, "--name", name,
+                      "-i", str(self.nr_io_queues), "-Q", str(self.queue_size),
+                      "-l", str(self.ctrl_loss_tmo))
+
+    def mount(self, name: str = "vol") -> None:
+        self.mnt.mkdir(exist_ok=True)
+        self.blockctl("mount", name, str(self.mnt))
+
+    def start(self) -> Stack:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.start_target()
+        self.start_initiator()
+        self.connect()
+        self.mount()
+        return self
+
+    def stop(self) -> None:
+        if self.initiator is not None and self.initiator.poll() is None:
+            self.initiator.send_signal(signal.SIGTERM)
+            try:
+                self.initiator.wait(15)
+            except subprocess.TimeoutExpired:
+                self.initiator.kill()
+                self.initiator.wait()
+        self.initiator = None
+        if mounted(self.mnt):
+            subprocess.run(["umount", "-l", str(self.mnt)], check=False)
+        self.stop_target(signal.SIGTERM)
+
+    def log(self, which: str, lines: int = 30) -> str:
+        path = self.dir / f"{which}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_tcp(port: int, proc: subprocess.Popen | None = None, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+                raise RuntimeError(f"nothing listens on 127.0.0.1:{port}") from None
+            time.sleep(0.05)
