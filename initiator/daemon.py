@@ -12,6 +12,7 @@ import structlog
 
 from initiator.control import CHUNK, socket_path
 from initiator.controller import ConnectError, ConnectParams, Controller
+from initiator.fuse import FuseMounts
 from initiator.queue import NvmeError, QueueLost
 
 log = structlog.get_logger("blockd.initiator.daemon")
@@ -31,12 +32,16 @@ class InitiatorDaemon:
         self.path = socket_path(path)
         self.connections: dict[str, Controller] = {}
         self.server: asyncio.base_events.Server | None = None
+        self.mounts = FuseMounts(self.connections, self.find)
         self.handlers: dict[str, Callable[..., Awaitable[dict[str, Any] | None]]] = {
             "connect": self.op_connect,
             "disconnect": self.op_disconnect,
             "list": self.op_list,
             "id-ctrl": self.op_id_ctrl,
             "id-ns": self.op_id_ns,
+            "mount": self.mounts.op_mount,
+            "umount": self.mounts.op_umount,
+            "mounts": self.mounts.op_mounts,
         }
 
     async def start(self) -> None:
@@ -55,6 +60,7 @@ class InitiatorDaemon:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
+        await self.mounts.stop()
         for name, ctrl in list(self.connections.items()):
             await ctrl.close()
             log.info("disconnected", name=name)
