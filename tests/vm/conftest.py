@@ -145,7 +145,8 @@ def vm_group(request) -> GroupRun:
     try:
         vm = harness.run(cmd, rw=[res], env={"BLOCKD_VM_RESULTS": str(res)}, timeout=timeout,
                          log_path=res / "console.log", cwd=harness.REPO,
-                         echo=os.environ.get("BLOCKD_VM_ECHO") == "1")
+                         echo=os.environ.get("BLOCKD_VM_ECHO") == "1",
+                         **({"systemd": True} if getattr(mod, "VM_SYSTEMD", False) else {}))
     except harness.VMError as e:
         pytest.fail(f"VM test bed could not start: {e}", pytrace=False)
     cases: dict[str, GuestCase] = {}

@@ -401,18 +401,60 @@ def _read_float(p: Path) -> float | None:
         return None
 
 
+# systemd mode: the command as a oneshot service of a target that the guest boots into
+# (systemd.unit=blockd-vm.target), so the host's enabled multi-user units do not start
+_SYSTEMD_SERVICE = """[Unit]
+Description=blockd VM test bed command
+After=basic.target
+
+[Service]
+Type=oneshot
+StandardInput=null
+StandardOutput=tty
+StandardError=tty
+TTYPath=/dev/console
+TimeoutStartSec=infinity
+ExecStartPre=/bin/sh -c 'cut -d" " -f1 /proc/uptime >/run/blockd-vm/t_start'
+ExecStart=/bin/bash /run/blockd-vm/cmd
+ExecStopPost=/bin/sh -c 'cut -d" " -f1 /proc/uptime >/run/blockd-vm/t_end; echo "$${EXIT_STATUS:-125}" >/run/blockd-vm/rc; sync; systemctl --force --force poweroff'
+"""
+_SYSTEMD_TARGET = """[Unit]
+Description=blockd VM test bed
+Requires=basic.target
+After=basic.target
+Wants=blockd-vm.service
+AllowIsolate=yes
+"""
+# units masked in systemd mode: binfmt_misc hangs the boot; timers would start apt & co.
+# (masking systemd-udev-trigger.service, which costs ~50 s of module loading under TCG, made
+# the boot hang after journald: not done.)  BLOCKD_VM_SYSTEMD_MASKS="..." replaces the list.
+SYSTEMD_MASKS = ("systemd-binfmt.service", "proc-sys-fs-binfmt_misc.automount", "timers.target")
+
+
+def _write_systemd_control(ctl: Path) -> str:
+    (ctl / "mode").write_text("systemd\n")
+    (ctl / "blockd-vm.service").write_text(_SYSTEMD_SERVICE)
+    (ctl / "blockd-vm.target").write_text(_SYSTEMD_TARGET)
+    masks = os.environ.get("BLOCKD_VM_SYSTEMD_MASKS")
+    names = masks.split() if masks is not None else SYSTEMD_MASKS
+    return " systemd.unit=blockd-vm.target systemd.show_status=0 " + " ".join(
+        f"systemd.mask={m}" for m in names)
+
+
 _POWER_DOWN = re.compile(r"^\[ *[0-9.]+\] reboot: Power down$")
 
 
 def run(cmd, *, rw: list[str | Path] = (), env: dict[str, str] | None = None,
         timeout: float | None = None, log_path: str | Path | None = None, echo: bool = False,
         cwd: str | Path | None = None, mem: int | None = None, smp: int | None = None,
-        verbose: bool = False, interactive: bool = False) -> VMResult:
+        verbose: bool = False, interactive: bool = False, systemd: bool = False) -> VMResult:
     """Boot a VM, run ``cmd`` (an argv list, or a str for ``bash -c``) and power off.
 
     ``rw``: host folders shared read-write at the same path.  The VM is killed after
     ``timeout`` seconds (rc 124) and, in any case, before this function returns or raises
     (KeyboardInterrupt included); if this process dies, the kernel kills qemu (PDEATHSIG).
+    ``systemd``: boot the host's systemd as PID 1 and run ``cmd`` as a oneshot service
+    (slow: ~1 min more boot under TCG; see docs/vm-testbed.md).
     """
     kernel, initrd = ensure_assets()
     mem = mem or int(os.environ.get("BLOCKD_VM_MEM", "2048"))
@@ -432,6 +474,8 @@ def run(cmd, *, rw: list[str | Path] = (), env: dict[str, str] | None = None,
         append = "console=ttyS0 panic=-1"
         if not verbose:
             append += " quiet loglevel=3"
+        if systemd:
+            append += _write_systemd_control(ctl)
         append += " " + os.environ.get("BLOCKD_VM_APPEND", "")
         serial = (["-chardev", "stdio,id=con0,signal=off", "-serial", "chardev:con0"]
                   if interactive else ["-serial", "stdio"])
@@ -532,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("-C", "--cwd", default=None, help="guest working directory (default: repo)")
         p.add_argument("-v", "--verbose", action="store_true",
                        help="kernel messages and the qemu command line")
+        p.add_argument("--systemd", action="store_true",
+                       help="the host's systemd as PID 1; the command runs as a service")
 
     pr = sub.add_parser("run", help="run CMD (or -c SNIPPET) in a fresh VM")
     common(pr)
@@ -560,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
             if not sys.stdin.isatty():
                 ap.error("shell needs a terminal")
             r = run("exec bash -l", rw=a.rw, env=env, timeout=a.timeout, cwd=cwd, mem=a.mem,
-                    smp=a.smp, verbose=a.verbose, interactive=True)
+                    smp=a.smp, verbose=a.verbose, interactive=True, systemd=a.systemd)
         else:
             cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
             if a.sh is not None:
@@ -570,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
             elif not cmd:
                 ap.error("nothing to run")
             r = run(cmd, rw=a.rw, env=env, timeout=a.timeout, log_path=a.log, echo=True,
-                    cwd=cwd, mem=a.mem, smp=a.smp, verbose=a.verbose)
+                    cwd=cwd, mem=a.mem, smp=a.smp, verbose=a.verbose, systemd=a.systemd)
     except VMError as e:
         log(f"error: {e}")
         return 125
