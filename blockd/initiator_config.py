@@ -17,11 +17,10 @@ Example::
     # hdr_digest = false
     # data_digest = false
 
-    # FUSE mounts (served by `blockctl mount`, not implemented yet: parsed and validated,
-    # then logged as skipped -- see BootConnections.mount_hook)
+    # FUSE mounts, as `blockctl mount vol1 /mnt/vol1` (initiator/fuse.py): made once the
+    # connection is up; the mount point must be an existing directory
     [[mount]]
     connection = "vol1"
-    nsid = 1
     mountpoint = "/mnt/vol1"
 
 The daemon connects every entry at start and keeps retrying one that fails (the target may
@@ -81,8 +80,6 @@ class ConnectionConfig:
 class MountConfig:
     connection: str
     mountpoint: str
-    nsid: int = 1
-    read_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,7 +94,7 @@ _CONN_TYPES: dict[str, tuple[type, ...]] = {
     "ctrl_loss_tmo": (int, float), "hdr_digest": (bool,), "data_digest": (bool,),
 }
 _MOUNT_TYPES: dict[str, tuple[type, ...]] = {
-    "connection": (str,), "mountpoint": (str,), "nsid": (int,), "read_only": (bool,)}
+    "connection": (str,), "mountpoint": (str,)}
 
 
 def _fields(table: Any, types: dict[str, tuple[type, ...]], required: tuple[str, ...],
@@ -202,11 +199,19 @@ class BootConnections:
                 await self.mount_hook(m)
 
     async def mount_hook(self, m: MountConfig) -> None:
-        """TODO(blockctl mount): FUSE-mount namespace ``m.nsid`` of ``m.connection`` at
-        ``m.mountpoint`` once the FUSE code exists (another engineer is writing `blockctl mount`).
-        Until then the entry is validated and logged, nothing is mounted."""
-        log.warning("FUSE mounts are not implemented yet; skipping", connection=m.connection,
-                    nsid=m.nsid, mountpoint=m.mountpoint)
+        """FUSE-mount ``m.connection`` at ``m.mountpoint`` through the daemon's mount table
+        (the `blockctl mount` request); a failure is logged, the connection stays."""
+        mounts = getattr(self.daemon, "mounts", None)
+        if mounts is None or not hasattr(mounts, "op_mount"):
+            log.warning("this initiator has no FUSE mounts; skipping", connection=m.connection,
+                        mountpoint=m.mountpoint)
+            return
+        try:
+            await mounts.op_mount(name=m.connection, mountpoint=m.mountpoint)
+            log.info("boot mount up", connection=m.connection, mountpoint=m.mountpoint)
+        except Exception as exc:  # MountError, OSError ...
+            log.error("boot mount failed", connection=m.connection, mountpoint=m.mountpoint,
+                      error=str(exc))
 
     async def stop(self) -> None:
         for t in self.tasks:
