@@ -69,6 +69,9 @@ MAX_WRITE = 1 << 20
 MAX_PAGES = MAX_WRITE // 4096
 MAX_BACKGROUND = 128
 BUFFER_SIZE = MAX_WRITE + 4096
+COPY_LIMIT = 64 << 10
+"""Writes up to this size are copied out of the request buffer; bigger ones take the buffer."""
+SPARE_BUFFERS = 8
 ROOT_ID = 1
 ATTR_TTL = 60
 WRITE_ZEROES_MAX_BLOCKS = 1 << 16
@@ -185,6 +188,7 @@ class FuseMount:
         self._buf = bytearray(BUFFER_SIZE)
         self._bufs = [self._buf]
         self._view = memoryview(self._buf)
+        self._spare: list[bytearray] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._init: asyncio.Future[None] | None = None
         self._last_error_log = 0.0
@@ -271,18 +275,17 @@ class FuseMount:
     # -- request loop ------------------------------------------------------------------------------
 
     def _on_readable(self) -> None:
-        fd = self.fd
+        # One request per callback: the fd is level-triggered, so the loop calls again at once
+        # when more are queued, and a lone request (QD1) costs no extra read ending in EAGAIN.
         view = self._view
-        for _ in range(32):
+        if True:
             try:
-                n = os.readv(fd, self._bufs)
-            except BlockingIOError:
+                n = os.readv(self.fd, self._bufs)
+            except (BlockingIOError, InterruptedError):
                 return
-            except InterruptedError:
-                continue
             except OSError as exc:
                 if exc.errno == errno.ENOENT:  # the request was interrupted before we read it
-                    continue
+                    return
                 if exc.errno == errno.ENODEV:  # unmounted (or the connection was aborted)
                     log.info("fuse connection closed by the kernel", mountpoint=self.mountpoint)
                     self.mounted = False
@@ -295,8 +298,14 @@ class FuseMount:
                 self.tasks[unique] = self._loop.create_task(self._read(unique, nodeid - 1, offset, size))
             elif opcode == WRITE:
                 fh, offset, size, _, _, _, _ = _unpack_rw(view, _HDR)
-                data = bytes(view[_RW_DATA:_RW_DATA + size])
-                self.tasks[unique] = self._loop.create_task(self._write(unique, nodeid - 1, offset, data))
+                if size <= COPY_LIMIT:
+                    data: bytes | memoryview = bytes(view[_RW_DATA:_RW_DATA + size])
+                    owned = None
+                else:  # big write: hand the request buffer itself to the task, read into another
+                    owned = self._buf
+                    data = view[_RW_DATA:_RW_DATA + size]
+                    self._take_buffer()
+                self.tasks[unique] = self._loop.create_task(self._write(unique, nodeid - 1, offset, data, owned))
             else:
                 try:
                     self._other(opcode, unique, nodeid, view[_HDR:n])
@@ -373,7 +382,13 @@ class FuseMount:
             await asyncio.gather(*(ctrl.write(info.nsid, (offset + pos) // bs, view[pos:pos + step])
                                    for pos in range(0, len(view), step)))
 
-    async def _write(self, unique: int, nsid: int, offset: int, data: bytes) -> None:
+    def _take_buffer(self) -> None:
+        self._buf = self._spare.pop() if self._spare else bytearray(BUFFER_SIZE)
+        self._bufs = [self._buf]
+        self._view = memoryview(self._buf)
+
+    async def _write(self, unique: int, nsid: int, offset: int, data: bytes | memoryview,
+                     owned: bytearray | None = None) -> None:
         try:
             ctrl, info = self._target(nsid)
             if info.read_only:
@@ -389,6 +404,8 @@ class FuseMount:
             self._fail(unique, exc, "write")
         finally:
             self.tasks.pop(unique, None)
+            if owned is not None and len(self._spare) < SPARE_BUFFERS:
+                self._spare.append(owned)
 
     def _range_lock(self, nsid: int) -> _RangeLocks:
         locks = self.locks.get(nsid)
