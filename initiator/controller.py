@@ -15,13 +15,13 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import structlog
 
 from initiator.queue import HostCommand, HostQueue, NvmeError, QueueLost
 from protocol.constants import (
-    DEFAULT_IO_PORT, DISCOVERY_NQN, DYNAMIC_CNTLID, AdminOpcode, Cns, FabricsType, FeatureId,
+    DEFAULT_IO_PORT, DISCOVERY_NQN, DYNAMIC_CNTLID, OAES_NS_ATTR, AdminOpcode, Cns, FabricsType, FeatureId,
     IoOpcode, LogPageId, Property,
 )
 from protocol.fabrics import CONNECT_DATA, IATTR_DATA
@@ -38,6 +38,8 @@ ADMIN_DEPTH = 32
 CC_ENABLE = 0x00460001
 CC_SHUTDOWN = 0x00464001
 MAX_ATTEMPTS = 5
+AER_TIMEOUT = 365 * 86400.0
+"""An Asynchronous Event Request stays outstanding until an event: no practical timeout."""
 
 _pack_sqe = SQE_FAST.pack
 _ZERO_SGL = bytes(16)
@@ -143,6 +145,9 @@ class Controller:
         """Connections of an association being set up: their commands fail, never retry."""
         self._reconnect_task: asyncio.Task[None] | None = None
         self._keep_alive_task: asyncio.Task[None] | None = None
+        self._aer_task: asyncio.Task[None] | None = None
+        self.namespace_listeners: list[Callable[[], None]] = []
+        """Called after a namespace-changed event has refreshed ``namespaces``."""
         self.failed: Exception | None = None
 
     # -- association ------------------------------------------------------------------------------
@@ -189,6 +194,9 @@ class Controller:
             if not discovery:
                 await self._open_io_queues()
                 await self._scan_namespaces()
+                if self.identity.oaes & OAES_NS_ATTR:
+                    await self._admin_command(AdminOpcode.SET_FEATURES, cdw10=FeatureId.ASYNC_EVENT_CONFIG,
+                                              cdw11=OAES_NS_ATTR)
         except BaseException:
             self._close_connections()
             raise
@@ -197,6 +205,8 @@ class Controller:
         self._live.set()
         if kato_ms and self._keep_alive_task is None:
             self._keep_alive_task = asyncio.get_running_loop().create_task(self._keep_alive())
+        if not discovery and self._aer_task is None and self.identity.oaes & OAES_NS_ATTR:
+            self._aer_task = asyncio.get_running_loop().create_task(self._async_events())
 
     async def _open_io_queues(self) -> None:
         p = self.params
@@ -215,13 +225,34 @@ class Controller:
 
     async def _scan_namespaces(self) -> None:
         raw = await self._identify(Cns.ACTIVE_NS_LIST, 0)
-        self.namespaces = {}
+        found = {}
         for nsid in ACTIVE_NS_LIST.parse(raw):
             if nsid == 0:
                 break
             ns = IDENTIFY_NAMESPACE.parse(await self._identify(Cns.NAMESPACE, nsid))
             fmt = ns.lbaf[ns.flbas & 0xF]
-            self.namespaces[nsid] = NamespaceInfo(nsid, ns.nsze, 1 << fmt.lbads, bool(ns.nsattr & 1))
+            found[nsid] = NamespaceInfo(nsid, ns.nsze, 1 << fmt.lbads, bool(ns.nsattr & 1))
+        self.namespaces = found
+
+    async def _async_events(self) -> None:
+        """Keep one Asynchronous Event Request outstanding (as the Linux host does); a
+        namespace-attribute-changed event re-reads the namespace list and tells listeners."""
+        while not self._closing:
+            try:
+                await self._wait_live()
+                cmd = await self._admin_command(AdminOpcode.ASYNC_EVENT_REQUEST, timeout=AER_TIMEOUT)
+                if cmd.dw0 & 0x7 == 2 and (cmd.dw0 >> 16) & 0xFF == LogPageId.CHANGED_NS_LIST:
+                    await self.get_log_page(LogPageId.CHANGED_NS_LIST, 4096, nsid=0xFFFFFFFF)
+                    await self._scan_namespaces()
+                    log.info("namespaces changed", subnqn=self.params.subnqn, nsids=sorted(self.namespaces))
+                    for listener in self.namespace_listeners:
+                        listener()
+            except (QueueLost, ConnectionError, TimeoutError):
+                if self.failed is not None or self._closing:
+                    return
+            except NvmeError as exc:
+                log.info("target refuses asynchronous events", error=str(exc))
+                return
 
     async def _fabrics_connect(self, conn: QueueConnection, qid: int, sqsize: int, cntlid: int,
                                kato_ms: int) -> int:
@@ -318,11 +349,12 @@ class Controller:
     async def _admin_command(self, opcode: int, nsid: int = 0, cdw10: int = 0, cdw11: int = 0,
                              cdw12: int = 0, cdw13: int = 0, cdw14: int = 0, cdw15: int = 0,
                              data_in: memoryview | None = None,
-                             data_out: bytes | None = None) -> HostCommand:
+                             data_out: bytes | None = None, timeout: float | None = None) -> HostCommand:
         sqe = bytearray(_pack_sqe(opcode, 0x40, 0, nsid, 0, 0, 0, _ZERO_SGL, cdw10, cdw11, cdw12,
                                   cdw13, cdw14, cdw15))
         return await self._checked(self.admin, HostCommand(sqe, data_out=data_out, data_in=data_in),
-                                   AdminOpcode(opcode).name if opcode in AdminOpcode._value2member_map_ else hex(opcode))
+                                   AdminOpcode(opcode).name if opcode in AdminOpcode._value2member_map_ else hex(opcode),
+                                   timeout)
 
     async def _identify(self, cns: int, nsid: int) -> bytes:
         buf = bytearray(IDENTIFY_SIZE)
@@ -541,8 +573,9 @@ class Controller:
         if self._closing:
             return
         self._closing = True
-        if self._keep_alive_task is not None:
-            self._keep_alive_task.cancel()
+        for task in (self._keep_alive_task, self._aer_task):
+            if task is not None:
+                task.cancel()
         if self._reconnect_task is not None:
             self._reconnect_task.cancel()
         for conn in self.io:
