@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING
 import structlog
 
 from protocol.constants import (
-    AEN_NS_ATTR_CHANGED, DISCOVERY_NQN, OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, ONCS_DSM,
+    DISCOVERY_NQN, OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, ONCS_DSM,
     ONCS_WRITE_ZEROES, AdminOpcode, Cns, FeatureId, IoOpcode, LogPageId, NidType, Property,
 )
 from protocol.identify import (
     ACTIVE_NS_LIST, IDENTIFY_CONTROLLER, IDENTIFY_CSI_INDEPENDENT_NS, IDENTIFY_NAMESPACE,
     IDENTIFY_SIZE, NS_DESCRIPTOR_LIST,
 )
-from protocol.logpage import CHANGED_NS_LIST, ERROR_LOG_ENTRY, ERROR_LOG_ENTRY_SIZE
+from protocol.logpage import CHANGED_NS_LIST, ERROR_LOG_ENTRY
 from protocol.nvme import DSM_ATTR_DEALLOCATE, DSM_RANGE_FAST, RW_CONTROL_FUA, RW_FAST
 from protocol.status import Status, to_wire
-from target.request import Direction, Request, RequestState
+from target.request import Direction, Request
 
 if TYPE_CHECKING:
     from target.queue import TargetQueue

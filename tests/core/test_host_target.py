@@ -19,7 +19,7 @@ from protocol.status import Status
 from target.service import TargetService
 
 from .conftest import (
-    HOSTNQN, NQN, NQN2, RawConn, config, connect, fill_file, free_port, ns, params, run, serving, sub, until,
+    HOSTNQN, NQN, NQN2, RawConn, config, connect, fill_file, free_port, ns, run, serving, sub, until,
 )
 
 SIZE = 8 << 20
@@ -96,7 +96,7 @@ def test_io_many_in_flight_on_several_queues(tmp_path: Path) -> None:
     cfg = config([port], [sub(namespaces=[ns(path, 1, size=SIZE)])])
 
     async def main() -> None:
-        async with serving(cfg) as service:
+        async with serving(cfg):
             ctrl = await connect(port, nr_io_queues=4, queue_size=32)
             try:
                 rng = random.Random(1)

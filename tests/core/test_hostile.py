@@ -7,7 +7,6 @@ hold exactly the pattern plus what the good host wrote: same size, no stray byte
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from pathlib import Path
 from typing import Awaitable, Callable
