@@ -1,7 +1,7 @@
 """Guest-side RDMA tests: run inside a VM with Soft-RoCE.
 
 Ways to run them:
-* the project bed: ``.venv/bin/python -m pytest tests/vm/test_rdma_layer.py`` (host twins);
+* the project bed: ``.venv/bin/python -m pytest tests/vm/test_bed.py`` (host twins);
 * by hand: ``rdmavm -t 600 -c '. $RDMAVM_GUEST/rxe-up.sh; cd /work/main;
   .venv/bin/python -m pytest tests/rdma -m vm -p no:cacheprovider'``.
 

@@ -1,7 +1,7 @@
 """pytest integration of the VM test bed (tests/vm/harness.py).
 
-A *group* is one host test module (tests/vm/test_*.py) paired with one guest test file
-(tests/vm/guest_tests/test_*.py), named by the module's ``GUEST_TESTS``.  The first test of
+A *group* is one host test module (tests/vm/test_*.py) paired with the guest test file(s)
+(tests/vm/guest_tests/test_*.py) named by the module's ``GUEST_TESTS`` (a path or a tuple).  The first test of
 the module that uses the ``guest_case`` fixture boots the VM ONCE for the whole module
 (module-scoped ``vm_group``) and runs, inside it, pytest on the guest file -- only the guest
 tests whose host twins are selected (``-k`` works) -- writing a JUnit XML report into a
@@ -113,6 +113,15 @@ def _parse_junit(path: Path) -> dict[str, GuestCase]:
     return cases
 
 
+def _guest_file_of(test: str, files: list[str]) -> str:
+    """The guest file (of a group's ``GUEST_TESTS``, a path or a list of paths) defining ``test``."""
+    for f in files:
+        path = harness.REPO / f
+        if f"def {test}(" in path.read_text():
+            return str(path)
+    raise pytest.UsageError(f"no guest test {test} in {', '.join(files)}")
+
+
 def _guest_python() -> str:
     venv = harness.REPO / ".venv" / "bin" / "python"
     return str(venv) if venv.exists() else sys.executable
@@ -136,11 +145,11 @@ def vm_group(request) -> GroupRun:
     shutil.rmtree(res, ignore_errors=True)
     res.mkdir(parents=True)
     junit = res / "junit.xml"
-    gpath = str(harness.REPO / guest_file)
+    guest_files = [guest_file] if isinstance(guest_file, str) else list(guest_file)
     cmd = [_guest_python(), "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
            "-o", "junit_logging=all", "-o", "junit_family=xunit1", f"--junitxml={junit}",
            "-q", "-rA",
-           *[f"{gpath}::{n}" for n in selected]]
+           *[f"{_guest_file_of(n, guest_files)}::{n}" for n in selected]]
     t0 = time.monotonic()
     try:
         vm = harness.run(cmd, rw=[res], env={"BLOCKD_VM_RESULTS": str(res)}, timeout=timeout,
