@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
-import ctypes.util
 import datetime
 import json
 import os
 import platform
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -89,7 +86,9 @@ def pip_install(module: str, package: str) -> bool:
 def pyspy() -> str | None:
     exe = Path(sys.executable).parent / "py-spy"
     if not exe.exists():
-        pip_install("py_spy_dummy_never_importable", "py-spy")
+        log(f"installing py-spy into {sys.prefix}")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "py-spy"],
+                       capture_output=True)
     return str(exe) if exe.exists() else shutil.which("py-spy")
 
 

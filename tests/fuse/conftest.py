@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -50,8 +49,3 @@ def fresh_stack(tmp_path: Path) -> Iterator[Stack]:
         yield s
     finally:
         s.stop()
-
-
-def need_fio() -> None:
-    if shutil.which("fio") is None:
-        pytest.skip("fio is not installed")

@@ -9,6 +9,7 @@ import json
 import mmap
 import os
 import random
+import shutil
 import signal
 import subprocess
 import threading
@@ -17,7 +18,6 @@ import time
 import pytest
 
 from blockd_stack import Stack, mounted
-from conftest import need_fio
 
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE = 1, 2, 0x10
 SEEK_DATA, SEEK_HOLE = 3, 4
@@ -29,6 +29,11 @@ def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
     if _libc.fallocate(fd, mode, offset, length) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def need_fio() -> None:
+    if shutil.which("fio") is None:
+        pytest.skip("fio is not installed")
 
 
 def backing(stack: Stack, offset: int, length: int) -> bytes:
