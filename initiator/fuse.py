@@ -400,12 +400,14 @@ class FuseMount:
             await self._write_range(ctrl, info, offset, data)
             self.stats["write"] += 1
             self._reply(unique, WRITE_OUT.pack(len(data), 0))
+            # Reused only after success: a failed write's data may still sit in a closing
+            # transport's buffer and must not be overwritten by the next request.
+            if owned is not None and len(self._spare) < SPARE_BUFFERS:
+                self._spare.append(owned)
         except BaseException as exc:
             self._fail(unique, exc, "write")
         finally:
             self.tasks.pop(unique, None)
-            if owned is not None and len(self._spare) < SPARE_BUFFERS:
-                self._spare.append(owned)
 
     def _range_lock(self, nsid: int) -> _RangeLocks:
         locks = self.locks.get(nsid)
