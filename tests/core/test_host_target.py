@@ -17,6 +17,7 @@ from protocol.identify import ACTIVE_NS_LIST
 from protocol.logpage import DISCOVERY_HEADER
 from protocol.status import Status
 from target.service import TargetService
+from target.target import TCP_IO_INLINE
 
 from .conftest import (
     HOSTNQN, NQN, NQN2, RawConn, config, connect, fill_file, free_port, ns, run, serving, sub, until,
@@ -56,7 +57,7 @@ def test_connect_identify_and_namespaces(tmp_path: Path) -> None:
                 assert ident.subnqn == NQN
                 assert ident.sn.strip() == "BLOCKDTEST0001" and ident.mn.strip() == "blockd test"
                 assert ident.kas > 0
-                assert ident.ioccsz == (64 + 16384) // 16
+                assert ident.ioccsz == (64 + TCP_IO_INLINE) // 16
                 assert ident.icdoff == 0
                 assert ident.sgls & 3
                 assert ident.cntrltype == 1 and ident.nn == 3 and ident.maxcmd >= 32
