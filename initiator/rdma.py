@@ -168,6 +168,7 @@ class RdmaHostConnection:
         self.slots = [_Slot() for _ in range(queue.depth)]
         self.backlog: collections.deque[HostCommand] = collections.deque()
         self._lost_reported = False
+        self._lost_delivered = False
         self._destroyed = False
 
     # -- setup ----------------------------------------------------------------------------------
@@ -219,7 +220,13 @@ class RdmaHostConnection:
 
     def submit(self, cmd: HostCommand) -> None:
         if self.closed:
-            raise QueueLost("connection closed")
+            if self._lost_delivered:
+                raise QueueLost("connection closed")
+            # on_lost is still on its way: park the command, the controller takes it from the
+            # queue (and retries it) when on_lost runs -- raising here would make a caller that
+            # retries at once spin without ever yielding to the loop
+            self.queue.start(cmd)
+            return
         self.queue.start(cmd)
         st = self.slots[cmd.cid]
         st.reset()
@@ -301,7 +308,10 @@ class RdmaHostConnection:
                 return
             if wc.status:
                 from blockd.rdma.verbs import wc_status_str
-                self._fail(ConnectionError(f"RDMA work request failed: {wc_status_str(wc.status)}"))
+                bad = next((w for w in wcs if w.status not in (0, 5)), wc)  # 5: flushed
+                self._fail(ConnectionError(
+                    f"RDMA work request failed: {wc_status_str(bad.status)} (kind "
+                    f"{bad.wr_id >> _KIND_SHIFT}, cid {bad.wr_id & _MASK}, vendor_err {bad.vendor_err})"))
                 return
             try:
                 if kind == _RECV:
@@ -391,7 +401,11 @@ class RdmaHostConnection:
                 self._destroy()
         if not self._lost_reported:
             self._lost_reported = True
-            self.loop.call_soon(self.on_lost, self, self.error)
+            self.loop.call_soon(self._deliver_lost)
+
+    def _deliver_lost(self) -> None:
+        self._lost_delivered = True
+        self.on_lost(self, self.error)
 
     async def _teardown(self) -> None:
         try:
@@ -435,11 +449,27 @@ async def open_rdma_queue(params, queue: HostQueue, on_lost) -> RdmaHostConnecti
     pdata = pcm.ConnectRequest(qid=queue.qid, hrqsize=queue.depth, hsqsize=queue.depth - 1).pack()
     where = f"{params.traddr}:{params.trsvcid}"
     try:
-        conn.cm = await asyncio.wait_for(
-            connect(_channel(loop), params.traddr, int(params.trsvcid), conn._make_qp, pdata,
-                    before_rtr=conn._post_recvs, on_disconnect=conn._cm_closed,
-                    timeout_ms=int(params.connect_timeout * 1000)),
-            params.connect_timeout + 3)
+        for attempt in range(3):
+            try:
+                conn.cm = await asyncio.wait_for(
+                    connect(_channel(loop), params.traddr, int(params.trsvcid), conn._make_qp, pdata,
+                            before_rtr=conn._post_recvs, on_disconnect=conn._cm_closed,
+                            timeout_ms=min(5000, int(params.connect_timeout * 1000))),
+                    params.connect_timeout + 3)
+                break
+            except CmError as exc:
+                # the first address resolution after boot sometimes never answers (seen on rxe
+                # with the bed's policy routing); retry those, nothing else
+                if isinstance(exc, CmRejected) or "resolving" not in str(exc) or attempt == 2:
+                    raise
+                log.info("rdma address resolution timed out; retrying", qid=queue.qid)
+                for obj in (conn.cmd_pool, conn.resp_pool, conn.data, conn.cq):
+                    if obj is not None:
+                        obj.close()
+                conn.cmd_pool = conn.resp_pool = conn.data = conn.cq = None
+                for w in conn.windows:
+                    w.close()
+                conn.windows = []
     except CmRejected as exc:
         conn.qp = None  # connect() closed it
         conn._destroy()
