@@ -172,7 +172,7 @@ def test_blockd_host_kernel_target(rxe, nvmet, record_property):
 
     # in a child process: a wedged event loop must fail this test, not hang the VM group
     r = subprocess.run([sys.executable, "-c", "from tests.vm.guest_tests.test_rdma_nvme import "
-                        "_kernel_io; _kernel_io()"], capture_output=True, text=True, timeout=150)
+                        "_kernel_io; _kernel_io()"], capture_output=True, text=True, timeout=75)
     print(r.stdout[-4000:], r.stderr[-4000:])
     assert r.returncode == 0, f"blockd host vs nvmet-rdma failed (exit {r.returncode})"
     st = json.loads(r.stdout.strip().splitlines()[-1])
@@ -183,7 +183,7 @@ def test_blockd_host_kernel_target(rxe, nvmet, record_property):
 def _kernel_io() -> None:
     import faulthandler
     from initiator.controller import Controller
-    faulthandler.dump_traceback_later(120, exit=True)
+    faulthandler.dump_traceback_later(60, exit=True)
     vol = "/dev/shm/kernel-rdma.img"
 
     async def main():
@@ -197,7 +197,7 @@ def _kernel_io() -> None:
         st["key_mode"] = mode
         return st
 
-    st = asyncio.run(asyncio.wait_for(main(), 110))
+    st = asyncio.run(asyncio.wait_for(main(), 55))
     chunks = st.pop("chunks")
     with open(vol, "rb") as f:
         for lba, data in chunks[:20]:
