@@ -419,6 +419,8 @@ class Controller:
             try:
                 cmd = await self._run(conn, cmd, self.params.command_timeout)
             except QueueLost:
+                if conn.closed and self._live.is_set():
+                    self._queue_lost(conn, None)  # dead before its transport said so
                 await self._wait_live()
                 continue
             if cmd.status:

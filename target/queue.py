@@ -7,6 +7,7 @@ it, and sends the 16-byte completions it produces. The queue checks the command'
 
 from __future__ import annotations
 
+from time import monotonic
 from typing import TYPE_CHECKING, Callable
 
 import structlog
@@ -64,6 +65,10 @@ class TargetQueue:
             req.fail(Status.INVALID_FIELD)
             return req
         ctrl = self.controller
+        if ctrl is not None:
+            # Any command proves the host alive (traffic-based keep-alive): a host busy setting
+            # up queues or moving data is not torn down for a Keep Alive that queued behind.
+            ctrl.last_keep_alive = monotonic()
         if req.opcode == _FABRICS:
             fctype = req.sqe[4]
             if fctype != FabricsType.CONNECT and ctrl is None:

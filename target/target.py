@@ -150,6 +150,7 @@ class Target:
         if qid in ctrl.queues:
             return Status.COMMAND_SEQUENCE_ERROR, 0, None
         ctrl.queues[qid] = queue
+        ctrl.last_keep_alive = time.monotonic()
         return Status.SUCCESS, cntlid, ctrl
 
     def _allocate_cntlid(self) -> int | None:

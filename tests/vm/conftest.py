@@ -140,7 +140,8 @@ def vm_group(request) -> GroupRun:
     timeout = float(getattr(mod, "VM_TIMEOUT", 480))
     group = Path(mod.__file__).stem.removeprefix("test_")
     selected = [it.name for it in request.session.items
-                if getattr(it, "module", None) is mod and "guest_case" in getattr(it, "fixturenames", ())]
+                if getattr(it, "module", None) is mod and "guest_case" in getattr(it, "fixturenames", ())
+                and it.get_closest_marker("skip") is None]
     res = _results_root() / group
     shutil.rmtree(res, ignore_errors=True)
     res.mkdir(parents=True)
