@@ -119,16 +119,20 @@ def _unknown(table: dict[str, Any], known: set[str], where: str) -> None:
         raise ConfigError(f"{where}: unknown setting(s) {', '.join(sorted(extra))}")
 
 
-def load(path: str) -> TargetConfig:
-    """Read and validate a target configuration file."""
+def read_toml(path: str) -> dict[str, Any]:
+    """A TOML file as a dict; unreadable or malformed files are one-line ConfigErrors."""
     try:
         with open(path, "rb") as f:
-            raw = tomllib.load(f)
+            return tomllib.load(f)
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    return parse(raw, path)
+
+
+def load(path: str) -> TargetConfig:
+    """Read and validate a target configuration file."""
+    return parse(read_toml(path), path)
 
 
 def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:

@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-import tomllib
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import structlog
 
-from blockd.config import ConfigError
+from blockd.config import ConfigError, read_toml
 
 log = structlog.get_logger("blockd.initiator.boot")
 
@@ -142,14 +141,8 @@ def parse(raw: dict[str, Any], source: str = "initiator config") -> InitiatorCon
 
 
 def load(path: str) -> InitiatorConfig:
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    return parse(raw, path)
+    """Read and validate an initiator configuration file."""
+    return parse(read_toml(path), path)
 
 
 class BootConnections:
