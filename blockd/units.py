@@ -42,13 +42,19 @@ def default_bin_dir() -> Path:
 
 
 def render(text: str, bin_dir: Path) -> str:
-    """Unit text with this installation's executable paths (and ProtectHome relaxed if needed)."""
+    """Unit text with this installation's executable paths (ProtectHome/PrivateTmp relaxed
+    when the executables live where they would hide them)."""
     for name, placeholder in PLACEHOLDERS.items():
         text = text.replace(placeholder, str(bin_dir / name))
     resolved = str(bin_dir.resolve())
-    if any(resolved == h or resolved.startswith(h + "/") for h in ("/home", "/root", "/run/user")):
-        # ProtectHome=yes would hide the executables themselves
+
+    def under(*roots: str) -> bool:
+        return any(resolved == r or resolved.startswith(r + "/") for r in roots)
+
+    if under("/home", "/root", "/run/user"):
         text = text.replace("ProtectHome=yes", "ProtectHome=read-only")
+    if under("/tmp", "/var/tmp"):  # e.g. a CI checkout: a private /tmp would not contain it
+        text = text.replace("PrivateTmp=yes", "PrivateTmp=no")
     return text
 
 
