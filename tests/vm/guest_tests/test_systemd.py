@@ -128,17 +128,19 @@ def test_start_active_only_when_listening():
     p = show("blockd-target", "ActiveState", "SubState", "Type", "StatusText", "MainPID",
              "ActiveEnterTimestampMonotonic", "ExecMainStartTimestampMonotonic", "NRestarts")
     print(p)
+    STATE["pid"] = int(p["MainPID"])  # later tests need it even if a check below fails
     assert p["ActiveState"] == "active" and p["SubState"] == "running" and p["Type"] == "notify"
     assert "1 subsystem(s), 1 namespace(s)" in p["StatusText"] and f"{ADDR}:{PORT}" in p["StatusText"]
-    # the unit went active after the daemon logged "target ready" (after every listen()),
-    # and not right when the process started
+    # the daemon logged "target ready" (after every listen()) after it started. The proof that
+    # the unit went active only once the port listened is the immediate connect above: the
+    # journal stamps stdout lines when journald reads them, which can be after the READY=1
+    # datagram (seen: 22 ms late), so the journal cannot order the two.
     ready = [ts for ts, ev in journal_events("blockd-target") if ev.get("event") == "target ready"]
     assert ready, "no 'target ready' JSON line in the journal"
     active_at = int(p["ActiveEnterTimestampMonotonic"])
-    assert int(p["ExecMainStartTimestampMonotonic"]) < ready[0] <= active_at, (ready, p)
+    assert int(p["ExecMainStartTimestampMonotonic"]) < min(ready[0], active_at), (ready, p)
     print(f"process start -> ready log {(ready[0] - int(p['ExecMainStartTimestampMonotonic'])) / 1e6:.2f}s, "
           f"ready log -> active {(active_at - ready[0]) / 1e6:.3f}s")
-    STATE["pid"] = int(p["MainPID"])
     assert os.path.getsize(VOL1) == 64 << 20
     # hardening as applied: only CAP_IPC_LOCK in the bounding set, NoNewPrivs
     status = Path(f"/proc/{STATE['pid']}/status").read_text()
