@@ -239,5 +239,7 @@ class TargetQueue:
             self.controller = ctrl
             self.qid = qid
             self.sqsize = sqsize
+            if qid:  # I/O queues take the transport's (larger) in-capsule data from now on
+                self.inline_size = self.target.inline_size(self.transport)
             log.info("queue connected", subnqn=data.subnqn, hostnqn=data.hostnqn,
                      cntlid=ctrl.cntlid, qid=qid, sqsize=sqsize + 1, peer=self.peer)

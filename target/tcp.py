@@ -20,7 +20,7 @@ from protocol.tcp import (
 )
 from target.queue import MAX_TRANSFER, TargetQueue
 from target.request import Request, RequestState
-from target.target import TCP_ADMIN_INLINE, TCP_IO_INLINE, PortInfo, Target
+from target.target import TCP_ADMIN_INLINE, PortInfo, Target
 
 log = structlog.get_logger("blockd.target.tcp")
 
@@ -114,8 +114,6 @@ class TcpTargetConnection(asyncio.Protocol):
 
     def _capsule(self, header: memoryview, data: memoryview | None) -> None:
         queue = self.queue
-        if queue.qid:  # I/O queues take larger in-capsule data than the admin queue
-            queue.inline_size = TCP_IO_INLINE
         req = queue.submit(header[8:72], bytes(data) if data is not None else None)
         state = req.state
         if state is RequestState.EXECUTING:
