@@ -461,7 +461,7 @@ class Controller:
 
     async def read_bytes(self, nsid: int, offset: int, length: int) -> bytearray:
         """Read a block-aligned byte range of any size, split at ``max_transfer``."""
-        info = self._check_range(nsid, offset, length)
+        info = self.check_range(nsid, offset, length)
         buf = bytearray(length)
         view = memoryview(buf)
         await asyncio.gather(*(
@@ -470,7 +470,7 @@ class Controller:
         return buf
 
     async def write_bytes(self, nsid: int, offset: int, data: bytes | memoryview, fua: bool = False) -> None:
-        info = self._check_range(nsid, offset, len(data))
+        info = self.check_range(nsid, offset, len(data))
         view = memoryview(data)
         await asyncio.gather(*(
             self.write(nsid, (offset + pos) // info.block_size, view[pos:pos + n], fua)
@@ -480,7 +480,8 @@ class Controller:
         step = self.max_transfer
         return [(pos, min(step, length - pos)) for pos in range(0, length, step)]
 
-    def _check_range(self, nsid: int, offset: int, length: int) -> NamespaceInfo:
+    def check_range(self, nsid: int, offset: int, length: int) -> NamespaceInfo:
+        """The namespace, once ``offset``/``length`` are block-aligned and inside it (ValueError else)."""
         info = self.namespace(nsid)
         if offset % info.block_size or length % info.block_size:
             raise ValueError(f"offset {offset} and length {length} must be multiples of the "
@@ -488,6 +489,13 @@ class Controller:
         if offset < 0 or offset + length > info.size:
             raise ValueError(f"range {offset}+{length} is outside namespace {nsid} ({info.size} bytes)")
         return info
+
+    @property
+    def state(self) -> str:
+        """One of live, reconnecting or failed (gave up after ``ctrl_loss_tmo``)."""
+        if self.failed is not None:
+            return "failed"
+        return "live" if self._live.is_set() else "reconnecting"
 
     # -- failures, keep-alive, reconnect ----------------------------------------------------------------
 

@@ -154,7 +154,7 @@ class InitiatorDaemon:
         p = ctrl.params
         return {"nqn": p.subnqn, "transport": p.transport, "traddr": p.traddr, "trsvcid": p.trsvcid,
                 "cntlid": ctrl.cntlid, "io_queues": len(ctrl.io),
-                "state": "failed" if ctrl.failed else "live" if ctrl._live.is_set() else "reconnecting",
+                "state": ctrl.state,
                 "namespaces": [{"nsid": ns.nsid, "size": ns.size, "block_size": ns.block_size,
                                 "read_only": ns.read_only} for ns in ctrl.namespaces.values()]}
 
@@ -169,7 +169,7 @@ class InitiatorDaemon:
     async def op_read(self, writer: asyncio.StreamWriter, name: str, nsid: int, offset: int,
                       length: int) -> None:
         ctrl = self.find(name)
-        ctrl._check_range(nsid, offset, length)
+        ctrl.check_range(nsid, offset, length)
         chunks = [(pos, min(CHUNK, length - pos)) for pos in range(0, length, CHUNK)]
         reads = [asyncio.ensure_future(ctrl.read_bytes(nsid, offset + pos, n)) for pos, n in chunks[:PIPELINE]]
         header_sent = False
@@ -197,7 +197,7 @@ class InitiatorDaemon:
     async def op_write(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str,
                        nsid: int, offset: int, length: int, fua: bool = False) -> None:
         ctrl = self.find(name)
-        ctrl._check_range(nsid, offset, length)
+        ctrl.check_range(nsid, offset, length)
         done = 0
         writes: list[asyncio.Future[None]] = []
         try:
