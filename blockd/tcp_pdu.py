@@ -200,23 +200,33 @@ def term_req(ptype: int, fes: int, fei: int, offending: bytes) -> bytes:
 
 
 class OutputBatcher:
-    """Coalesces the PDUs one event-loop iteration produces into a single socket write.
+    """Coalesces the PDUs produced while handling input into a single socket write.
 
     Every completion used to cost its own ``send`` (two for a read: C2HData, then the
-    CapsuleResp), and on loopback the syscall dominated the per-I/O cost. Buffers queue here
-    and go out together once the loop has run everything that was ready; order is kept.
+    CapsuleResp), and on loopback the syscall dominated the per-I/O cost. Between ``hold()``
+    and ``release()`` (a receive callback, say; holds nest) buffers only queue, and ``release`` sends them
+    together; sends outside a hold go out once the loop has run everything that was ready.
+    Order is kept either way.
     """
 
     def __init__(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         self._bufs: list[bytes | memoryview] = []
-        self._size = 0
+        self._held = 0
         self._scheduled = False
         self._loop = asyncio.get_running_loop()
 
+    def hold(self) -> None:
+        self._held += 1
+
+    def release(self) -> None:
+        self._held -= 1
+        if not self._held and self._bufs:
+            self.flush()
+
     def send(self, bufs: list[bytes | memoryview]) -> None:
         self._bufs.extend(bufs)
-        if not self._scheduled:
+        if not self._held and not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self.flush)
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable
 
 from protocol.status import describe
 
@@ -30,7 +31,9 @@ class HostCommand:
     """One command from the host's point of view.
 
     ``data_out`` is what a write sends; ``data_in`` is where a read's data lands (the caller's
-    own buffer, so reads need no extra copy).
+    own buffer, so reads need no extra copy). ``on_done(cmd, None)`` runs straight from the
+    transport's receive callback when the target answers, ``on_done(cmd, exc)`` when the
+    command cannot complete: no Future and no extra trip round the event loop per I/O.
     """
 
     sqe: bytearray
@@ -41,9 +44,10 @@ class HostCommand:
     status: int = 0
     dw0: int = 0
     dw1: int = 0
-    future: asyncio.Future[HostCommand] | None = None
+    on_done: Callable[[HostCommand, BaseException | None], None] | None = None
+    deadline: float = 0.0
+    """Event-loop time after which the controller's timeout sweep gives up on the command."""
     attempts: int = 0
-    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
     def length(self) -> int:
@@ -52,6 +56,22 @@ class HostCommand:
         if self.data_in is not None:
             return len(self.data_in)
         return 0
+
+    @property
+    def finished(self) -> bool:
+        return self.on_done is None
+
+    def complete(self) -> None:
+        """The target answered (with any status); runs ``on_done`` once."""
+        done, self.on_done = self.on_done, None
+        if done is not None:
+            done(self, None)
+
+    def fail(self, exc: BaseException) -> None:
+        """The command will not complete; runs ``on_done`` once with ``exc``."""
+        done, self.on_done = self.on_done, None
+        if done is not None:
+            done(self, exc)
 
 
 class HostQueue:
@@ -94,15 +114,16 @@ class HostQueue:
         if cmd is None:
             return None
         self._free.append(cid)
-        if cmd.timer is not None:
-            cmd.timer.cancel()
-            cmd.timer = None
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_result(None)
                 break
         return cmd
+
+    def expired(self, now: float) -> list[HostCommand]:
+        """Commands in flight whose deadline has passed."""
+        return [cmd for cmd in self.pending.values() if cmd.deadline <= now]
 
     def take_all(self) -> list[HostCommand]:
         """Everything still in flight (the connection died); the queue is empty afterwards."""

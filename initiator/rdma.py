@@ -218,7 +218,8 @@ class RdmaHostConnection:
 
     # -- sending --------------------------------------------------------------------------------
 
-    def submit(self, cmd: HostCommand) -> None:
+    def submit(self, cmd: HostCommand, now: bool = False) -> None:
+        """Post ``cmd``'s capsule (work requests go out as they are posted, so ``now`` changes nothing)."""
         if self.closed:
             if self._lost_delivered:
                 raise QueueLost("connection closed")
@@ -371,8 +372,7 @@ class RdmaHostConnection:
             return  # timed out meanwhile: the controller already failed it
         cmd.status = status
         cmd.dw0, cmd.dw1 = dw0, dw1
-        if cmd.future is not None and not cmd.future.done():
-            cmd.future.set_result(cmd)
+        cmd.complete()
 
     # -- failure and close ----------------------------------------------------------------------
 

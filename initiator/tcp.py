@@ -25,7 +25,7 @@ _NULL_SGL = build_sgl_data_block(SglId.TRANSPORT_DATA_BLOCK, 0, 0)
 
 
 class TcpHostConnection(asyncio.Protocol):
-    """One queue's TCP connection; completions resolve each command's future."""
+    """One queue's TCP connection; completions run each command's ``on_done``."""
 
     def __init__(self, queue: HostQueue, on_lost: Callable[[TcpHostConnection, Exception | None], None],
                  max_data: int = 1 << 22) -> None:
@@ -76,10 +76,21 @@ class TcpHostConnection(asyncio.Protocol):
 
     # -- sending ---------------------------------------------------------------------------------
 
-    def submit(self, cmd: HostCommand) -> None:
-        """Send ``cmd`` (the queue must have room); in-capsule data when it fits."""
+    def submit(self, cmd: HostCommand, now: bool = False) -> None:
+        """Send ``cmd`` (the queue must have room); in-capsule data when it fits. The capsule
+        goes out with the others of this loop iteration, or at once when ``now``."""
         if self.closed:
             raise QueueLost("connection closed")
+        if now:
+            self.out.hold()
+            try:
+                self._send_capsule(cmd)
+            finally:
+                self.out.release()
+        else:
+            self._send_capsule(cmd)
+
+    def _send_capsule(self, cmd: HostCommand) -> None:
         self.queue.start(cmd)
         sqe = cmd.sqe
         out = cmd.data_out
@@ -107,6 +118,15 @@ class TcpHostConnection(asyncio.Protocol):
         self.on_lost(self, self.error or exc)
 
     def data_received(self, data: bytes) -> None:
+        # H2CData answering R2Ts, and capsules that completion callbacks submit, go out in one
+        # send at the end.
+        self.out.hold()
+        try:
+            self._receive(data)
+        finally:
+            self.out.release()
+
+    def _receive(self, data: bytes) -> None:
         try:
             for pdu in self.reader.feed(data):
                 ptype = pdu.pdu_type
@@ -139,8 +159,7 @@ class TcpHostConnection(asyncio.Protocol):
         cmd.dw0, cmd.dw1 = dw0, dw1
         if cmd.status == 0 and cmd.data_in is not None and cmd.received != len(cmd.data_in):
             cmd.status = Status.DATA_TRANSFER_ERROR
-        if cmd.future is not None and not cmd.future.done():
-            cmd.future.set_result(cmd)
+        cmd.complete()
 
     def _c2h_data(self, header: memoryview, data: memoryview | None, flags: int) -> None:
         _, _, _, _, _, cid, _, datao, datal = _unpack_data_header(header)
@@ -155,8 +174,7 @@ class TcpHostConnection(asyncio.Protocol):
             if not flags & PduFlags.LAST_PDU:
                 raise FramingError(1, 1, "SUCCESS without LAST_PDU", bytes(header))
             self.queue.finish(cid)
-            if cmd.future is not None and not cmd.future.done():
-                cmd.future.set_result(cmd)
+            cmd.complete()
 
     def _r2t(self, header: memoryview) -> None:
         _, _, _, _, _, cid, ttag, offset, length = _unpack_data_header(header)

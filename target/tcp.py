@@ -12,6 +12,7 @@ import socket
 
 import structlog
 
+from blockd import eager
 from blockd.tcp_pdu import (
     DataDigestError, FramingError, OutputBatcher, PduReader, PduWriter, term_req,
 )
@@ -68,6 +69,14 @@ class TcpTargetConnection(asyncio.Protocol):
         self.r2t_pending.clear()
 
     def data_received(self, data: bytes) -> None:
+        # Replies produced while handling this input go out in one send at the end.
+        self.out.hold()
+        try:
+            self._receive(data)
+        finally:
+            self.out.release()
+
+    def _receive(self, data: bytes) -> None:
         while True:
             try:
                 for pdu in self.reader.feed(data):
@@ -167,9 +176,10 @@ class TcpTargetConnection(asyncio.Protocol):
     # -- execution and replies ------------------------------------------------------------------
 
     def _start(self, req: Request) -> None:
-        task = asyncio.get_running_loop().create_task(self._execute(req))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task = eager.start(self._execute(req))
+        if task is not None:  # it waits (an fsync, a slow backend): track it for shutdown
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
 
     async def _execute(self, req: Request) -> None:
         await self.queue.execute(req)

@@ -343,6 +343,8 @@ def main() -> int:
     ap.add_argument("--size-mib", type=int, default=1024, help="file size for every system")
     ap.add_argument("--runtime", type=int, default=10, help="seconds per fio job")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--workloads", default=",".join(w[0].removesuffix(".fio") for w in WORKLOADS),
+                    help="comma-separated job names (default: all)")
     ap.add_argument("--workdir", help="default: a new directory on /dev/shm when it has room, else /var/tmp")
     ap.add_argument("--no-pin", action="store_true", help="do not pin single-job workloads to one CPU")
     ap.add_argument("--no-profile", action="store_true")
@@ -386,7 +388,10 @@ def main() -> int:
         pids = {"blockd": [stack.target.pid, stack.initiator.pid], "nbdfuse": [nbd.nbdkit.pid, nbd.nbdfuse.pid],
                 "nbd-engine": [nbd.nbdkit.pid], "local": []}
         all_cpus = set(cpus)
+        chosen = set(args.workloads.split(","))
         for jobfile, label, metric in WORKLOADS:
+            if jobfile.removesuffix(".fio") not in chosen:
+                continue
             workload = (HERE / "fio" / jobfile).read_text()
             single = "numjobs=1" in workload
             for system in systems:
