@@ -8,7 +8,7 @@ common header (type, HLEN, PDO, PLEN bounds) and the negotiated digests. A viola
 from __future__ import annotations
 
 import asyncio
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 from protocol.tcp import (
     CAPSULE_CMD_HLEN, CAPSULE_RESP_HLEN, COMMON_HEADER_FAST, DATA_HLEN, DATA_PDU_HEADER_FAST,
@@ -46,97 +46,214 @@ class FramingError(Exception):
 
 
 class Pdu(NamedTuple):
-    """One received PDU. ``header`` and ``data`` are views valid until the next ``feed``."""
+    """One received PDU. ``header`` (and ``data`` unless ``placed``) are views into the reader's
+    buffer, valid until the reader is given more bytes. ``placed``: ``data`` is the buffer the
+    ``place`` callback gave, already filled."""
 
     pdu_type: int
     flags: int
     header: memoryview
     data: memoryview | None
+    placed: bool = False
+
+
+Place = Callable[[int, memoryview, int], "memoryview | None"]
+"""``place(pdu_type, header, data_length)``: where a data PDU's data should land, or None to
+keep it in the reader's buffer. May raise :class:`FramingError` (data nobody asked for)."""
+
+STAGING = 64 << 10
+"""Initial receive buffer of a connection; it grows for a PDU that does not fit."""
+_MIN_FREE = 16 << 10
+
+
+class _Placement:
+    """The data PDU whose data is being received straight into its destination buffer."""
+
+    __slots__ = ("pdu_type", "flags", "header", "dest", "filled", "digest")
+
+    def __init__(self, pdu_type: int, flags: int, header: bytes, dest: memoryview, filled: int,
+                 digest: int) -> None:
+        self.pdu_type = pdu_type
+        self.flags = flags
+        self.header = header
+        self.dest = dest
+        self.filled = filled
+        self.digest = digest
 
 
 class PduReader:
-    """Splits a byte stream into PDUs of the types ``accepted`` (one direction's PDUs)."""
+    """Splits a byte stream into PDUs of the types ``accepted`` (one direction's PDUs).
 
-    def __init__(self, accepted: frozenset[int], max_data: int) -> None:
+    It is fed the way an ``asyncio.BufferedProtocol`` is: ``get_buffer()`` says where the next
+    bytes go, ``buffer_updated(n)`` yields the PDUs they completed. Headers and small PDUs are
+    received into one staging buffer; once a data PDU's header is in, ``place`` may name the
+    buffer its data belongs in (the read's destination, the write's request buffer) and the
+    rest of the data is received there directly: large transfers are never copied in Python.
+    """
+
+    def __init__(self, accepted: frozenset[int], max_data: int, place: Place | None = None) -> None:
         self.accepted = accepted
         self.max_data = max_data
+        self.place = place
         self.hdgst = False
         self.ddgst = False
-        self._buf = bytearray()
-        self._pos = 0
+        self._buf = bytearray(STAGING)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        """First byte of the staging buffer not yet parsed."""
+        self._end = 0
+        """End of the bytes received into the staging buffer."""
+        self._need = 8
+        """Bytes from ``_start`` the PDU being parsed needs in staging."""
+        self._placing: _Placement | None = None
 
-    def feed(self, data: bytes) -> Iterator[Pdu]:
-        """Add received bytes and yield every complete PDU."""
-        buf = self._buf
-        if self._pos:
-            del buf[:self._pos]
-            self._pos = 0
-        buf += data
-        view = memoryview(buf)
-        try:
-            while True:
-                pdu, end = self._next(view, self._pos)
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        placing = self._placing
+        if placing is not None and placing.filled < len(placing.dest):
+            return placing.dest[placing.filled:]
+        free = len(self._buf) - self._end
+        if free < _MIN_FREE or len(self._buf) - self._start < self._need:
+            self._make_room()
+        return self._view[self._end:]
+
+    def _make_room(self) -> None:
+        """Move the unparsed bytes to the front (into a bigger buffer when the PDU needs it)."""
+        pending = self._end - self._start
+        size = max(len(self._buf), self._need + _MIN_FREE)
+        if size > len(self._buf):
+            buf = bytearray(size)
+            buf[:pending] = self._view[self._start:self._end]
+            self._buf, self._view = buf, memoryview(buf)
+        elif pending:
+            self._buf[:pending] = bytes(self._view[self._start:self._end])
+        self._start, self._end = 0, pending
+
+    def buffer_updated(self, nbytes: int) -> Iterator[Pdu]:
+        """``nbytes`` arrived where ``get_buffer`` said: yield every PDU now complete."""
+        placing = self._placing
+        if placing is not None and placing.filled < len(placing.dest):
+            placing.filled += nbytes
+            if placing.filled < len(placing.dest):
+                return
+        else:
+            self._end += nbytes
+        while True:
+            if self._placing is not None:
+                pdu = self._finish_placement()
                 if pdu is None:
                     return
-                self._pos = end
                 yield pdu
-        finally:
-            view.release()
+            pdu = self._next()
+            if pdu is None:
+                return
+            yield pdu
 
-    def _next(self, view: memoryview, pos: int) -> tuple[Pdu | None, int]:
-        if len(view) - pos < 8:
-            return None, pos
+    def feed(self, data: bytes | bytearray | memoryview) -> Iterator[Pdu]:
+        """Copy ``data`` in and yield every complete PDU (for callers holding bytes)."""
+        view = memoryview(data)
+        pos = 0
+        while True:
+            room = self.get_buffer()
+            n = min(len(room), len(view) - pos)
+            room[:n] = view[pos:pos + n]
+            pos += n
+            yield from self.buffer_updated(n)
+            if pos == len(view):
+                return
+
+    def _finish_placement(self) -> Pdu | None:
+        placing = self._placing
+        if placing.digest:
+            if self._end - self._start < DIGEST_SIZE:
+                self._need = DIGEST_SIZE
+                return None
+            got = int.from_bytes(self._view[self._start:self._start + DIGEST_SIZE], "little")
+            self._start += DIGEST_SIZE
+            self._placing = None
+            self._need = 8
+            if got != crc32c(placing.dest):
+                raise DataDigestError(placing.pdu_type, placing.header)
+        self._placing = None
+        self._need = 8
+        return Pdu(placing.pdu_type, placing.flags, memoryview(placing.header), placing.dest, True)
+
+    def _next(self) -> Pdu | None:
+        """The next whole PDU in staging, or None (``_need`` then says how much is missing)."""
+        view, pos = self._view, self._start
+        avail = self._end - pos
+        if avail < 8:
+            self._need = 8
+            return None
         ptype, flags, hlen, pdo, plen = _unpack_common(view, pos)
-        header8 = bytes(view[pos:pos + 8])
         if ptype not in self.accepted:
-            raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 0, f"unexpected PDU type {ptype:#x}", header8)
+            raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 0, f"unexpected PDU type {ptype:#x}", bytes(view[pos:pos + 8]))
         if hlen != HLEN[ptype]:
-            raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 2, f"bad HLEN {hlen} for PDU type {ptype:#x}", header8)
+            raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 2, f"bad HLEN {hlen} for PDU type {ptype:#x}", bytes(view[pos:pos + 8]))
         digests = ptype not in _NO_DIGEST
         hd = DIGEST_SIZE if digests and self.hdgst else 0
         if digests and bool(flags & PduFlags.HDGST) != bool(hd):
-            raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 1, "header digest flag does not match negotiation", header8)
+            raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 1, "header digest flag does not match negotiation", bytes(view[pos:pos + 8]))
         header_end = hlen + hd
         if plen < header_end:
-            raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 4, f"PLEN {plen} shorter than the header", header8)
+            raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 4, f"PLEN {plen} shorter than the header", bytes(view[pos:pos + 8]))
         data_len = plen - header_end
+        dd = 0
         if data_len:
             if ptype not in _CARRIES_DATA:
-                raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 4, f"PDU type {ptype:#x} carries no data", header8)
+                raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 4, f"PDU type {ptype:#x} carries no data", bytes(view[pos:pos + 8]))
             if ptype in (PduType.H2C_TERM_REQ, PduType.C2H_TERM_REQ):
                 if data_len > MAX_TERM_COPY:
-                    raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 4, "termination request too long", header8)
+                    raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 4, "termination request too long", bytes(view[pos:pos + 8]))
             else:
                 if pdo != header_end:
-                    raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 3, f"PDO {pdo} is not {header_end}", header8)
+                    raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 3, f"PDO {pdo} is not {header_end}", bytes(view[pos:pos + 8]))
                 dd = DIGEST_SIZE if self.ddgst else 0
                 if bool(flags & PduFlags.DDGST) != bool(dd):
-                    raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 1, "data digest flag does not match negotiation", header8)
+                    raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 1, "data digest flag does not match negotiation", bytes(view[pos:pos + 8]))
                 data_len -= dd
                 if data_len <= 0 or data_len > self.max_data:
-                    raise FramingError(TermReqFes.DATA_OUT_OF_RANGE, 4, f"PDU data length {data_len} out of range", header8)
-        if len(view) - pos < plen:
-            return None, pos
+                    raise FramingError(TermReqFes.DATA_OUT_OF_RANGE, 4, f"PDU data length {data_len} out of range", bytes(view[pos:pos + 8]))
+        if avail < header_end:
+            self._need = header_end
+            return None
         header = view[pos:pos + hlen]
         if hd:
             got = int.from_bytes(view[pos + hlen:pos + header_end], "little")
             if got != crc32c(header):
                 raise FramingError(TermReqFes.HEADER_DIGEST_ERROR, 0, "header digest mismatch", bytes(header))
+        if data_len and self.place is not None and ptype not in _NO_DIGEST:
+            dest = self.place(ptype, header, data_len)
+            if dest is not None:
+                return self._place(ptype, flags, header, header_end, data_len, dd, dest)
+        if avail < plen:
+            self._need = plen
+            return None
         data = None
         if data_len:
             start = pos + header_end
             data = view[start:start + data_len]
-            if self.ddgst and ptype not in _NO_DIGEST:
+            if dd:
                 got = int.from_bytes(view[start + data_len:start + data_len + DIGEST_SIZE], "little")
                 if got != crc32c(data):
-                    # The stream goes on after the bad PDU, and the exception (its traceback)
-                    # must not pin the buffer with views, or the next feed cannot resize it.
-                    self._pos = pos + plen
-                    copy = bytes(header)
-                    header.release()
-                    data.release()
-                    raise DataDigestError(ptype, copy)
-        return Pdu(ptype, flags, header, data), pos + plen
+                    # The stream goes on after the bad PDU.
+                    self._start = pos + plen
+                    raise DataDigestError(ptype, bytes(header))
+        self._start = pos + plen
+        self._need = 8
+        return Pdu(ptype, flags, header, data)
+
+    def _place(self, ptype: int, flags: int, header: memoryview, header_end: int, data_len: int,
+               dd: int, dest: memoryview) -> Pdu | None:
+        """Copy what staging holds of the data to ``dest``; the rest is received into it."""
+        start = self._start + header_end
+        have = min(self._end - start, data_len)
+        dest[:have] = self._view[start:start + have]
+        self._placing = _Placement(ptype, flags, bytes(header), dest, have, dd)
+        self._start = start + have
+        if have < data_len:
+            self._need = 0
+            return None
+        return self._finish_placement()
 
 
 class DataDigestError(Exception):

@@ -24,14 +24,15 @@ _unpack_cqe = CQE_FAST.unpack_from
 _NULL_SGL = build_sgl_data_block(SglId.TRANSPORT_DATA_BLOCK, 0, 0)
 
 
-class TcpHostConnection(asyncio.Protocol):
-    """One queue's TCP connection; completions run each command's ``on_done``."""
+class TcpHostConnection(asyncio.BufferedProtocol):
+    """One queue's TCP connection; completions run each command's ``on_done``. A read's data
+    is received straight into the caller's buffer (see :class:`PduReader`)."""
 
     def __init__(self, queue: HostQueue, on_lost: Callable[[TcpHostConnection, Exception | None], None],
                  max_data: int = 1 << 22) -> None:
         self.queue = queue
         self.on_lost = on_lost
-        self.reader = PduReader(_C2H_TYPES, max_data=max_data)
+        self.reader = PduReader(_C2H_TYPES, max_data=max_data, place=self._place)
         self.writer = PduWriter()
         self.transport: asyncio.Transport | None = None
         self.out: OutputBatcher | None = None
@@ -117,23 +118,26 @@ class TcpHostConnection(asyncio.Protocol):
             self._icresp.set_exception(ConnectionError("connection closed during ICReq"))
         self.on_lost(self, self.error or exc)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
         # H2CData answering R2Ts, and capsules that completion callbacks submit, go out in one
         # send at the end.
         self.out.hold()
         try:
-            self._receive(data)
+            self._receive(nbytes)
         finally:
             self.out.release()
 
-    def _receive(self, data: bytes) -> None:
+    def _receive(self, nbytes: int) -> None:
         try:
-            for pdu in self.reader.feed(data):
+            for pdu in self.reader.buffer_updated(nbytes):
                 ptype = pdu.pdu_type
                 if ptype == PduType.CAPSULE_RESP:
                     self._response(pdu.header)
-                elif ptype == PduType.C2H_DATA:
-                    self._c2h_data(pdu.header, pdu.data, pdu.flags)
+                elif ptype == PduType.C2H_DATA and pdu.placed:
+                    self._c2h_data(pdu.header, pdu.flags)
                 elif ptype == PduType.R2T:
                     self._r2t(pdu.header)
                 elif ptype == PduType.IC_RESP and self._icresp is not None and not self._icresp.done():
@@ -161,14 +165,22 @@ class TcpHostConnection(asyncio.Protocol):
             cmd.status = Status.DATA_TRANSFER_ERROR
         cmd.complete()
 
-    def _c2h_data(self, header: memoryview, data: memoryview | None, flags: int) -> None:
+    def _place(self, ptype: int, header: memoryview, length: int) -> memoryview | None:
+        """C2HData lands in the command's own buffer, at the offset it must come next."""
+        if ptype != PduType.C2H_DATA:
+            return None
         _, _, _, _, _, cid, _, datao, datal = _unpack_data_header(header)
         cmd = self.queue.pending.get(cid)
-        if cmd is None or cmd.data_in is None or data is None:
+        if cmd is None or cmd.data_in is None:
             raise FramingError(1, 8, f"C2HData for unknown command id {cid}", bytes(header))
-        if datao != cmd.received or datao + datal > len(cmd.data_in) or datal != len(data):
+        if datao != cmd.received or datao + datal > len(cmd.data_in) or datal != length:
             raise FramingError(4, 12, "C2HData outside the command's buffer", bytes(header))
-        cmd.data_in[datao:datao + datal] = data
+        return cmd.data_in[datao:datao + datal]
+
+    def _c2h_data(self, header: memoryview, flags: int) -> None:
+        """C2HData whose data ``_place`` already put in the command's buffer."""
+        _, _, _, _, _, cid, _, _, datal = _unpack_data_header(header)
+        cmd = self.queue.pending[cid]
         cmd.received += datal
         if flags & PduFlags.SUCCESS:
             if not flags & PduFlags.LAST_PDU:

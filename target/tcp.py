@@ -31,14 +31,17 @@ _unpack_data_header = DATA_PDU_HEADER_FAST.unpack_from
 _CAPSULE_RESP_HEADER = bytes([PduType.CAPSULE_RESP, 0, 24, 0, 24, 0, 0, 0])
 
 
-class TcpTargetConnection(asyncio.Protocol):
-    """One NVMe/TCP connection; becomes an admin or I/O queue at Connect."""
+class TcpTargetConnection(asyncio.BufferedProtocol):
+    """One NVMe/TCP connection; becomes an admin or I/O queue at Connect.
+
+    Received data lands where it belongs: in-capsule data in a buffer of the command's own,
+    H2CData in the write's request buffer (see :class:`PduReader`)."""
 
     def __init__(self, target: Target, port: PortInfo, tasks: set[asyncio.Task[None]]) -> None:
         self.target = target
         self.port = port
         self.tasks = tasks
-        self.reader = PduReader(_H2C_TYPES, max_data=MAX_TRANSFER)
+        self.reader = PduReader(_H2C_TYPES, max_data=MAX_TRANSFER, place=self._place)
         self.writer = PduWriter()
         self.transport: asyncio.Transport | None = None
         self.out: OutputBatcher | None = None
@@ -68,23 +71,26 @@ class TcpTargetConnection(asyncio.Protocol):
             self.queue.close()
         self.r2t_pending.clear()
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
         # Replies produced while handling this input go out in one send at the end.
         self.out.hold()
         try:
-            self._receive(data)
+            self._receive(nbytes)
         finally:
             self.out.release()
 
-    def _receive(self, data: bytes) -> None:
+    def _receive(self, nbytes: int) -> None:
         while True:
             try:
-                for pdu in self.reader.feed(data):
+                for pdu in self.reader.buffer_updated(nbytes):
                     ptype = pdu.pdu_type
                     if ptype == PduType.CAPSULE_CMD and self.initialized:
                         self._capsule(pdu.header, pdu.data)
-                    elif ptype == PduType.H2C_DATA and self.initialized:
-                        self._h2c_data(pdu.header, pdu.data, pdu.flags)
+                    elif ptype == PduType.H2C_DATA and self.initialized and pdu.placed:
+                        self._h2c_data(pdu.header, pdu.flags)
                     elif ptype == PduType.IC_REQ and not self.initialized:
                         self._icreq(pdu.header)
                     elif ptype == PduType.H2C_TERM_REQ:
@@ -102,7 +108,7 @@ class TcpTargetConnection(asyncio.Protocol):
                 self._digest_error(exc)
                 if self.transport.is_closing():
                     return
-                data = b""  # the reader skipped the bad PDU; go on with what follows it
+                nbytes = 0  # the reader skipped the bad PDU; go on with what follows it
 
     # -- PDUs from the host ---------------------------------------------------------------------
 
@@ -123,7 +129,7 @@ class TcpTargetConnection(asyncio.Protocol):
 
     def _capsule(self, header: memoryview, data: memoryview | None) -> None:
         queue = self.queue
-        req = queue.submit(header[8:72], bytes(data) if data is not None else None)
+        req = queue.submit(header[8:72], data)
         state = req.state
         if state is RequestState.EXECUTING:
             self._start(req)
@@ -135,17 +141,28 @@ class TcpTargetConnection(asyncio.Protocol):
         else:
             self._respond(req)
 
-    def _h2c_data(self, header: memoryview, data: memoryview | None, flags: int) -> None:
+    def _place(self, ptype: int, header: memoryview, length: int) -> memoryview | None:
+        """Where a PDU's data goes: a new buffer for in-capsule data, the request's own buffer
+        (at the offset the host says, checked against what the R2T asked for) for H2CData."""
+        if ptype == PduType.CAPSULE_CMD:
+            return memoryview(bytearray(length))
+        if ptype != PduType.H2C_DATA or not self.initialized:
+            return None
         _, _, _, _, _, cccid, ttag, datao, datal = _unpack_data_header(header)
         entry = self.r2t_pending.get(ttag)
         if entry is None or entry[0].cid != cccid:
             raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 10, f"H2CData for unknown tag {ttag}", bytes(header))
         req, received = entry
-        if data is None or datal != len(data):
+        if datal != length:
             raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 16, "DATAL does not match the PDU", bytes(header))
         if datao != received or datao + datal > req.length:
             raise FramingError(TermReqFes.DATA_OUT_OF_RANGE, 12, "H2CData outside the requested range", bytes(header))
-        req.data[datao:datao + datal] = data
+        return memoryview(req.data)[datao:datao + datal]
+
+    def _h2c_data(self, header: memoryview, flags: int) -> None:
+        """H2CData whose data ``_place`` already put in the request's buffer."""
+        _, _, _, _, _, _, ttag, _, datal = _unpack_data_header(header)
+        req, received = self.r2t_pending[ttag]
         received += datal
         if received < req.length:
             self.r2t_pending[ttag] = (req, received)

@@ -381,6 +381,72 @@ def test_byte_at_a_time():
         assert out == [expected(s, hdgst, ddgst) for s in specs]
 
 
+def placing(hdgst: bool, ddgst: bool) -> tuple[PduWriter, PduReader, list[memoryview]]:
+    """A reader that places every data PDU's data in a buffer of its own, as the transports do."""
+    writer, reader = make(hdgst, ddgst)
+    placed: list[memoryview] = []
+
+    def place(ptype: int, header: memoryview, length: int) -> memoryview:
+        buf = memoryview(bytearray(length))
+        placed.append(buf)
+        return buf
+    reader.place = place
+    return writer, reader, placed
+
+
+@pytest.mark.parametrize("hdgst,ddgst", [(False, False), (True, False), (False, True), (True, True)])
+def test_placed_data_any_chunking(hdgst, ddgst):
+    """Data received straight into the place()d buffers: the same PDUs, the data in those buffers."""
+    @settings(max_examples=150)
+    @given(st.lists(pdu_specs(with_ic=not (hdgst or ddgst)), min_size=1, max_size=12),
+           st.lists(st.integers(0, 5000), max_size=40))
+    def run(specs, cuts):
+        writer, reader, placed = placing(hdgst, ddgst)
+        stream = b"".join(write(writer, s) for s in specs)
+        out: list = []
+        flags_placed = []
+        for piece in chunked(stream, cuts):
+            for pdu in reader.feed(piece):
+                flags_placed.append(pdu.placed)
+                out.append((pdu.pdu_type, pdu.flags, bytes(pdu.header),
+                            None if pdu.data is None else bytes(pdu.data)))
+        assert out == [expected(s, hdgst, ddgst) for s in specs]
+        with_data = [s[2] for s in specs if s[2] and s[0] not in (PduType.H2C_TERM_REQ, PduType.C2H_TERM_REQ)]
+        assert [bytes(b) for b in placed] == with_data
+        assert flags_placed.count(True) == len(with_data)
+
+    run()
+
+
+def test_placed_data_larger_than_staging():
+    """A 1 MiB H2CData goes to its buffer in the pieces the socket gives, never into staging."""
+    for ddgst in (False, True):
+        writer, reader, placed = placing(False, ddgst)
+        reader.max_data = 1 << 20
+        big = bytes(range(256)) * 4096
+        stream = b"".join(bytes(p) for p in writer.data_pdu(PduType.H2C_DATA, 1, 2, 0, big, PduFlags.LAST_PDU))
+        stream += b"".join(bytes(p) for p in writer.pdu(PduType.CAPSULE_CMD, bytes(64)))
+        out = []
+        for i in range(0, len(stream), 70001):
+            out += [(p.pdu_type, p.placed) for p in reader.feed(stream[i:i + 70001])]
+        assert out == [(PduType.H2C_DATA, True), (PduType.CAPSULE_CMD, False)]
+        assert bytes(placed[0]) == big
+        assert len(reader._buf) == 64 << 10  # staging never grew
+
+
+def test_placed_data_digest_error_skips_the_pdu():
+    writer, reader, placed = placing(False, True)
+    bad = bytearray(b"".join(bytes(p) for p in writer.data_pdu(PduType.H2C_DATA, 1, 2, 0, b"x" * 2000, PduFlags.LAST_PDU)))
+    bad[-1] ^= 0xFF
+    good = b"".join(bytes(p) for p in writer.data_pdu(PduType.H2C_DATA, 1, 3, 0, b"next", PduFlags.LAST_PDU))
+    with pytest.raises(DataDigestError):  # data placed from staging, then the rest received into it
+        for _ in reader.feed(bytes(bad[:1000])):
+            pass
+        for _ in reader.feed(bytes(bad[1000:])):
+            pass
+    assert [d for _, _, _, d in feed_all(reader, good)] == [b"next"]
+
+
 # --- damaged framing ------------------------------------------------------------------------
 
 
