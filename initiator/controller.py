@@ -160,6 +160,8 @@ class Controller:
         self.failed: Exception | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweep: asyncio.TimerHandle | None = None
+        self._waiting: set[asyncio.Task[None]] = set()
+        """submit_io commands that had to wait (strong references until they finish)."""
 
     # -- association ------------------------------------------------------------------------------
 
@@ -455,7 +457,10 @@ class Controller:
                                   deadline=self._loop.time() + self.params.command_timeout)
                 conn.submit(cmd, now=True)
                 return
-        eager.start(self._io_waiting(opcode, nsid, cdw10, cdw11, cdw12, data_out, data_in, done))
+        task = eager.start(self._io_waiting(opcode, nsid, cdw10, cdw11, cdw12, data_out, data_in, done))
+        if task is not None:
+            self._waiting.add(task)
+            task.add_done_callback(self._waiting.discard)
 
     async def _io_waiting(self, opcode: int, nsid: int, cdw10: int, cdw11: int, cdw12: int,
                           data_out: bytes | memoryview | None, data_in: memoryview | None, done: IoDone) -> None:
