@@ -9,6 +9,7 @@ sizeable share of a 4 KiB I/O. Python 3.12 has eager tasks for this; we run on 3
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 from typing import Any, Coroutine, Generator
 
 
@@ -19,37 +20,38 @@ def start(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
         pending = coro.send(None)
     except StopIteration:
         return None
-    return asyncio.get_running_loop().create_task(_carry_on(_Resume(coro, pending)))
+    return asyncio.get_running_loop().create_task(_Resumed(coro, pending))
 
 
-async def _carry_on(resume: _Resume) -> None:
-    await resume
+_STARTED = object()
 
 
-class _Resume:
-    """Awaitable that hands a started coroutine's pending future to the awaiting Task."""
+class _Resumed(collections.abc.Coroutine):  # type: ignore[type-arg]
+    """A started coroutine, as a coroutine a Task can drive: the Task's first step gets the
+    future the coroutine already yielded, every later step (or a cancellation, even one before
+    that first step) goes to the coroutine itself."""
 
-    __slots__ = ("coro", "pending")
+    __slots__ = ("coro", "first")
 
-    def __init__(self, coro: Coroutine[Any, Any, None], pending: Any) -> None:
+    def __init__(self, coro: Coroutine[Any, Any, None], first: Any) -> None:
         self.coro = coro
-        self.pending = pending
+        self.first = first
+
+    def send(self, value: Any) -> Any:
+        first = self.first
+        if first is not _STARTED:
+            self.first = _STARTED
+            return first
+        return self.coro.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        self.first = _STARTED
+        if val is None and tb is None:
+            return self.coro.throw(typ)
+        return self.coro.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self.coro.close()
 
     def __await__(self) -> Generator[Any, None, None]:
-        coro, pending = self.coro, self.pending
-        while True:
-            try:
-                yield pending  # the Task waits on it exactly as if the coroutine had yielded it
-            except GeneratorExit:  # the Task is being destroyed
-                coro.close()
-                raise
-            except BaseException as exc:  # cancellation or an exception thrown into the Task
-                try:
-                    pending = coro.throw(exc)
-                except StopIteration:
-                    return
-            else:
-                try:
-                    pending = coro.send(None)
-                except StopIteration:
-                    return
+        raise TypeError("a started coroutine is driven by its Task only")
