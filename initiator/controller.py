@@ -26,7 +26,7 @@ from protocol.constants import (
     DEFAULT_IO_PORT, DISCOVERY_NQN, DYNAMIC_CNTLID, OAES_NS_ATTR, AdminOpcode, Cns, FabricsType, FeatureId,
     IoOpcode, LogPageId, Property,
 )
-from protocol.fabrics import CONNECT_DATA, IATTR_DATA
+from protocol.fabrics import CATTR_DISABLE_SQFLOW, CONNECT_DATA, IATTR_DATA
 from protocol.identify import (
     ACTIVE_NS_LIST, IDENTIFY_CONTROLLER, IDENTIFY_NAMESPACE, IDENTIFY_SIZE,
 )
@@ -237,7 +237,10 @@ class Controller:
             conn = await self._open_queue(qid, depth)
             conn.inline_limit = inline
             self.io.append(conn)
-            await self._fabrics_connect(conn, qid, depth - 1, self.cntlid, 0)
+            # Over TCP our queues never overrun the target (one command per free id), so SQ flow
+            # control is off and a read completes with its data PDU: one PDU less per read.
+            cattr = CATTR_DISABLE_SQFLOW if p.transport == "tcp" else 0
+            await self._fabrics_connect(conn, qid, depth - 1, self.cntlid, 0, cattr)
 
     async def _scan_namespaces(self) -> None:
         raw = await self._identify(Cns.ACTIVE_NS_LIST, 0)
@@ -271,12 +274,13 @@ class Controller:
                 return
 
     async def _fabrics_connect(self, conn: QueueConnection, qid: int, sqsize: int, cntlid: int,
-                               kato_ms: int) -> int:
+                               kato_ms: int, cattr: int = 0) -> int:
         p = self.params
         sqe = bytearray(_pack_sqe(0x7F, 0x40, 0, 0, 0, 0, 0, _ZERO_SGL, 0, 0, 0, 0, 0, 0))
         sqe[4] = FabricsType.CONNECT
         sqe[42:44] = qid.to_bytes(2, "little")
         sqe[44:46] = sqsize.to_bytes(2, "little")
+        sqe[46] = cattr
         sqe[48:52] = kato_ms.to_bytes(4, "little")
         data = CONNECT_DATA.build(dict(hostid=p.hostid.bytes, cntlid=cntlid, subnqn=p.subnqn,
                                        hostnqn=p.hostnqn))

@@ -186,6 +186,7 @@ class TcpHostConnection(asyncio.BufferedProtocol):
             if not flags & PduFlags.LAST_PDU:
                 raise FramingError(1, 1, "SUCCESS without LAST_PDU", bytes(header))
             self.queue.finish(cid)
+            cmd.status = 0 if cmd.received == len(cmd.data_in) else Status.DATA_TRANSFER_ERROR
             cmd.complete()
 
     def _r2t(self, header: memoryview) -> None:

@@ -31,6 +31,9 @@ CONNECT_COMMAND = at_offsets(SQE_SIZE, FABRICS_COMMAND_HEAD + [
     (48, "kato", c.Int32ul),
 ])
 """SQSIZE is 0's based; KATO in milliseconds (admin queue only); CATTR bit 2 disables SQ flow control."""
+CATTR_DISABLE_SQFLOW = 0x04
+"""The host keeps within the queue size itself: no SQ head in completions, and over NVMe/TCP a
+read may end with a C2HData PDU flagged SUCCESS instead of a response capsule."""
 
 CONNECT_DATA = at_offsets(CONNECT_DATA_SIZE, [
     (0, "hostid", c.Bytes(16)),

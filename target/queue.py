@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 import structlog
 
 from protocol.constants import PSDT_SGL, FabricsType, SglId
-from protocol.fabrics import CONNECT_DATA, CONNECT_DATA_SIZE, IATTR_DATA
+from protocol.fabrics import CATTR_DISABLE_SQFLOW, CONNECT_COMMAND, CONNECT_DATA, CONNECT_DATA_SIZE, IATTR_DATA
 from protocol.nvme import CQE_FAST, SQE_FAST, parse_sgl_keyed
 from protocol.status import Status, to_wire
 from target.request import Direction, Request, RequestState
@@ -51,6 +51,8 @@ class TargetQueue:
         self.qid: int | None = None
         self.sqsize = 0
         self.sqhd = 0
+        self.sqhd_disabled = False
+        """The host disabled SQ flow control at Connect (CATTR bit 2)."""
         self.in_flight = 0
         self._data_sgl_ids = _TRANSPORT_SGL_IDS[transport]
 
@@ -180,7 +182,7 @@ class TargetQueue:
         assert req.state is RequestState.COMPLETING, req
         if req.status and self.controller is not None:
             self.controller.log_error(self.qid or 0, req)
-        if self.sqsize:
+        if self.sqsize and not self.sqhd_disabled:
             self.sqhd = (self.sqhd + 1) % (self.sqsize + 1)
         req.state = RequestState.DONE
         self.in_flight -= 1
@@ -212,11 +214,8 @@ class TargetQueue:
         if req.length != CONNECT_DATA_SIZE or req.data is None:
             req.status = Status.SGL_INVALID_DATA_LENGTH
             return
-        sqe = req.sqe
-        recfmt = int.from_bytes(sqe[40:42], "little")
-        qid = int.from_bytes(sqe[42:44], "little")
-        sqsize = int.from_bytes(sqe[44:46], "little")
-        kato = int.from_bytes(sqe[48:52], "little")
+        fields = CONNECT_COMMAND.parse(req.sqe)
+        recfmt, qid, sqsize, kato = fields.recfmt, fields.qid, fields.sqsize, fields.kato
         if recfmt != 0:
             req.status = Status.CONNECT_INCOMPATIBLE_FORMAT
             return
@@ -239,6 +238,7 @@ class TargetQueue:
             self.controller = ctrl
             self.qid = qid
             self.sqsize = sqsize
+            self.sqhd_disabled = bool(fields.cattr & CATTR_DISABLE_SQFLOW)
             if qid:  # I/O queues take the transport's (larger) in-capsule data from now on
                 self.inline_size = self.target.inline_size(self.transport)
             log.info("queue connected", subnqn=data.subnqn, hostnqn=data.hostnqn,

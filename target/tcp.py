@@ -203,9 +203,16 @@ class TcpTargetConnection(asyncio.BufferedProtocol):
         if self.transport.is_closing():
             return
         if req.state is RequestState.SENDING_DATA:
+            queue = self.queue
+            if queue.sqhd_disabled:  # the data PDU completes the command (as Linux's nvmet-tcp)
+                self.out.send(self.writer.data_pdu(
+                    PduType.C2H_DATA, req.cid, 0, 0, req.data, PduFlags.LAST_PDU | PduFlags.SUCCESS))
+                queue.data_sent(req)
+                queue.completion(req)
+                return
             self.out.send(self.writer.data_pdu(
                 PduType.C2H_DATA, req.cid, 0, 0, req.data, PduFlags.LAST_PDU))
-            self.queue.data_sent(req)
+            queue.data_sent(req)
         self._respond(req)
 
     def _respond(self, req: Request) -> None:
