@@ -358,3 +358,25 @@ class OutputBatcher:
             self.transport.write(b"".join(bufs))
         else:
             self.transport.writelines(bufs)
+
+
+class PduProtocol(asyncio.BufferedProtocol):
+    """The receive side both NVMe/TCP ends share: bytes go where ``reader`` says, and whatever
+    handling them produces (replies, R2T answers, new capsules) leaves in one send at the end."""
+
+    reader: PduReader
+    out: OutputBatcher
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.out.hold()
+        try:
+            self._receive(nbytes)
+        finally:
+            self.out.release()
+
+    def _receive(self, nbytes: int) -> None:
+        """Handle the PDUs ``nbytes`` more bytes completed (``reader.buffer_updated``)."""
+        raise NotImplementedError

@@ -7,7 +7,7 @@ import socket
 from typing import Callable
 
 from blockd.tcp_pdu import (
-    DataDigestError, FramingError, OutputBatcher, PduReader, PduWriter, term_req,
+    DataDigestError, FramingError, OutputBatcher, PduProtocol, PduReader, PduWriter, term_req,
 )
 from initiator.queue import HostCommand, HostQueue, QueueLost
 from protocol.constants import SglId
@@ -24,7 +24,7 @@ _unpack_cqe = CQE_FAST.unpack_from
 _NULL_SGL = build_sgl_data_block(SglId.TRANSPORT_DATA_BLOCK, 0, 0)
 
 
-class TcpHostConnection(asyncio.BufferedProtocol):
+class TcpHostConnection(PduProtocol):
     """One queue's TCP connection; completions run each command's ``on_done``. A read's data
     is received straight into the caller's buffer (see :class:`PduReader`)."""
 
@@ -117,18 +117,6 @@ class TcpHostConnection(asyncio.BufferedProtocol):
         if self._icresp is not None and not self._icresp.done():
             self._icresp.set_exception(ConnectionError("connection closed during ICReq"))
         self.on_lost(self, self.error or exc)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.reader.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        # H2CData answering R2Ts, and capsules that completion callbacks submit, go out in one
-        # send at the end.
-        self.out.hold()
-        try:
-            self._receive(nbytes)
-        finally:
-            self.out.release()
 
     def _receive(self, nbytes: int) -> None:
         try:

@@ -14,7 +14,7 @@ import structlog
 
 from blockd import eager
 from blockd.tcp_pdu import (
-    DataDigestError, FramingError, OutputBatcher, PduReader, PduWriter, term_req,
+    DataDigestError, FramingError, OutputBatcher, PduProtocol, PduReader, PduWriter, term_req,
 )
 from protocol.tcp import (
     IC_RESP, DATA_PDU_HEADER_FAST, PduFlags, PduType, TermReqFes,
@@ -31,7 +31,7 @@ _unpack_data_header = DATA_PDU_HEADER_FAST.unpack_from
 _CAPSULE_RESP_HEADER = bytes([PduType.CAPSULE_RESP, 0, 24, 0, 24, 0, 0, 0])
 
 
-class TcpTargetConnection(asyncio.BufferedProtocol):
+class TcpTargetConnection(PduProtocol):
     """One NVMe/TCP connection; becomes an admin or I/O queue at Connect.
 
     Received data lands where it belongs: in-capsule data in a buffer of the command's own,
@@ -70,17 +70,6 @@ class TcpTargetConnection(asyncio.BufferedProtocol):
         if self.queue is not None:
             self.queue.close()
         self.r2t_pending.clear()
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.reader.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        # Replies produced while handling this input go out in one send at the end.
-        self.out.hold()
-        try:
-            self._receive(nbytes)
-        finally:
-            self.out.release()
 
     def _receive(self, nbytes: int) -> None:
         while True:

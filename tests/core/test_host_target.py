@@ -104,7 +104,7 @@ def test_io_many_in_flight_on_several_queues(tmp_path: Path) -> None:
                 # 256 single-block writes in flight at once, spread over 4 queues of depth 32.
                 blocks = {lba: rng.randbytes(512) for lba in rng.sample(range(SIZE // 512 // 2), 256)}
                 await asyncio.gather(*(ctrl.write(1, lba, data) for lba, data in blocks.items()))
-                # Large writes take the R2T/H2CData path (beyond the 16 KiB in-capsule limit).
+                # 1 MiB takes the R2T/H2CData path (beyond the 128 KiB in-capsule limit), 128 KiB goes in-capsule.
                 big = rng.randbytes(1 << 20)
                 medium = rng.randbytes(128 << 10)
                 await asyncio.gather(ctrl.write(1, 8192, big), ctrl.write(1, 12288, medium, fua=True))
