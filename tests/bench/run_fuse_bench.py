@@ -187,10 +187,12 @@ def set_affinity(pids: list[int], cpus: set[int]) -> None:
                 pass
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of a process so far."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def rss(pid: int) -> dict[str, float]:
@@ -406,8 +408,9 @@ def main() -> int:
                 finally:
                     set_affinity(pids[system], all_cpus)
                 if system == "blockd":
-                    ios = r["ios"] or 1
-                    cpu_per_io[jobfile] = {name: (cpu_seconds(p) - before[p]) / ios * 1e6
+                    ios = (r["ios"] + int(r["iops"])) or 1  # + the 1 s ramp fio leaves out, CPU counted
+                    cpu_per_io[jobfile] = {name: [(now - then) / ios * 1e6
+                                                  for now, then in zip(cpu_seconds(p), before[p])]
                                            for name, p in zip(("target", "initiator"), pids["blockd"])}
                 results.setdefault(jobfile, {})[system] = r
                 log(f"{label:<22} {system:<11} {r['iops']:>9,.0f} IOPS {r['mbs']:>8,.1f} MB/s "
@@ -519,11 +522,12 @@ def report(results: dict, systems: list[str], cpu_per_io: dict, extra: dict, met
            "### Latency: mean / p99 completion latency, µs", "", latency_table(results, systems), ""]
     if cpu_per_io:
         out += ["### CPU time per I/O of the blockd daemons (µs)", "",
-                "| workload | initiator (FUSE + host) | target |", "|---|---|---|"]
+                "| workload | initiator (FUSE + host): user + system | target: user + system |",
+                "|---|---|---|"]
         for jobfile, label, _ in WORKLOADS:
             if jobfile in cpu_per_io:
-                c = cpu_per_io[jobfile]
-                out.append(f"| {label} | {c['initiator']:.1f} | {c['target']:.1f} |")
+                (iu, isys), (tu, tsys) = cpu_per_io[jobfile]["initiator"], cpu_per_io[jobfile]["target"]
+                out.append(f"| {label} | {iu + isys:.0f} = {iu:.0f} + {isys:.0f} | {tu + tsys:.0f} = {tu:.0f} + {tsys:.0f} |")
         out.append("")
     if "initiator_rss" in extra:
         i, t = extra["initiator_rss"], extra["target_rss_16_hosts"]
