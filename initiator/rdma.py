@@ -27,7 +27,17 @@ does not invalidate.  pyverbs 44 has ``MW``/``MWBindInfo``/``SendWR.set_bind_wr`
 ``set_bind_wr`` derives the new key from the ``ibv_mw.rkey`` field that the old post_send API
 never updates; we keep that field in step through a raw pointer (checked at start-up).
 
-``"mr"`` (fallback where MWs are missing or fail, or forced with ``BLOCKD_RDMA_KEYS=mr``): the
+Soft-RoCE (rxe; vendor id 0xFFFFFF) gets ``"mr"`` under ``auto``: with BIND_MW work requests
+in the send queue, Linux 6.1's rxe sometimes stops sending after the requester retransmits
+(``rdma statistic`` completer_retry_err +1): the QP stays in RTS, nothing more goes out, no
+completion (not even an error) ever arrives, and every command on the queue hangs.  Seen against
+nvmet-rdma in the VM bed (TCG drops packets, so retries are common) within a few runs of ~100
+commands; never with ``"mr"`` (no local operations in the send queue).  Likely mechanism: the
+retry rewinds the requester to the oldest unacknowledged WR and it re-executes a BIND_MW the
+completer has already retired, with the window's previous key; that bind fails behind the
+completer's index, so the error is never reported.  ``BLOCKD_RDMA_KEYS=mw`` still forces windows.
+
+``"mr"`` (fallback where MWs are missing or fail, on rxe, or forced with ``BLOCKD_RDMA_KEYS=mr``): the
 data pools are registered with REMOTE_READ|REMOTE_WRITE and SGL 0x40 carries the pool's MR
 rkey.  Risk: for the lifetime of the queue the target can read and write the *whole* data pool
 of that queue (not other memory) -- including buffers of commands that already completed or
@@ -65,6 +75,7 @@ _unpack_cqe = CQE_FAST.unpack_from
 # meaning of 4, IP_CSUM_OK, never occurs).  Missing it would make us LOCAL_INV a window that is
 # already invalid, which oopses 6.1's rxe (NULL mr in rxe_invalidate_mw).
 _WITH_INV = 8 | 4
+_RXE_VENDOR_ID = 0xFFFFFF  # rdma_rxe's attr.vendor_id
 
 _channels: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, object]" = weakref.WeakKeyDictionary()
 
@@ -184,6 +195,8 @@ class RdmaHostConnection:
         self.resp_pool = dev.create_pool(CQE_SIZE, depth + 1)
         classes = _data_classes(self.qid, depth)
         mode = self.key_mode
+        if mode == "auto" and dev.attr.vendor_id == _RXE_VENDOR_ID:
+            mode = "mr"  # rxe replays BIND_MW after a retransmission and stalls (docstring)
         if mode in ("auto", "mw"):
             caps = dev.attr.device_cap_flags
             if mode == "mw" or caps & e.IBV_DEVICE_MEM_WINDOW_TYPE_2B:

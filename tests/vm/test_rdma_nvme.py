@@ -19,8 +19,6 @@ def test_khost_rdma_blockd_target(guest_case):
     """kernel nvme-rdma host -> blockd target: identify, fio write+verify, disconnect."""
 
 
-@pytest.mark.skip(reason="known bug (issue 4): against nvmet-rdma the host's queues close right after "
-                         "connecting and its I/O loop never completes; the guest test still exists")
 def test_blockd_host_kernel_target(guest_case):
     """blockd host -> kernel nvmet-rdma target: write/read/verify."""
 

@@ -46,12 +46,13 @@ def _params(port: int, **kw):
 async def _workload(ctrl, base_lba: int, seed: int) -> dict:
     """Many commands in flight on every I/O queue: write, read back, verify."""
     rnd = random.Random(seed)
-    sizes = [4096] * 48 + [512] * 8 + [16384] * 24 + [65536] * 16 + [1 << 20] * 2
+    bs = ctrl.namespace(1).block_size  # 512 on blockd's target; nvmet's file namespace: 4096
+    sizes = [4096] * 48 + [bs] * 8 + [16384] * 24 + [65536] * 16 + [1 << 20] * 2
     rnd.shuffle(sizes)
     chunks, lba = [], base_lba
     for n in sizes:
         chunks.append((lba, rnd.randbytes(n)))
-        lba += n // BLOCK
+        lba += n // bs
     peak = 0
 
     def sample():
@@ -65,7 +66,7 @@ async def _workload(ctrl, base_lba: int, seed: int) -> dict:
     await asyncio.gather(*tasks)
     t_write = time.monotonic() - t0
     t0 = time.monotonic()
-    tasks = [asyncio.ensure_future(ctrl.read(1, lba, len(data) // BLOCK)) for lba, data in chunks]
+    tasks = [asyncio.ensure_future(ctrl.read(1, lba, len(data) // bs)) for lba, data in chunks]
     await asyncio.sleep(0)
     sample()
     back = await asyncio.gather(*tasks)
@@ -74,7 +75,7 @@ async def _workload(ctrl, base_lba: int, seed: int) -> dict:
         assert bytes(got) == data, f"mismatch at lba {lba} ({len(data)} bytes)"
     return {"commands": len(chunks), "bytes": sum(len(d) for _, d in chunks), "peak_in_flight": peak,
             "write_s": round(t_write, 2), "read_s": round(t_read, 2), "end_lba": lba,
-            "chunks": chunks}
+            "block_size": bs, "chunks": chunks}
 
 
 def test_blockd_host_blockd_target(rxe, record_property):
@@ -201,7 +202,7 @@ def _kernel_io() -> None:
     chunks = st.pop("chunks")
     with open(vol, "rb") as f:
         for lba, data in chunks[:20]:
-            f.seek(lba * BLOCK)
+            f.seek(lba * st["block_size"])
             assert f.read(len(data)) == data
     print(json.dumps(st))
 
