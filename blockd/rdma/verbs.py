@@ -22,6 +22,7 @@ call ``close()`` on them once ``ibv_post_*`` has consumed them.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import errno
 import mmap
 from dataclasses import dataclass
@@ -140,6 +141,11 @@ def close_devices() -> None:
     while _devices:
         _, dev = _devices.popitem()
         dev.close()
+
+
+# in order at exit: left to the GC, pyverbs frees Contexts before their PDs and MRs ("Failed to
+# dereg MR ... Bad file descriptor" at every target exit, a segfault at the end of a guest pytest)
+atexit.register(close_devices)
 
 
 class CompletionQueue:
