@@ -353,7 +353,12 @@ class Controller:
             req.status = Status.ASYNC_LIMIT
             return
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self.aer_waiters.append(fut)
+        if self.dead:
+            # arrived while the controller was being torn down: dropped like the others, not left
+            # waiting forever (a transport waiting for its commands would hang on it)
+            fut.cancel()
+        else:
+            self.aer_waiters.append(fut)
         req.dw0 = await fut
 
     # -- NVM I/O commands ----------------------------------------------------------------------

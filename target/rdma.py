@@ -49,7 +49,7 @@ log = structlog.get_logger("blockd.target.rdma")
 SQE_SIZE = 64
 CQE_SIZE = 16
 _KIND_SHIFT = 48
-_RECV, _READ, _SEND = 1, 2, 3
+_RECV, _READ, _SEND, _WRITE = 1, 2, 3, 4
 _MASK = (1 << _KIND_SHIFT) - 1
 _SGL_KEYED = (0x40, 0x4F)
 _SGL_INVALIDATE = 0x4F
@@ -206,6 +206,8 @@ class RdmaTargetConnection:
                     self._read_done(idx, wc.status)
                 elif kind == _SEND:
                     self._send_done(idx, wc.status)
+                elif kind == _WRITE and wc.status:  # unsignalled: only an error completes it
+                    self._fatal(f"RDMA WRITE to host failed with status {wc.status}")
             except Exception as exc:  # never let one completion stall the rest
                 log.exception("rdma completion handling failed", peer=self.peer)
                 self._fatal(f"internal error: {exc}")
@@ -357,8 +359,8 @@ class RdmaTargetConnection:
             import pyverbs.enums as e
             ops = []
             if write:
-                ops.append(dict(wr_id=0, opcode=e.IBV_WR_RDMA_WRITE, signaled=False,
-                                sge=(cmd.data.addr, write, cmd.data.lkey),
+                ops.append(dict(wr_id=(_WRITE << _KIND_SHIFT) | tok, opcode=e.IBV_WR_RDMA_WRITE,
+                                signaled=False, sge=(cmd.data.addr, write, cmd.data.lkey),
                                 rkey=req.sgl_key, raddr=req.sgl_address))
             send = dict(wr_id=(_SEND << _KIND_SHIFT) | tok, opcode=e.IBV_WR_SEND,
                         sge=(rslot.addr, CQE_SIZE, rslot.lkey), signaled=True)

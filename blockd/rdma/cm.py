@@ -134,8 +134,10 @@ class CmEventChannel:
         self._ids[ptr] = owner
         return ptr
 
-    def _unregister(self, ptr: int) -> None:
-        self._ids.pop(ptr, None)
+    def _unregister(self, ptr: int, owner) -> None:
+        # only our own entry: once an id is destroyed librdmacm may hand its address to a new one
+        if self._ids.get(ptr) is owner:
+            del self._ids[ptr]
 
     def _new_cmid(self) -> CMID:
         return CMID(creator=self.channel, port_space=ce.RDMA_PS_TCP)
@@ -240,7 +242,7 @@ class RdmaListener:
         if self.closed:
             return
         self.closed = True
-        self.channel._unregister(self._ptr)
+        self.channel._unregister(self._ptr, self)
         while not self.requests.empty():
             self.requests.get_nowait().reject(None)
         self.cmid.close()
@@ -455,7 +457,7 @@ class RdmaConnection:
         if self._destroyed:
             return
         self._destroyed = True
-        self.channel._unregister(self._ptr)
+        self.channel._unregister(self._ptr, self)
         self._terminate(None)
         if qp and self.qp is not None:
             self.qp.close()
