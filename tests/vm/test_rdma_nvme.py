@@ -23,7 +23,5 @@ def test_blockd_host_kernel_target(guest_case):
     """blockd host -> kernel nvmet-rdma target: write/read/verify."""
 
 
-@pytest.mark.skip(reason="known bug (issue 4): a hostile host's torn-down RDMA queue also took down "
-                         "another host's queues in the last run; the guest test still exists")
 def test_hostile_host(guest_case):
     """bad lengths -> NVMe errors; bad keys/addresses -> that queue torn down; others unharmed."""

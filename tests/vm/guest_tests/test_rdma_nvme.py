@@ -212,8 +212,13 @@ def _kernel_io() -> None:
 async def _raw(conn, sqe: bytes, payload: bytes = b"", timeout: float = 15):
     """Post a hand-made capsule on a blockd host queue; the response's status (or raise)."""
     from initiator.queue import HostCommand
-    cmd = HostCommand(bytearray(sqe))
-    cmd.future = asyncio.get_running_loop().create_future()
+    fut = asyncio.get_running_loop().create_future()
+
+    def done(cmd, exc):
+        if not fut.done():
+            fut.set_exception(exc) if exc is not None else fut.set_result(cmd)
+
+    cmd = HostCommand(bytearray(sqe), on_done=done)
     conn.queue.start(cmd)
     st = conn.slots[cmd.cid]
     st.reset()
@@ -222,7 +227,7 @@ async def _raw(conn, sqe: bytes, payload: bytes = b"", timeout: float = 15):
     cslot.view[:64] = cmd.sqe
     cslot.view[64:64 + len(payload)] = payload
     conn.qp.post_send((2 << 48) | cmd.cid, cslot.addr, 64 + len(payload), cslot.lkey)
-    got = await asyncio.wait_for(cmd.future, timeout)
+    got = await asyncio.wait_for(fut, timeout)
     return got.status
 
 
@@ -276,6 +281,7 @@ def test_hostile_host(rxe, record_property):
     async def main():
         async with serve(ADDR0, 4432, NQN, vol, SIZE) as (target, listener):
             good = await Controller.connect(_params(4432))
+            good_conns = [good.admin, *good.io]
             victim_before = bytes(await good.read(1, VICTIM, 64))
             stop = asyncio.Event()
             gtask = asyncio.ensure_future(good_loop(good, stop))
@@ -285,21 +291,36 @@ def test_hostile_host(rxe, record_property):
             q = h.io[0]
             slot = q.data.try_get(8192)
             key = slot.rkey
+            # (sqe, in-capsule payload, status; all with DNR): SGL length != NLB x block size, a
+            # 16 MiB SGL -> SGL Data Length Invalid (as nvmet-rdma); an in-capsule SGL beyond the
+            # in-capsule size -> SGL Offset Invalid (as nvmet-rdma), also one beyond the bytes that
+            # came (nvmet would use whatever its buffer held) or at a non-zero offset (ICDOFF 0);
+            # a TCP SGL type on RDMA -> SGL Descriptor Type Invalid
             cases = {
-                "length != NLB": (_write_sqe(VICTIM, 8, build_sgl_keyed(slot.addr, 8192 + 512, key)), b""),
-                "length 16 MiB": (_write_sqe(VICTIM, 8, build_sgl_keyed(slot.addr, 0xFFFFFF, key)), b""),
-                "read too short": (_read_sqe(VICTIM, 8, build_sgl_keyed(slot.addr, 512, key)), b""),
-                "incapsule offset": (_write_sqe(VICTIM, 1, build_sgl_data_block(0x01, 8, 512)), bytes(512)),
-                "incapsule missing": (_write_sqe(VICTIM, 8, build_sgl_data_block(0x01, 0, 4096)), b""),
-                "incapsule too big": (_write_sqe(VICTIM, 16, build_sgl_data_block(0x01, 0, 8192)), b""),
-                "tcp sgl type": (_write_sqe(VICTIM, 8, build_sgl_data_block(0x5A, 0, 4096)), b""),
-                "zero sgl": (_write_sqe(VICTIM, 8, bytes(16)), b""),
+                "length != NLB": (_write_sqe(VICTIM, 8, build_sgl_keyed(slot.addr, 8192 + 512, key)),
+                                  b"", Status.SGL_INVALID_DATA_LENGTH),
+                "length 16 MiB": (_write_sqe(VICTIM, 8, build_sgl_keyed(slot.addr, 0xFFFFFF, key)),
+                                  b"", Status.SGL_INVALID_DATA_LENGTH),
+                "read too short": (_read_sqe(VICTIM, 8, build_sgl_keyed(slot.addr, 512, key)),
+                                   b"", Status.SGL_INVALID_DATA_LENGTH),
+                "incapsule offset": (_write_sqe(VICTIM, 1, build_sgl_data_block(0x01, 8, 512)),
+                                     bytes(512), Status.SGL_INVALID_OFFSET),
+                "incapsule missing": (_write_sqe(VICTIM, 8, build_sgl_data_block(0x01, 0, 4096)),
+                                      b"", Status.SGL_INVALID_OFFSET),
+                "incapsule too big": (_write_sqe(VICTIM, 16, build_sgl_data_block(0x01, 0, 8192)),
+                                      b"", Status.SGL_INVALID_OFFSET),
+                "tcp sgl type": (_write_sqe(VICTIM, 8, build_sgl_data_block(0x5A, 0, 4096)),
+                                 b"", Status.SGL_INVALID_TYPE),
+                "zero sgl": (_write_sqe(VICTIM, 8, bytes(16)), b"", Status.SGL_INVALID_DATA_LENGTH),
             }
-            for name, (sqe, payload) in cases.items():
+            for name, (sqe, payload, want) in cases.items():
                 status = await _raw(q, sqe, payload)
                 events.append(f"{name}: status {status:#x}")
-                assert status != 0, name
+                assert status == want, f"{name}: status {status:#x}, want {want:#x}"
             assert not q.closed
+            # the queue still works for a well-formed command after all that
+            assert await _raw(q, _write_sqe(VICTIM + 64, 8, build_sgl_keyed(slot.addr, 4096, key))) == 0
+            q.data.put(slot)
             # 2. bad key on a write: the target's RDMA READ fails -> the hostile queue dies
             await _raw_expect_death(q, _write_sqe(VICTIM, 8, build_sgl_keyed(slot.addr, 4096, key ^ 0x00ABCD00)))
             events.append("bad key write: queue torn down")
@@ -321,11 +342,11 @@ def test_hostile_host(rxe, record_property):
             await asyncio.wait_for(h.close(), 20)
 
             # 5. with memory windows: a stale key (of a completed command) is dead
-            h = await hostile("auto")
+            h = await hostile("mw")
             q = h.io[0]
             if q.key_mode == "mw":
                 before = [w.rkey for w in q.windows]
-                await h.write(1, 50000, b"\x11" * 4096)
+                await h.write(1, 50000, b"\x11" * 16384)  # keyed (4 KiB would go in-capsule)
                 used = [w for w, k in zip(q.windows, before) if w.rkey != k]
                 assert len(used) == 1, "one window bound for one keyed write"
                 stale = used[0].rkey
@@ -339,16 +360,27 @@ def test_hostile_host(rxe, record_property):
             stop.set()
             rounds = await gtask
             assert rounds >= 1
+            # the good host never lost a queue (same connections, none closed, no reconnect)
+            assert [good.admin, *good.io] == good_conns
+            assert not any(c.closed for c in good_conns)
             # the victim range is untouched and the target still serves new hosts
             assert bytes(await good.read(1, VICTIM, 64)) == victim_before
             await good.close()
             again = await Controller.connect(_params(4432, nr_io_queues=1))
             await _workload(again, 40000, 7)
             await again.close()
-            live = [c for c in listener.connections if not c.closing]
-            return rounds, len(target.controllers), len(live)
+            # every queue is gone on the target and every shared data buffer is back
+            deadline = time.monotonic() + 8  # < the 10 s a teardown waits for stuck commands
+            while listener.connections or listener.teardowns:
+                assert time.monotonic() < deadline, "target queues not torn down"
+                await asyncio.sleep(0.1)
+            from target.rdma import _data_slots
+            for slots in _data_slots.values():
+                assert [p.available for p in slots.pools] == [p.count for p in slots.pools]
+            return rounds, len(target.controllers)
 
-    rounds, ctrls, live = asyncio.run(asyncio.wait_for(main(), 240))
+    rounds, ctrls = asyncio.run(asyncio.wait_for(main(), 240))
+    assert ctrls == 0, f"{ctrls} controllers left on the target"
     print("\n".join(events))
     record_property("good_rounds", rounds)
     record_property("events", "; ".join(events))
@@ -361,3 +393,4 @@ async def _raw_expect_death(conn, sqe):
         status = repr(exc)
     await _wait_closed(conn)
     assert status != 0, "a command with a bad key/address succeeded"
+
