@@ -25,3 +25,8 @@ def test_blockd_host_kernel_target(guest_case):
 
 def test_hostile_host(guest_case):
     """bad lengths -> NVMe errors; bad keys/addresses -> that queue torn down; others unharmed."""
+
+
+def test_service_rdma_port(guest_case):
+    """`blockd target --config` with an rdma port: blockctl discover/connect/write/read over RDMA,
+    the kernel nvme-rdma host reads and writes; clean SIGTERM."""
