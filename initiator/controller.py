@@ -486,7 +486,7 @@ class Controller:
 
     async def read_into(self, nsid: int, slba: int, buf: memoryview) -> None:
         """Read ``len(buf)`` bytes (whole blocks, at most ``max_transfer``) into ``buf``."""
-        nlb = len(buf) // self.namespace(nsid).block_size - 1
+        nlb = self._blocks(nsid, buf) - 1
         await self.io_command(IoOpcode.READ, nsid, slba & 0xFFFFFFFF, slba >> 32, nlb, data_in=buf)
 
     async def read(self, nsid: int, slba: int, nblocks: int) -> bytearray:
@@ -495,9 +495,19 @@ class Controller:
         return buf
 
     async def write(self, nsid: int, slba: int, data: bytes | memoryview, fua: bool = False) -> None:
-        nlb = len(data) // self.namespace(nsid).block_size - 1
+        """Write ``data`` (whole blocks, at most ``max_transfer``) at block ``slba``."""
+        nlb = self._blocks(nsid, data) - 1
         await self.io_command(IoOpcode.WRITE, nsid, slba & 0xFFFFFFFF, slba >> 32,
                               nlb | (RW_CONTROL_FUA << 16 if fua else 0), data_out=data)
+
+    def _blocks(self, nsid: int, data: bytes | bytearray | memoryview) -> int:
+        """How many blocks ``data`` is; a ValueError (not a malformed command) when it is not
+        a whole number of them, or more than one command may carry."""
+        bs = self.namespace(nsid).block_size
+        if not data or len(data) % bs or len(data) > self.max_transfer:
+            raise ValueError(f"{len(data)} bytes is not 1 to {self.max_transfer // bs} blocks of "
+                             f"{bs} bytes on namespace {nsid}")
+        return len(data) // bs
 
     async def flush(self, nsid: int) -> None:
         await self.io_command(IoOpcode.FLUSH, nsid)

@@ -182,6 +182,12 @@ def test_write_zeroes_deallocate_readonly_and_errors(tmp_path: Path) -> None:
                 with pytest.raises(NvmeError) as err:
                     await ctrl.read(4, 1023, 2)
                 assert err.value.status == Status.LBA_RANGE
+                # Not a whole number of blocks: refused before anything is sent, queues unharmed.
+                for op in (ctrl.write(4, 0, b"z" * 512), ctrl.read_into(4, 0, memoryview(bytearray(6000))),
+                           ctrl.write(1, 0, b"")):
+                    with pytest.raises(ValueError, match="blocks of"):
+                        await op
+                assert await ctrl.read(4, 1023 - 2, 3) == data
             finally:
                 await ctrl.close()
         assert os.path.getsize(path) == SIZE and os.path.getsize(ro_path) == 1 << 20
