@@ -212,13 +212,15 @@ def _kernel_io() -> None:
 async def _raw(conn, sqe: bytes, payload: bytes = b"", timeout: float = 15):
     """Post a hand-made capsule on a blockd host queue; the response's status (or raise)."""
     from initiator.queue import HostCommand
-    fut = asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
 
     def done(cmd, exc):
         if not fut.done():
             fut.set_exception(exc) if exc is not None else fut.set_result(cmd)
 
-    cmd = HostCommand(bytearray(sqe), on_done=done)
+    # a deadline, as Controller._run gives: the controller's sweep fails commands past theirs
+    cmd = HostCommand(bytearray(sqe), on_done=done, deadline=loop.time() + timeout)
     conn.queue.start(cmd)
     st = conn.slots[cmd.cid]
     st.reset()
