@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,8 +46,9 @@ class HostCommand:
     dw0: int = 0
     dw1: int = 0
     on_done: Callable[[HostCommand, BaseException | None], None] | None = None
-    deadline: float = 0.0
-    """Event-loop time after which the controller's timeout sweep gives up on the command."""
+    deadline: float = math.inf
+    """Event-loop time after which the controller's timeout sweep gives up on the command
+    (the controller sets it when it sends the command; never, for one sent by hand)."""
     attempts: int = 0
 
     @property

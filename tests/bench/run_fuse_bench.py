@@ -558,7 +558,7 @@ def write_docs(generated: str) -> None:
         text = path.read_text()
         head, rest = text.split(BEGIN, 1)
         tail = rest.split(END, 1)[1] if END in rest else ""
-        path.write_text(head + block + tail.lstrip("\n"))
+        path.write_text(head + block + ("\n" + tail.lstrip("\n") if tail.strip() else ""))
     else:
         path.write_text("# Benchmarks\n\n" + block)
     log(f"wrote {path}")
