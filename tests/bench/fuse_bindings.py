@@ -39,6 +39,7 @@ class RamController:
         self.namespaces = {1: NamespaceInfo(1, SIZE // BS, BS, False)}
         self.failed = None
         self.max_transfer = 1 << 20
+        self.state = "live"
 
     async def read_into(self, nsid: int, slba: int, buf: memoryview) -> None:
         off = slba * BS
@@ -47,6 +48,16 @@ class RamController:
     async def write(self, nsid: int, slba: int, data: bytes, fua: bool = False) -> None:
         off = slba * BS
         self.data[off:off + len(data)] = data
+
+    def submit_read(self, nsid: int, slba: int, buf: memoryview, done) -> None:
+        off = slba * BS
+        buf[:] = self.data[off:off + len(buf)]
+        done(None)
+
+    def submit_write(self, nsid: int, slba: int, data: bytes, done) -> None:
+        off = slba * BS
+        self.data[off:off + len(data)] = data
+        done(None)
 
     async def flush(self, nsid: int) -> None:
         pass
