@@ -127,6 +127,11 @@ class QueueConnection(Protocol):
     def submit(self, cmd: HostCommand, now: bool = False) -> None:
         """Send ``cmd``; transports that batch send it at once when ``now``."""
 
+    def hold(self) -> None:
+        """Keep what ``submit`` sends (``now`` or not) until ``release``; holds nest."""
+
+    def release(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -499,6 +504,15 @@ class Controller:
         nlb = self._blocks(nsid, data) - 1
         await self.io_command(IoOpcode.WRITE, nsid, slba & 0xFFFFFFFF, slba >> 32,
                               nlb | (RW_CONTROL_FUA << 16 if fua else 0), data_out=data)
+
+    def hold_sends(self) -> list[QueueConnection]:
+        """Hold the I/O queues' sends (see ``QueueConnection.hold``): a caller about to submit
+        several commands (the FUSE mount draining its requests) lets them leave together. The
+        caller releases each connection returned."""
+        held = list(self.io)
+        for conn in held:
+            conn.hold()
+        return held
 
     def _blocks(self, nsid: int, data: bytes | bytearray | memoryview) -> int:
         """How many blocks ``data`` is; a ValueError (not a malformed command) when it is not

@@ -231,6 +231,12 @@ class RdmaHostConnection:
 
     # -- sending --------------------------------------------------------------------------------
 
+    def hold(self) -> None:
+        """Work requests are posted as they are submitted: nothing to hold."""
+
+    def release(self) -> None:
+        pass
+
     def submit(self, cmd: HostCommand, now: bool = False) -> None:
         """Post ``cmd``'s capsule (work requests go out as they are posted, so ``now`` changes nothing)."""
         if self.closed:

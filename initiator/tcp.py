@@ -91,6 +91,12 @@ class TcpHostConnection(PduProtocol):
         else:
             self._send_capsule(cmd)
 
+    def hold(self) -> None:
+        self.out.hold()
+
+    def release(self) -> None:
+        self.out.release()
+
     def _send_capsule(self, cmd: HostCommand) -> None:
         self.queue.start(cmd)
         sqe = cmd.sqe

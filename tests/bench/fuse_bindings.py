@@ -49,6 +49,9 @@ class RamController:
         off = slba * BS
         self.data[off:off + len(data)] = data
 
+    def hold_sends(self) -> list:
+        return []
+
     def submit_read(self, nsid: int, slba: int, buf: memoryview, done) -> None:
         off = slba * BS
         buf[:] = self.data[off:off + len(buf)]
