@@ -8,9 +8,12 @@ Everything here is transport independent (no NVMe).  The NVMe-oF RDMA target and
   references by number (see :mod:`blockd.rdma.cm`).
 * :class:`CompletionQueue` -- a CQ with its own ``CompChannel``; :attr:`CompletionQueue.fd` is
   non-blocking and can be given to ``loop.add_reader``; :meth:`CompletionQueue.drain` collects
-  events, acks them, re-arms and polls until empty, returning the work completions.
+  events, acks them, re-arms and polls until empty, returning the work completions (as
+  :data:`blockd.rdma._fast.Wc` tuples, polled without pyverbs objects).
 * :class:`QueuePair` -- an RC QP on a :class:`Device` with post helpers (RECV, SEND,
-  SEND_WITH_INV, RDMA READ/WRITE, chains) that free pyverbs' leaked WR/SGE buffers after posting.
+  SEND_WITH_INV, RDMA READ/WRITE, chains) that free pyverbs' leaked WR/SGE buffers after posting,
+  and :meth:`QueuePair.post_sends` / :meth:`QueuePair.post_recvs`, which post whole chains from
+  preallocated C memory (:mod:`blockd.rdma._fast`) for the data path.
 * :class:`BufferPool` -- one registered MR split into fixed-size :class:`Slot` s (address, lkey,
   rkey, zero-copy memoryview); registered once, reused for every I/O.
 
@@ -23,21 +26,19 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import errno
 import mmap
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import pyverbs.enums as e
 from pyverbs.cq import CQ, CompChannel
 from pyverbs.device import Context, get_device_list
 from pyverbs.mr import MR
 from pyverbs.pd import PD
-from pyverbs.pyverbs_error import PyverbsRDMAError
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, RecvWR, SendWR
 
-from . import _raw
+from . import _fast, _raw
 
 __all__ = [
     "ACCESS_LOCAL", "ACCESS_REMOTE", "BufferPool", "CompletionQueue", "Device", "QueuePair",
@@ -151,9 +152,11 @@ atexit.register(close_devices)
 class CompletionQueue:
     """A CQ with its own completion channel whose fd an asyncio loop can watch.
 
-    ``fd`` is O_NONBLOCK.  Call :meth:`drain` when it is readable: it consumes all pending CQ
-    events (``ibv_get_cq_event`` until EAGAIN), acks them, re-arms (``req_notify``) and only then
-    polls until the CQ is empty, so no completion that arrives in between is lost.
+    ``fd`` is O_NONBLOCK.  Call :meth:`drain` when it is readable: it takes the CQ's event
+    (``ibv_get_cq_event``; there is one per arming; acked in batches and at close), re-arms
+    (``req_notify``) and only then polls until the CQ is empty, so no completion that arrives in
+    between is lost.  Events,
+    arming and polling go through :class:`blockd.rdma._fast.FastCQ` (libibverbs directly).
     :meth:`attach` wires that to a loop with a callback taking the list of WCs.
     """
 
@@ -164,34 +167,22 @@ class CompletionQueue:
         self.cq = CQ(device.ctx, depth, None, self.channel, 0)
         self.fd = _raw.comp_channel_fd(self.channel)
         _raw.set_nonblocking(self.fd)
-        self.cq.req_notify()
+        self.fast = _fast.FastCQ(self.cq, self.channel, device.ctx)
+        self.fast.req_notify()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
 
     def drain(self, batch: int = 64) -> list:
-        """Ack pending channel events, re-arm, and return every completion now in the CQ."""
-        events = 0
-        while True:
-            try:
-                self.channel.get_cq_event(self.cq)
-            except PyverbsRDMAError as ex:
-                if ex.error_code in (errno.EAGAIN, errno.EWOULDBLOCK):
-                    break
-                raise
-            events += 1
-        if events:
-            self.cq.ack_events(events)
-        self.cq.req_notify()
-        return self.poll(batch)
+        """Ack pending channel events, re-arm, and return every completion now in the CQ
+        (:data:`blockd.rdma._fast.Wc` tuples: ``wr_id``, ``status``, ``byte_len``, ...)."""
+        fast = self.fast
+        fast.get_event()  # acked in batches (and at close)
+        fast.req_notify()
+        return fast.poll(batch)
 
     def poll(self, batch: int = 64) -> list:
         """Poll until empty without touching the channel (busy-poll use)."""
-        out = []
-        while True:
-            n, wcs = self.cq.poll(batch)
-            out.extend(wcs)
-            if n < batch:
-                return out
+        return self.fast.poll(batch)
 
     def attach(self, loop: asyncio.AbstractEventLoop, callback: Callable[[list], None]) -> None:
         """``loop.add_reader(fd)`` calling ``callback(wcs)`` for each non-empty drain."""
@@ -218,9 +209,10 @@ class CompletionQueue:
         self.detach()
         # events fetched but not acked would make ibv_destroy_cq block: drain() acks all
         try:
-            self.drain()
-        except PyverbsRDMAError:
+            self.fast.get_events()
+        except OSError:
             pass
+        self.fast.ack()
         self.cq.close()
         self.channel.close()
         if self in self.device._children:
@@ -246,6 +238,7 @@ class QueuePair:
                           sq_sig_all=0)
         self.qp = QP(device.pd, init)
         self.qp_num = self.qp.qp_num
+        self.fast = _fast.FastQP(self.qp, device.ctx, max_send_wr, max_recv_wr)
         self.max_rd_atomic = 0  # set by the CM layer when it moves the QP to RTS
         self.closed = False
 
@@ -269,10 +262,21 @@ class QueuePair:
             wr.close()
             sge.close()
 
-    def post_recvs(self, bufs: Iterable[tuple[int, int, int, int]]) -> None:
-        """Post (wr_id, addr, length, lkey) receives one by one."""
-        for wr_id, addr, length, lkey in bufs:
-            self.post_recv(wr_id, addr, length, lkey)
+    def post_recvs(self, bufs: Sequence[tuple[int, int, int, int]]) -> None:
+        """Post (wr_id, addr, length, lkey) receives as one chain (no pyverbs objects);
+        raises :class:`blockd.rdma._fast.PostError` (its ``posted``: how many went in)."""
+        if self.closed:
+            raise ValueError("QP is closed")
+        self.fast.post_recv(bufs)
+
+    def post_sends(self, wrs: Sequence[tuple[int, int, int, int, int, int, int, int, int]]) -> None:
+        """Post send-queue WRs as one chain (no pyverbs objects), each a tuple
+        ``(wr_id, opcode, send_flags, addr, length, lkey, imm_data_or_invalidate_rkey, raddr,
+        rkey)`` with one SGE (none when ``length`` is 0); raises
+        :class:`blockd.rdma._fast.PostError` (its ``posted``: how many went in)."""
+        if self.closed:
+            raise ValueError("QP is closed")
+        self.fast.post_send(wrs)
 
     @staticmethod
     def _send_wr(wr_id: int, opcode: int, sges: Sequence[SGE], signaled: bool,
