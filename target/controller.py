@@ -402,7 +402,9 @@ class Controller:
             _, _, _, _, _, slba, _, control, _ = RW_FAST.unpack_from(req.sqe)
             offset = slba << ns.lba_shift
             if opc == IoOpcode.READ:
-                buf = bytearray(req.length)
+                buf = req.buffer
+                if buf is None or len(buf) != req.length:
+                    buf = bytearray(req.length)
                 try:
                     await ns.backend.read_into(offset, memoryview(buf))
                 except OSError as exc:

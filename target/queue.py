@@ -55,6 +55,9 @@ class TargetQueue:
         """The host disabled SQ flow control at Connect (CATTR bit 2)."""
         self.in_flight = 0
         self._data_sgl_ids = _TRANSPORT_SGL_IDS[transport]
+        # NVMe/TCP lands host data in ``req.data``; RDMA READs it into a registered slot of its
+        # own and sets ``req.data`` to that (a zeroed bytearray per write would only be thrown away)
+        self._h2c_buffer = transport != "rdma"
 
     # -- the request life cycle -------------------------------------------------------------
 
@@ -139,7 +142,8 @@ class TargetQueue:
         req.sgl_address = address
         req.sgl_key = key
         if direction is Direction.HOST_TO_CONTROLLER:
-            req.data = bytearray(length)
+            if self._h2c_buffer:
+                req.data = bytearray(length)
             req.state = RequestState.NEED_DATA
         return True
 

@@ -13,10 +13,14 @@ It only moves data; the NVMe core (:class:`target.queue.TargetQueue`) validates 
   data behind a keyed SGL is fetched with one RDMA READ of exactly the SGL's (validated)
   address/length/key into a registered slot, at most ``initiator_depth`` READs in flight per QP
   (the rest wait in FIFO order); then ``data_received`` + ``execute``.
-* Reply: controller-to-host data is copied into a registered slot and RDMA WRITTEN to the SGL's
-  address/key (never more than the SGL length), chained with the 16-byte response SEND; the
-  command's receive buffer is re-posted before that SEND.  SEND_WITH_INV carries the
-  command's key only when the host asked for it (SGL id 0x4F with data).
+* Execution: at once, in the completion handler (:func:`blockd.eager.start`); only a command
+  that really waits (an fsync, a slow backend) becomes a Task.
+* Reply: a read goes straight into a registered slot when one is free (else it is copied into
+  one) and is RDMA WRITTEN to the SGL's address/key (never more than the SGL length), chained
+  with the 16-byte response SEND; the command's receive buffer is re-posted before that SEND.
+  SEND_WITH_INV carries the command's key only when the host asked for it (SGL id 0x4F with
+  data).  What one batch of completions produces goes out as one chain of receives and one of
+  sends (:meth:`blockd.rdma.verbs.QueuePair.post_sends`, no pyverbs objects per I/O).
 * Failures: a failed RDMA READ fails its command with DATA TRANSFER ERROR where the
   connection still lives; a remote access error (bad key/address from the host) moves an RC
   QP to the error state, so that host's queue is torn down -- every other connection is
@@ -39,6 +43,7 @@ from typing import Any
 
 import structlog
 
+from blockd import eager
 from target.controller import MQES
 from target.queue import MAX_TRANSFER, TargetQueue
 from target.request import Request, RequestState
@@ -53,6 +58,21 @@ _RECV, _READ, _SEND, _WRITE = 1, 2, 3, 4
 _MASK = (1 << _KIND_SHIFT) - 1
 _SGL_KEYED = (0x40, 0x4F)
 _SGL_INVALIDATE = 0x4F
+_NVME_READ = 0x02
+# ibv_wr_opcode / ibv_send_flags values (verbs.h ABI; checked against pyverbs at first use)
+_WR_RDMA_WRITE, _WR_SEND, _WR_RDMA_READ, _WR_SEND_WITH_INV = 0, 2, 4, 9
+_SIGNALED = 2
+_abi_checked = False
+
+
+def _check_abi() -> None:
+    global _abi_checked
+    if not _abi_checked:
+        import pyverbs.enums as e
+        assert (e.IBV_WR_RDMA_WRITE, e.IBV_WR_SEND, e.IBV_WR_RDMA_READ, e.IBV_WR_SEND_WITH_INV,
+                e.IBV_SEND_SIGNALED) == (_WR_RDMA_WRITE, _WR_SEND, _WR_RDMA_READ,
+                                         _WR_SEND_WITH_INV, _SIGNALED)
+        _abi_checked = True
 
 # shared data buffers per device: (slot size, count); 2 + 4 + 8 MiB registered once
 DATA_CLASSES = [(8192, 256), (128 << 10, 32), (MAX_TRANSFER, 8)]
@@ -116,15 +136,19 @@ def _peer_of(cmid) -> str:
 
 
 class _Cmd:
-    """Transport state of one command: its receive slot, data slot, send token."""
+    """Transport state of one command: its receive slot, data slot (and the view of it the
+    controller reads into), bytes to RDMA WRITE, CQE, response slot."""
 
-    __slots__ = ("req", "recv", "data", "nbytes")
+    __slots__ = ("req", "recv", "data", "view", "nbytes", "cqe", "resp")
 
     def __init__(self, req: Request, recv: int) -> None:
         self.req = req
         self.recv = recv
         self.data = None
+        self.view = None
         self.nbytes = 0
+        self.cqe = b""
+        self.resp = -1
 
 
 class RdmaTargetConnection:
@@ -132,6 +156,7 @@ class RdmaTargetConnection:
 
     def __init__(self, listener: "RdmaListener", creq) -> None:
         from blockd.rdma.verbs import open_device
+        _check_abi()
         nv = creq.nvme
         self.listener = listener
         self.tasks = listener.tasks
@@ -151,13 +176,23 @@ class RdmaTargetConnection:
         self.cm = None
         self.reads_in_flight = 0
         self.read_wait: collections.deque[_Cmd] = collections.deque()
-        self.resp_wait: collections.deque[tuple[_Cmd, bytes, int]] = collections.deque()
-        self.tokens: dict[int, _Cmd] = {}
+        self.resp_wait: collections.deque[_Cmd] = collections.deque()
+        self.tokens: dict[int, _Cmd] = {}  # RDMA READs in flight
         self._next_token = 0
         self.cmds: set[_Cmd] = set()
         self.executing = 0
-        self._idle: asyncio.Event = asyncio.Event()
-        self._idle.set()
+        self._idle: asyncio.Event | None = None  # made by a teardown that waits for executing
+        # work requests as the fast post path takes them, built once
+        lkey = self.recv_pool.lkey
+        self._recv_wrs = [((_RECV << _KIND_SHIFT) | s.index, s.addr, s.size, lkey)
+                          for s in self.recv_pool.slots]
+        self._resp_cmd: list[_Cmd | None] = [None] * len(self.resp_pool.slots)
+        # while a batch of completions is handled, receives and sends wait here and go out as
+        # one chain each at its end (receives first: a command's buffer is re-posted before its
+        # response can let the host send into it again)
+        self._batching = False
+        self._recv_out: list = []
+        self._send_out: list = []
         self.peer = _peer_of(creq.cmid)
         port = listener.port
         self.queue = TargetQueue(listener.target, "rdma", port.port_id, self.inline, self.close,
@@ -175,12 +210,7 @@ class RdmaTargetConnection:
     # -- receives -------------------------------------------------------------------------------
 
     def _post_all_recvs(self, qp) -> None:
-        for s in self.recv_pool.slots:
-            qp.post_recv((_RECV << _KIND_SHIFT) | s.index, *s.sge())
-
-    def _repost(self, idx: int) -> None:
-        s = self.recv_pool.slots[idx]
-        self.qp.post_recv((_RECV << _KIND_SHIFT) | idx, *s.sge())
+        qp.post_recvs(self._recv_wrs)
 
     def _token(self, cmd: _Cmd) -> int:
         t = self._next_token
@@ -191,26 +221,49 @@ class RdmaTargetConnection:
     # -- completions ----------------------------------------------------------------------------
 
     def _completions(self, wcs: list) -> None:
-        for wc in wcs:
-            kind = wc.wr_id >> _KIND_SHIFT
-            idx = wc.wr_id & _MASK
-            try:
-                if kind == _RECV:
-                    if wc.status:
+        self._batching = True
+        try:
+            for wc in wcs:
+                wr_id = wc.wr_id
+                kind = wr_id >> _KIND_SHIFT
+                idx = wr_id & _MASK
+                status = wc.status
+                try:
+                    if kind == _RECV:
+                        if status:
+                            if not self.closing:
+                                self._fatal(f"receive failed: status {status}")
+                            continue
                         if not self.closing:
-                            self._fatal(f"receive failed: status {wc.status}")
-                        continue
-                    if not self.closing:
-                        self._command(idx, wc.byte_len)
-                elif kind == _READ:
-                    self._read_done(idx, wc.status)
-                elif kind == _SEND:
-                    self._send_done(idx, wc.status)
-                elif kind == _WRITE and wc.status:  # unsignalled: only an error completes it
-                    self._fatal(f"RDMA WRITE to host failed with status {wc.status}")
-            except Exception as exc:  # never let one completion stall the rest
-                log.exception("rdma completion handling failed", peer=self.peer)
-                self._fatal(f"internal error: {exc}")
+                            self._command(idx, wc.byte_len)
+                    elif kind == _SEND:
+                        self._send_done(idx, status)
+                    elif kind == _READ:
+                        self._read_done(idx, status)
+                    elif kind == _WRITE and status:  # unsignalled: only an error completes it
+                        self._fatal(f"RDMA WRITE to host failed with status {status}")
+                except Exception as exc:  # never let one completion stall the rest
+                    log.exception("rdma completion handling failed", peer=self.peer)
+                    self._fatal(f"internal error: {exc}")
+        finally:
+            self._batching = False
+            if self._send_out or self._recv_out:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Post the receives and sends the batch queued: one chain each."""
+        recvs, sends = self._recv_out, self._send_out
+        try:
+            if not self.closing:
+                if recvs:
+                    self.qp.post_recvs(recvs)
+                if sends:
+                    self.qp.post_sends(sends)
+        except Exception as exc:
+            self._fatal(f"posting the responses failed: {exc}")
+        finally:
+            recvs.clear()
+            sends.clear()
 
     def _fatal(self, why: str) -> None:
         if not self.closing:
@@ -228,6 +281,12 @@ class RdmaTargetConnection:
         self.cmds.add(cmd)
         state = req.state
         if state is RequestState.EXECUTING:
+            if req.opcode == _NVME_READ and req.length and req.sgl_id in _SGL_KEYED and self.queue.qid:
+                # the controller reads straight into the registered slot the WRITE goes from
+                slot = self.data.get_now(req.length)
+                if slot is not None:
+                    cmd.data = slot
+                    req.buffer = cmd.view = slot.view[:req.length]
             self._start(cmd)
         elif state is RequestState.NEED_DATA:
             if self.cm.initiator_depth == 0 or req.sgl_id not in _SGL_KEYED:
@@ -257,8 +316,9 @@ class RdmaTargetConnection:
             tok = self._token(cmd)
             try:
                 # exactly the SGL the core validated: address, key, length (<= MAX_TRANSFER)
-                self.qp.post_rdma_read((_READ << _KIND_SHIFT) | tok, slot.addr, req.length,
-                                       slot.lkey, rkey=req.sgl_key, raddr=req.sgl_address)
+                self.qp.post_sends([((_READ << _KIND_SHIFT) | tok, _WR_RDMA_READ, _SIGNALED,
+                                     slot.addr, req.length, slot.lkey, 0, req.sgl_address,
+                                     req.sgl_key)])
             except Exception as exc:
                 self.tokens.pop(tok, None)
                 self.queue.data_failed(req)
@@ -293,18 +353,20 @@ class RdmaTargetConnection:
     # -- execution and replies ------------------------------------------------------------------
 
     def _start(self, cmd: _Cmd) -> None:
+        """Run the command at once; only one that really waits (an fsync, a slow backend)
+        becomes a Task, tracked for shutdown."""
         self.executing += 1
-        self._idle.clear()
-        task = self.loop.create_task(self._execute(cmd))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task = eager.start(self._execute(cmd))
+        if task is not None:
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
 
     async def _execute(self, cmd: _Cmd) -> None:
         try:
             await self.queue.execute(cmd.req)
         finally:
             self.executing -= 1
-            if not self.executing:
+            if not self.executing and self._idle is not None:
                 self._idle.set()
         if self.closing:
             self._drop(cmd)
@@ -317,7 +379,9 @@ class RdmaTargetConnection:
                 self._finish(cmd)
                 return
             cmd.nbytes = n
-            if cmd.data is not None and cmd.data.size >= n:
+            if req.data is cmd.view and cmd.view is not None:  # read in place: nothing to copy
+                self._finish(cmd)
+            elif cmd.data is not None and cmd.data.size >= n:
                 self._write_slot(cmd, cmd.data)
             else:
                 if cmd.data is not None:
@@ -343,56 +407,60 @@ class RdmaTargetConnection:
         if req.state is RequestState.SENDING_DATA:
             self.queue.data_sent(req)
             write = cmd.nbytes
-        cqe = self.queue.completion(req)
-        self.resp_wait.append((cmd, cqe, write))
+        cmd.cqe = self.queue.completion(req)
+        cmd.nbytes = write
+        self.resp_wait.append(cmd)
         self._pump_responses()
 
     def _pump_responses(self) -> None:
+        """Queue the WRITE (if any) + SEND of every answered command a response slot is free
+        for, with its receive's re-post; posted at the batch's end, or at once outside one."""
         pool = self.resp_pool
-        while self.resp_wait and pool.available and not self.closing:
-            cmd, cqe, write = self.resp_wait.popleft()
+        wait = self.resp_wait
+        sends = self._send_out
+        recvs = self._recv_out
+        while wait and pool.available and not self.closing:
+            cmd = wait.popleft()
             req = cmd.req
             rslot = pool.get()
-            rslot.view[:CQE_SIZE] = cqe
-            cmd.nbytes = rslot.index  # from here on: the response slot index
-            tok = self._token(cmd)
-            import pyverbs.enums as e
-            ops = []
+            i = rslot.index
+            rslot.view[:CQE_SIZE] = cmd.cqe
+            cmd.resp = i
+            self._resp_cmd[i] = cmd
+            write = cmd.nbytes
             if write:
-                ops.append(dict(wr_id=(_WRITE << _KIND_SHIFT) | tok, opcode=e.IBV_WR_RDMA_WRITE,
-                                signaled=False, sge=(cmd.data.addr, write, cmd.data.lkey),
-                                rkey=req.sgl_key, raddr=req.sgl_address))
-            send = dict(wr_id=(_SEND << _KIND_SHIFT) | tok, opcode=e.IBV_WR_SEND,
-                        sge=(rslot.addr, CQE_SIZE, rslot.lkey), signaled=True)
+                data = cmd.data
+                sends.append(((_WRITE << _KIND_SHIFT) | i, _WR_RDMA_WRITE, 0, data.addr, write,
+                              data.lkey, 0, req.sgl_address, req.sgl_key))
             if req.sgl_id == _SGL_INVALIDATE and req.length:
-                send["opcode"] = e.IBV_WR_SEND_WITH_INV
-                send["invalidate_rkey"] = req.sgl_key
-            ops.append(send)
-            try:
-                self._repost(cmd.recv)  # before the response: the host may reuse the slot at once
-                cmd.recv = -1
-                self.qp.post_chain(ops)
-            except Exception as exc:
-                self.tokens.pop(tok, None)
-                pool.put(rslot)
-                self._drop(cmd)
-                self._fatal(f"posting the response failed: {exc}")
-                return
+                sends.append(((_SEND << _KIND_SHIFT) | i, _WR_SEND_WITH_INV, _SIGNALED, rslot.addr,
+                              CQE_SIZE, pool.lkey, req.sgl_key, 0, 0))
+            else:
+                sends.append(((_SEND << _KIND_SHIFT) | i, _WR_SEND, _SIGNALED, rslot.addr,
+                              CQE_SIZE, pool.lkey, 0, 0, 0))
+            # before the response: the host may reuse the slot as soon as it has it
+            recvs.append(self._recv_wrs[cmd.recv])
+            cmd.recv = -1
+        if not self._batching and (sends or recvs):
+            self._flush()
 
-    def _send_done(self, tok: int, status: int) -> None:
-        cmd = self.tokens.pop(tok, None)
+    def _send_done(self, idx: int, status: int) -> None:
+        cmd = self._resp_cmd[idx]
         if cmd is None:
             return
-        self.resp_pool.put(self.resp_pool.slots[cmd.nbytes])
+        self._resp_cmd[idx] = None
+        self.resp_pool.put(self.resp_pool.slots[idx])
         self._drop(cmd)
         if status and not self.closing:
             self._fatal(f"response SEND failed with status {status}")
             return
-        self._pump_responses()
+        if self.resp_wait:
+            self._pump_responses()
 
     def _drop(self, cmd: _Cmd) -> None:
         """The command is over (answered or abandoned): give back its data slot."""
         self.cmds.discard(cmd)
+        cmd.view = None
         if cmd.data is not None:
             slot, cmd.data = cmd.data, None
             if self.closing and not self.destroyed:
@@ -424,10 +492,12 @@ class RdmaTargetConnection:
 
     async def _teardown(self) -> None:
         try:
-            try:
-                await asyncio.wait_for(self._idle.wait(), 10)
-            except asyncio.TimeoutError:
-                log.warning("commands still executing at teardown", peer=self.peer)
+            if self.executing:
+                self._idle = asyncio.Event()
+                try:
+                    await asyncio.wait_for(self._idle.wait(), 10)
+                except asyncio.TimeoutError:
+                    log.warning("commands still executing at teardown", peer=self.peer)
             if self.cm is not None:
                 try:
                     await asyncio.wait_for(asyncio.shield(self.cm.closed), 2)
@@ -451,8 +521,11 @@ class RdmaTargetConnection:
                 cmd.data = None
         self.cmds.clear()
         self.tokens.clear()
+        self._resp_cmd = [None] * len(self._resp_cmd)
         self.read_wait.clear()
         self.resp_wait.clear()
+        self._recv_out.clear()
+        self._send_out.clear()
         self.closing = True
         self.destroyed = True
         self.recv_pool.close()

@@ -37,7 +37,7 @@ class Request:
     """One command in flight on one queue."""
 
     __slots__ = ("cid", "opcode", "nsid", "sqe", "fields", "state", "direction", "length",
-                 "sgl_id", "sgl_address", "sgl_key", "data", "status", "dw0", "dw1",
+                 "sgl_id", "sgl_address", "sgl_key", "data", "buffer", "status", "dw0", "dw1",
                  "transport_ctx")
 
     def __init__(self, sqe: bytes, fields: tuple[Any, ...]) -> None:
@@ -53,6 +53,9 @@ class Request:
         self.sgl_address = 0
         self.sgl_key = 0
         self.data: bytearray | memoryview | bytes | None = None
+        self.buffer: memoryview | None = None
+        """Where a read may put its data (the transport's registered memory, exactly ``length``
+        bytes); None: the controller allocates."""
         self.status: int = Status.SUCCESS
         self.dw0 = 0
         self.dw1 = 0

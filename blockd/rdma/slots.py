@@ -42,6 +42,13 @@ class SlotClasses:
                 return p.get()
         return None
 
+    def get_now(self, length: int) -> Slot | None:
+        """A free slot of at least ``length`` bytes now, or None (also while callers wait:
+        they come first)."""
+        if self._waiters or length > self.max_size:
+            return None
+        return self.try_get(length)
+
     def get(self, length: int, callback: Callable[[Slot], None]) -> None:
         """``callback(slot)`` now if a slot of at least ``length`` bytes is free, else later."""
         if length > self.max_size:
