@@ -169,12 +169,10 @@ class PduReader:
                 return None
             got = int.from_bytes(self._view[self._start:self._start + DIGEST_SIZE], "little")
             self._start += DIGEST_SIZE
-            self._placing = None
-            self._need = 8
-            if got != crc32c(placing.dest):
-                raise DataDigestError(placing.pdu_type, placing.header)
         self._placing = None
         self._need = 8
+        if placing.digest and got != crc32c(placing.dest):  # the stream goes on after it
+            raise DataDigestError(placing.pdu_type, placing.header)
         return Pdu(placing.pdu_type, placing.flags, memoryview(placing.header), placing.dest, True)
 
     def _next(self) -> Pdu | None:
@@ -186,33 +184,33 @@ class PduReader:
             return None
         ptype, flags, hlen, pdo, plen = _unpack_common(view, pos)
         if ptype not in self.accepted:
-            raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 0, f"unexpected PDU type {ptype:#x}", bytes(view[pos:pos + 8]))
+            raise self._refused(TermReqFes.INVALID_HEADER_FIELD, 0, f"unexpected PDU type {ptype:#x}")
         if hlen != HLEN[ptype]:
-            raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 2, f"bad HLEN {hlen} for PDU type {ptype:#x}", bytes(view[pos:pos + 8]))
+            raise self._refused(TermReqFes.INVALID_HEADER_FIELD, 2, f"bad HLEN {hlen} for PDU type {ptype:#x}")
         digests = ptype not in _NO_DIGEST
         hd = DIGEST_SIZE if digests and self.hdgst else 0
         if digests and bool(flags & PduFlags.HDGST) != bool(hd):
-            raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 1, "header digest flag does not match negotiation", bytes(view[pos:pos + 8]))
+            raise self._refused(TermReqFes.INVALID_HEADER_FIELD, 1, "header digest flag does not match negotiation")
         header_end = hlen + hd
         if plen < header_end:
-            raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 4, f"PLEN {plen} shorter than the header", bytes(view[pos:pos + 8]))
+            raise self._refused(TermReqFes.INVALID_HEADER_FIELD, 4, f"PLEN {plen} shorter than the header")
         data_len = plen - header_end
         dd = 0
         if data_len:
             if ptype not in _CARRIES_DATA:
-                raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 4, f"PDU type {ptype:#x} carries no data", bytes(view[pos:pos + 8]))
+                raise self._refused(TermReqFes.INVALID_HEADER_FIELD, 4, f"PDU type {ptype:#x} carries no data")
             if ptype in (PduType.H2C_TERM_REQ, PduType.C2H_TERM_REQ):
                 if data_len > MAX_TERM_COPY:
-                    raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 4, "termination request too long", bytes(view[pos:pos + 8]))
+                    raise self._refused(TermReqFes.INVALID_HEADER_FIELD, 4, "termination request too long")
             else:
                 if pdo != header_end:
-                    raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 3, f"PDO {pdo} is not {header_end}", bytes(view[pos:pos + 8]))
+                    raise self._refused(TermReqFes.INVALID_HEADER_FIELD, 3, f"PDO {pdo} is not {header_end}")
                 dd = DIGEST_SIZE if self.ddgst else 0
                 if bool(flags & PduFlags.DDGST) != bool(dd):
-                    raise FramingError(TermReqFes.INVALID_HEADER_FIELD, 1, "data digest flag does not match negotiation", bytes(view[pos:pos + 8]))
+                    raise self._refused(TermReqFes.INVALID_HEADER_FIELD, 1, "data digest flag does not match negotiation")
                 data_len -= dd
                 if data_len <= 0 or data_len > self.max_data:
-                    raise FramingError(TermReqFes.DATA_OUT_OF_RANGE, 4, f"PDU data length {data_len} out of range", bytes(view[pos:pos + 8]))
+                    raise self._refused(TermReqFes.DATA_OUT_OF_RANGE, 4, f"PDU data length {data_len} out of range")
         if avail < header_end:
             self._need = header_end
             return None
@@ -241,6 +239,10 @@ class PduReader:
         self._start = pos + plen
         self._need = 8
         return Pdu(ptype, flags, header, data)
+
+    def _refused(self, fes: int, fei: int, message: str) -> FramingError:
+        """The error for the PDU at ``_start``, quoting its common header."""
+        return FramingError(fes, fei, message, bytes(self._view[self._start:self._start + 8]))
 
     def _place(self, ptype: int, flags: int, header: memoryview, header_end: int, data_len: int,
                dd: int, dest: memoryview) -> Pdu | None:
