@@ -55,9 +55,6 @@ class TargetQueue:
         """The host disabled SQ flow control at Connect (CATTR bit 2)."""
         self.in_flight = 0
         self._data_sgl_ids = _TRANSPORT_SGL_IDS[transport]
-        # NVMe/TCP lands host data in ``req.data``; RDMA READs it into a registered slot of its
-        # own and sets ``req.data`` to that (a zeroed bytearray per write would only be thrown away)
-        self._h2c_buffer = transport != "rdma"
 
     # -- the request life cycle -------------------------------------------------------------
 
@@ -142,13 +139,11 @@ class TargetQueue:
         req.sgl_address = address
         req.sgl_key = key
         if direction is Direction.HOST_TO_CONTROLLER:
-            if self._h2c_buffer:
-                req.data = bytearray(length)
-            req.state = RequestState.NEED_DATA
+            req.state = RequestState.NEED_DATA  # the transport puts the data in req.data
         return True
 
     def data_received(self, req: Request) -> None:
-        """The transport filled ``req.data`` from the host."""
+        """The transport set ``req.data`` to the host's data (in a buffer of its choosing)."""
         assert req.state is RequestState.NEED_DATA, req
         req.state = RequestState.EXECUTING
 

@@ -126,6 +126,7 @@ class TcpTargetConnection(PduProtocol):
             ttag = self._next_ttag
             self._next_ttag = (ttag + 1) & 0xFFFF
             self.r2t_pending[ttag] = (req, 0)
+            req.data = bytearray(req.length)  # where _place puts the host's H2CData
             self.out.send(self.writer.r2t(req.cid, ttag, 0, req.length))
         else:
             self._respond(req)
@@ -193,15 +194,14 @@ class TcpTargetConnection(PduProtocol):
             return
         if req.state is RequestState.SENDING_DATA:
             queue = self.queue
-            if queue.sqhd_disabled:  # the data PDU completes the command (as Linux's nvmet-tcp)
-                self.out.send(self.writer.data_pdu(
-                    PduType.C2H_DATA, req.cid, 0, 0, req.data, PduFlags.LAST_PDU | PduFlags.SUCCESS))
-                queue.data_sent(req)
+            # without SQ flow control the data PDU completes the command (as Linux's nvmet-tcp)
+            success = PduFlags.SUCCESS if queue.sqhd_disabled else 0
+            self.out.send(self.writer.data_pdu(
+                PduType.C2H_DATA, req.cid, 0, 0, req.data, PduFlags.LAST_PDU | success))
+            queue.data_sent(req)
+            if success:
                 queue.completion(req)
                 return
-            self.out.send(self.writer.data_pdu(
-                PduType.C2H_DATA, req.cid, 0, 0, req.data, PduFlags.LAST_PDU))
-            queue.data_sent(req)
         self._respond(req)
 
     def _respond(self, req: Request) -> None:

@@ -37,7 +37,7 @@ async def complete(queue: TargetQueue, sqe: bytes, data: bytes | None = None) ->
     req = queue.submit(sqe, memoryview(data) if data is not None else None)
     seen = [req.state]
     if req.state is RequestState.NEED_DATA:
-        req.data[:] = data
+        req.data = bytearray(data)  # as a transport does
         queue.data_received(req)
         seen.append(req.state)
     out = None
@@ -80,7 +80,7 @@ def test_write_needs_data_then_read_sends_data() -> None:
         payload = bytes(range(256)) * 8  # 4 blocks
         req = io.submit(rw_sqe(0x01, 5, 10, 4, transport_sgl(len(payload))))
         assert req.state is RequestState.NEED_DATA
-        req.data[:] = payload
+        req.data = bytearray(payload)  # as a transport does
         io.data_received(req)
         assert req.state is RequestState.EXECUTING
         await io.execute(req)
