@@ -124,11 +124,11 @@ class QueueConnection(Protocol):
     inline_limit: int
     closed: bool
 
-    def submit(self, cmd: HostCommand, now: bool = False) -> None:
-        """Send ``cmd``; transports that batch send it at once when ``now``."""
+    def submit(self, cmd: HostCommand) -> None:
+        """Send ``cmd``; transports that batch send it by the end of this loop iteration."""
 
     def hold(self) -> None:
-        """Keep what ``submit`` sends (``now`` or not) until ``release``; holds nest."""
+        """Keep what ``submit`` sends until ``release``, which sends it; holds nest."""
 
     def release(self) -> None: ...
 
@@ -357,7 +357,7 @@ class Controller:
                 log.warning("command timed out; resetting the association", qid=conn.queue.qid, cid=cmd.cid)
             if expired:
                 conn.close()
-        if not (self._closing and self.failed is not None):
+        if not (self._closing and self.failed is not None):  # close() still times its shutdown
             self._sweep = self._loop.call_later(TIMEOUT_SWEEP, self._sweep_timeouts)
 
     async def admin_command(self, opcode: int, *, nsid: int = 0, cdw10: int = 0, cdw11: int = 0,
@@ -463,7 +463,11 @@ class Controller:
                 cmd = HostCommand(sqe, data_out=data_out, data_in=data_in,
                                   on_done=functools.partial(_io_done, done, opcode, nsid),
                                   deadline=self._loop.time() + self.params.command_timeout)
-                conn.submit(cmd, now=True)
+                conn.hold()  # out now, not at the end of the loop iteration (unless held further up)
+                try:
+                    conn.submit(cmd)
+                finally:
+                    conn.release()
                 return
         task = eager.start(self._io_waiting(opcode, nsid, cdw10, cdw11, cdw12, data_out, data_in, done))
         if task is not None:
@@ -481,12 +485,12 @@ class Controller:
 
     def submit_read(self, nsid: int, slba: int, buf: memoryview, done: IoDone) -> None:
         """Callback form of :meth:`read_into` (see :meth:`submit_io`)."""
-        nlb = len(buf) // self.namespace(nsid).block_size - 1
+        nlb = self._blocks(nsid, buf) - 1
         self.submit_io(IoOpcode.READ, nsid, slba & 0xFFFFFFFF, slba >> 32, nlb, None, buf, done)
 
     def submit_write(self, nsid: int, slba: int, data: bytes | memoryview, done: IoDone) -> None:
         """Callback form of :meth:`write` (see :meth:`submit_io`)."""
-        nlb = len(data) // self.namespace(nsid).block_size - 1
+        nlb = self._blocks(nsid, data) - 1
         self.submit_io(IoOpcode.WRITE, nsid, slba & 0xFFFFFFFF, slba >> 32, nlb, data, None, done)
 
     async def read_into(self, nsid: int, slba: int, buf: memoryview) -> None:

@@ -237,8 +237,8 @@ class RdmaHostConnection:
     def release(self) -> None:
         pass
 
-    def submit(self, cmd: HostCommand, now: bool = False) -> None:
-        """Post ``cmd``'s capsule (work requests go out as they are posted, so ``now`` changes nothing)."""
+    def submit(self, cmd: HostCommand) -> None:
+        """Post ``cmd``'s capsule (work requests go out as they are posted)."""
         if self.closed:
             if self._lost_delivered:
                 raise QueueLost("connection closed")

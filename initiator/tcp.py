@@ -77,27 +77,11 @@ class TcpHostConnection(PduProtocol):
 
     # -- sending ---------------------------------------------------------------------------------
 
-    def submit(self, cmd: HostCommand, now: bool = False) -> None:
+    def submit(self, cmd: HostCommand) -> None:
         """Send ``cmd`` (the queue must have room); in-capsule data when it fits. The capsule
-        goes out with the others of this loop iteration, or at once when ``now``."""
+        goes out with the others of this loop iteration, or at ``release`` inside a hold."""
         if self.closed:
             raise QueueLost("connection closed")
-        if now:
-            self.out.hold()
-            try:
-                self._send_capsule(cmd)
-            finally:
-                self.out.release()
-        else:
-            self._send_capsule(cmd)
-
-    def hold(self) -> None:
-        self.out.hold()
-
-    def release(self) -> None:
-        self.out.release()
-
-    def _send_capsule(self, cmd: HostCommand) -> None:
         self.queue.start(cmd)
         sqe = cmd.sqe
         out = cmd.data_out
@@ -110,6 +94,12 @@ class TcpHostConnection(PduProtocol):
         self.out.send(self.writer.pdu(PduType.CAPSULE_CMD, sqe))
 
     # -- receiving -------------------------------------------------------------------------------
+
+    def hold(self) -> None:
+        self.out.hold()
+
+    def release(self) -> None:
+        self.out.release()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
