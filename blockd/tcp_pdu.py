@@ -30,9 +30,10 @@ HLEN = {
     PduType.C2H_DATA: DATA_HLEN,
     PduType.R2T: DATA_HLEN,
 }
-_NO_DIGEST = (PduType.IC_REQ, PduType.IC_RESP, PduType.H2C_TERM_REQ, PduType.C2H_TERM_REQ)
-_CARRIES_DATA = (PduType.CAPSULE_CMD, PduType.H2C_DATA, PduType.C2H_DATA,
-                 PduType.H2C_TERM_REQ, PduType.C2H_TERM_REQ)
+_NO_DIGEST = frozenset({PduType.IC_REQ, PduType.IC_RESP, PduType.H2C_TERM_REQ, PduType.C2H_TERM_REQ})
+_TERM_REQS = frozenset({PduType.H2C_TERM_REQ, PduType.C2H_TERM_REQ})
+_CARRIES_DATA = frozenset({PduType.CAPSULE_CMD, PduType.H2C_DATA, PduType.C2H_DATA,
+                 PduType.H2C_TERM_REQ, PduType.C2H_TERM_REQ})
 
 
 class FramingError(Exception):
@@ -199,7 +200,7 @@ class PduReader:
         if data_len:
             if ptype not in _CARRIES_DATA:
                 raise self._refused(TermReqFes.INVALID_HEADER_FIELD, 4, f"PDU type {ptype:#x} carries no data")
-            if ptype in (PduType.H2C_TERM_REQ, PduType.C2H_TERM_REQ):
+            if ptype in _TERM_REQS:
                 if data_len > MAX_TERM_COPY:
                     raise self._refused(TermReqFes.INVALID_HEADER_FIELD, 4, "termination request too long")
             else:
@@ -303,6 +304,10 @@ class PduWriter:
     def data_pdu(self, ptype: int, cccid: int, ttag: int, offset: int, data: bytes | memoryview,
                  flags: int = 0) -> list[bytes | memoryview]:
         """H2CData / C2HData carrying ``data`` at ``offset`` of command ``cccid``."""
+        if not self.hdgst and not self.ddgst:  # the common case, in one pack
+            n = len(data)
+            return [_pack_data_header(ptype, flags, DATA_HLEN, DATA_HLEN, DATA_HLEN + n, cccid, ttag, offset, n),
+                    data]
         rest = _pack_data_header(0, 0, 0, 0, 0, cccid, ttag, offset, len(data))[8:]
         return self.pdu(ptype, rest, data, flags)
 

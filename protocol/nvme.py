@@ -82,6 +82,23 @@ RW_COMMAND = at_offsets(SQE_SIZE, NVM_COMMAND_HEAD + [
 """Read / Write / Write Zeroes: NLB is 0's based; control bit 14 = FUA, bit 9 = DEAC."""
 
 RW_FAST = fixed_layout(RW_COMMAND)
+
+IO_COMMAND = at_offsets(SQE_SIZE, [
+    (0, "opcode", c.Int8ul),
+    (1, "flags", c.Int8ul),
+    (2, "cid", c.Int16ul),
+    (4, "nsid", c.Int32ul),
+    (24, "sgl_address", c.Int64ul),
+    (32, "sgl_length", c.Int32ul),
+    (39, "sgl_id", c.Int8ul),
+    (40, "slba", c.Int64ul),
+    (48, "nlb", c.Int16ul),
+    (50, "control", c.Int16ul),
+])
+"""A command as the target first reads it, in one unpack: the head, SGL1 as a (Transport)
+Data Block (a keyed descriptor splits address/length/key differently, see
+:func:`parse_sgl_keyed`) and the Read/Write/Write Zeroes dwords (meaningless for others)."""
+IO_COMMAND_FAST = fixed_layout(IO_COMMAND)
 RW_CONTROL_FUA = 1 << 14
 RW_CONTROL_DEAC = 1 << 9
 

@@ -23,7 +23,7 @@ from protocol.identify import (
     IDENTIFY_SIZE, NS_DESCRIPTOR_LIST,
 )
 from protocol.logpage import CHANGED_NS_LIST, ERROR_LOG_ENTRY
-from protocol.nvme import DSM_ATTR_DEALLOCATE, DSM_RANGE_FAST, RW_CONTROL_FUA, RW_FAST
+from protocol.nvme import DSM_ATTR_DEALLOCATE, DSM_RANGE_FAST, RW_CONTROL_FUA
 from protocol.status import Status, to_wire
 from target.request import Direction, Request
 
@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from target.target import Target
 
 log = structlog.get_logger("blockd.target.controller")
+
+_READ, _WRITE, _WRITE_ZEROES = int(IoOpcode.READ), int(IoOpcode.WRITE), int(IoOpcode.WRITE_ZEROES)
+"""Bound once: read several times per I/O, an IntEnum class attribute costs several globals."""
 
 VERSION_1_3 = 0x00010300
 MQES = 127
@@ -367,15 +370,16 @@ class Controller:
         """Validate an I/O command before any data moves; returns a status (0 = fine)."""
         ns = self.subsystem.namespaces.get(req.nsid)
         opc = req.opcode
-        if opc in (IoOpcode.READ, IoOpcode.WRITE, IoOpcode.WRITE_ZEROES):
+        if opc == _READ or opc == _WRITE or opc == _WRITE_ZEROES:
             if ns is None:
                 return Status.INVALID_NS
-            _, _, _, _, _, slba, nlb, control, _ = RW_FAST.unpack_from(req.sqe)
-            if slba + nlb + 1 > ns.blocks:
+            fields = req.fields  # protocol.nvme.IO_COMMAND
+            nlb = fields[8]
+            if fields[7] + nlb + 1 > ns.blocks:
                 return Status.LBA_RANGE
-            if opc != IoOpcode.READ and ns.read_only:
+            if opc != _READ and ns.read_only:
                 return Status.NS_WRITE_PROTECTED
-            expected = 0 if opc == IoOpcode.WRITE_ZEROES else (nlb + 1) << ns.lba_shift
+            expected = 0 if opc == _WRITE_ZEROES else (nlb + 1) << ns.lba_shift
             if req.length != expected:
                 return Status.SGL_INVALID_DATA_LENGTH
             return Status.SUCCESS
@@ -394,14 +398,13 @@ class Controller:
 
     async def execute_io(self, req: Request) -> None:
         opc = req.opcode
-        if opc == IoOpcode.READ or opc == IoOpcode.WRITE:
+        if opc == _READ or opc == _WRITE:
             ns = self.subsystem.namespaces.get(req.nsid)
             if ns is None:  # removed by a reload while the command was in flight
                 req.status = Status.INVALID_NS
                 return
-            _, _, _, _, _, slba, _, control, _ = RW_FAST.unpack_from(req.sqe)
-            offset = slba << ns.lba_shift
-            if opc == IoOpcode.READ:
+            offset = req.fields[7] << ns.lba_shift
+            if opc == _READ:
                 buf = req.buffer
                 if buf is None or len(buf) != req.length:
                     buf = bytearray(req.length)
@@ -414,7 +417,7 @@ class Controller:
                 req.data = buf
             else:
                 try:
-                    await ns.backend.write(offset, req.data, bool(control & RW_CONTROL_FUA))
+                    await ns.backend.write(offset, req.data, bool(req.fields[9] & RW_CONTROL_FUA))
                 except OSError as exc:
                     log.error("write failed", nsid=ns.nsid, offset=offset, error=str(exc))
                     req.status = Status.WRITE_FAULT
@@ -435,7 +438,7 @@ class Controller:
             return
         try:
             if opc == IoOpcode.WRITE_ZEROES:
-                _, _, _, _, _, slba, nlb, _, _ = RW_FAST.unpack_from(req.sqe)
+                _, _, _, _, _, _, _, slba, nlb, _ = req.fields  # protocol.nvme.IO_COMMAND
                 await ns.backend.write_zeroes(slba << ns.lba_shift, (nlb + 1) << ns.lba_shift)
             else:
                 await self._deallocate(req, ns)

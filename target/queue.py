@@ -14,7 +14,7 @@ import structlog
 
 from protocol.constants import PSDT_SGL, FabricsType, SglId
 from protocol.fabrics import CATTR_DISABLE_SQFLOW, CONNECT_COMMAND, CONNECT_DATA, CONNECT_DATA_SIZE, IATTR_DATA
-from protocol.nvme import CQE_FAST, SQE_FAST, parse_sgl_keyed
+from protocol.nvme import CQE_FAST, IO_COMMAND_FAST, parse_sgl_keyed
 from protocol.status import Status, to_wire
 from target.request import Direction, Request, RequestState
 
@@ -28,6 +28,17 @@ MAX_TRANSFER = 1 << 20
 """Largest data transfer of one command (Identify MDTS = 8: 2^8 x 4 KiB)."""
 
 _FABRICS = 0x7F
+_unpack_command = IO_COMMAND_FAST.unpack_from
+_pack_cqe = CQE_FAST.pack
+_KEYED = frozenset({SglId.KEYED_DATA_BLOCK, SglId.KEYED_DATA_BLOCK_INVALIDATE})
+_IN_CAPSULE = int(SglId.DATA_BLOCK_OFFSET)
+# Enum members bound once: a class attribute lookup on an Enum costs several times a global's,
+# and these are read several times per I/O.
+_NEW, _NEED_DATA, _EXECUTING = RequestState.NEW, RequestState.NEED_DATA, RequestState.EXECUTING
+_SENDING_DATA, _COMPLETING, _DONE = RequestState.SENDING_DATA, RequestState.COMPLETING, RequestState.DONE
+_NONE, _TO_CONTROLLER, _TO_HOST = Direction.NONE, Direction.HOST_TO_CONTROLLER, Direction.CONTROLLER_TO_HOST
+_DIRECTIONS = (_NONE, _TO_CONTROLLER, _TO_HOST, None)
+"""Data direction by opcode bits 1:0 (FCTYPE bit 0 for fabrics); 3 is no valid opcode."""
 _TRANSPORT_SGL_IDS = {
     "tcp": frozenset({SglId.TRANSPORT_DATA_BLOCK}),
     "rdma": frozenset({SglId.KEYED_DATA_BLOCK, SglId.KEYED_DATA_BLOCK_INVALIDATE}),
@@ -60,23 +71,24 @@ class TargetQueue:
 
     def submit(self, sqe: bytes | memoryview, incapsule: memoryview | None = None) -> Request:
         """Take one command; afterwards it is NEED_DATA, EXECUTING or COMPLETING."""
-        fields = SQE_FAST.unpack_from(sqe)
+        fields = _unpack_command(sqe)
         req = Request(bytes(sqe[:64]), fields)
         self.in_flight += 1
         if fields[1] & 0xC3 != PSDT_SGL:
             req.fail(Status.INVALID_FIELD)
             return req
         ctrl = self.controller
+        opcode = req.opcode
         if ctrl is not None:
             # Any command proves the host alive (traffic-based keep-alive): a host busy setting
             # up queues or moving data is not torn down for a Keep Alive that queued behind.
             ctrl.last_keep_alive = monotonic()
-        if req.opcode == _FABRICS:
+        if opcode == _FABRICS:
             fctype = req.sqe[4]
             if fctype != FabricsType.CONNECT and ctrl is None:
                 req.fail(Status.INVALID_OPCODE)  # as nvmet_parse_connect_cmd
                 return req
-            direction = Direction.HOST_TO_CONTROLLER if fctype & 1 else Direction.CONTROLLER_TO_HOST
+            direction = _TO_CONTROLLER if fctype & 1 else _TO_HOST
         elif ctrl is None:
             req.fail(Status.INVALID_OPCODE)
             return req
@@ -87,35 +99,33 @@ class TargetQueue:
             req.fail(Status.COMMAND_SEQUENCE_ERROR)
             return req
         else:
-            direction = Direction(req.opcode & 3) if req.opcode & 3 != 3 else None
+            direction = _DIRECTIONS[opcode & 3]
             if direction is None:
                 req.fail(Status.INVALID_OPCODE)
                 return req
-        if not self._map_sgl(req, direction, fields[7], incapsule):
+        if not self._map_sgl(req, direction, fields, incapsule):
             return req
-        if ctrl is not None and self.qid and req.opcode != _FABRICS:
+        if self.qid and opcode != _FABRICS:
             status = ctrl.check_io(req)
             if status:
                 req.fail(status)
                 return req
-        if req.state is RequestState.NEW:
-            req.state = RequestState.EXECUTING
+        if req.state is _NEW:
+            req.state = _EXECUTING
         return req
 
-    def _map_sgl(self, req: Request, direction: Direction, dptr: bytes,
+    def _map_sgl(self, req: Request, direction: Direction, fields: tuple[int, ...],
                  incapsule: memoryview | None) -> bool:
         """Validate SGL1 and decide how data moves; False when ``req`` already failed."""
-        sgl_id = dptr[15]
-        if sgl_id in (SglId.KEYED_DATA_BLOCK, SglId.KEYED_DATA_BLOCK_INVALIDATE) and self.transport == "rdma":
-            address, length, key, _ = parse_sgl_keyed(dptr)
+        _, _, _, _, address, length, sgl_id, _, _, _ = fields
+        if sgl_id in _KEYED and self.transport == "rdma":
+            address, length, key, _ = parse_sgl_keyed(req.sqe[24:40])
         else:
-            address = int.from_bytes(dptr[0:8], "little")
-            length = int.from_bytes(dptr[8:12], "little")
             key = 0
         req.sgl_id = sgl_id
         if length == 0:
             return True
-        if direction is Direction.NONE:
+        if direction is _NONE:
             req.fail(Status.INVALID_FIELD)
             return False
         if length > MAX_TRANSFER:
@@ -123,8 +133,8 @@ class TargetQueue:
             return False
         req.direction = direction
         req.length = length
-        if sgl_id == SglId.DATA_BLOCK_OFFSET:
-            if direction is not Direction.HOST_TO_CONTROLLER:
+        if sgl_id == _IN_CAPSULE:
+            if direction is not _TO_CONTROLLER:
                 req.fail(Status.INVALID_FIELD)
                 return False
             avail = len(incapsule) if incapsule is not None else 0
@@ -138,14 +148,14 @@ class TargetQueue:
             return False
         req.sgl_address = address
         req.sgl_key = key
-        if direction is Direction.HOST_TO_CONTROLLER:
-            req.state = RequestState.NEED_DATA  # the transport puts the data in req.data
+        if direction is _TO_CONTROLLER:
+            req.state = _NEED_DATA  # the transport puts the data in req.data
         return True
 
     def data_received(self, req: Request) -> None:
         """The transport set ``req.data`` to the host's data (in a buffer of its choosing)."""
-        assert req.state is RequestState.NEED_DATA, req
-        req.state = RequestState.EXECUTING
+        assert req.state is _NEED_DATA, req
+        req.state = _EXECUTING
 
     def data_failed(self, req: Request) -> None:
         """The transport could not fetch the host's data."""
@@ -153,7 +163,7 @@ class TargetQueue:
 
     async def execute(self, req: Request) -> None:
         """Run the command; afterwards it is SENDING_DATA or COMPLETING."""
-        assert req.state is RequestState.EXECUTING, req
+        assert req.state is _EXECUTING, req
         try:
             if req.opcode == _FABRICS:
                 await self._fabrics(req)
@@ -164,28 +174,30 @@ class TargetQueue:
         except Exception:
             log.exception("command failed", cid=req.cid, opcode=req.opcode, qid=self.qid)
             req.status = Status.INTERNAL_ERROR
-        if req.state is RequestState.EXECUTING:
-            if req.status == Status.SUCCESS and req.direction is Direction.CONTROLLER_TO_HOST and req.data is None:
+        if req.state is _EXECUTING:
+            if req.status or req.direction is not _TO_HOST:
+                req.state = _COMPLETING
+            elif req.data is None:
                 req.status = Status.SGL_INVALID_DATA_LENGTH  # a data buffer on a command that returns none
-            if req.status == Status.SUCCESS and req.direction is Direction.CONTROLLER_TO_HOST:
-                req.state = RequestState.SENDING_DATA
+                req.state = _COMPLETING
             else:
-                req.state = RequestState.COMPLETING
+                req.state = _SENDING_DATA
 
     def data_sent(self, req: Request) -> None:
-        assert req.state is RequestState.SENDING_DATA, req
-        req.state = RequestState.COMPLETING
+        assert req.state is _SENDING_DATA, req
+        req.state = _COMPLETING
 
     def completion(self, req: Request) -> bytes:
         """The 16-byte CQE for ``req``; the request is DONE afterwards."""
-        assert req.state is RequestState.COMPLETING, req
-        if req.status and self.controller is not None:
+        assert req.state is _COMPLETING, req
+        status = req.status
+        if status and self.controller is not None:
             self.controller.log_error(self.qid or 0, req)
         if self.sqsize and not self.sqhd_disabled:
             self.sqhd = (self.sqhd + 1) % (self.sqsize + 1)
-        req.state = RequestState.DONE
+        req.state = _DONE
         self.in_flight -= 1
-        return CQE_FAST.pack(req.dw0, req.dw1, self.sqhd, self.qid or 0, req.cid, to_wire(req.status))
+        return _pack_cqe(req.dw0, req.dw1, self.sqhd, self.qid or 0, req.cid, to_wire(status))
 
     def close(self) -> None:
         """The connection is gone: detach from the controller."""

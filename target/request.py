@@ -40,9 +40,10 @@ class Request:
                  "sgl_id", "sgl_address", "sgl_key", "data", "buffer", "status", "dw0", "dw1",
                  "transport_ctx")
 
-    def __init__(self, sqe: bytes, fields: tuple[Any, ...]) -> None:
+    def __init__(self, sqe: bytes, fields: tuple[int, ...]) -> None:
         self.sqe = sqe
         self.fields = fields
+        """The SQE unpacked as :data:`protocol.nvme.IO_COMMAND`."""
         self.opcode: int = fields[0]
         self.cid: int = fields[2]
         self.nsid: int = fields[3]

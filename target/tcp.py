@@ -29,6 +29,10 @@ MAXH2CDATA = MAX_TRANSFER
 _H2C_TYPES = frozenset({PduType.IC_REQ, PduType.H2C_TERM_REQ, PduType.CAPSULE_CMD, PduType.H2C_DATA})
 _unpack_data_header = DATA_PDU_HEADER_FAST.unpack_from
 _CAPSULE_RESP_HEADER = bytes([PduType.CAPSULE_RESP, 0, 24, 0, 24, 0, 0, 0])
+# Bound once: an Enum class attribute lookup costs several times a global's, per PDU.
+_CAPSULE_CMD, _H2C_DATA, _C2H_DATA = int(PduType.CAPSULE_CMD), int(PduType.H2C_DATA), int(PduType.C2H_DATA)
+_EXECUTING, _NEED_DATA = RequestState.EXECUTING, RequestState.NEED_DATA
+_SENDING_DATA = RequestState.SENDING_DATA
 
 
 class TcpTargetConnection(PduProtocol):
@@ -76,9 +80,9 @@ class TcpTargetConnection(PduProtocol):
             try:
                 for pdu in self.reader.buffer_updated(nbytes):
                     ptype = pdu.pdu_type
-                    if ptype == PduType.CAPSULE_CMD and self.initialized:
+                    if ptype == _CAPSULE_CMD and self.initialized:
                         self._capsule(pdu.header, pdu.data)
-                    elif ptype == PduType.H2C_DATA and self.initialized and pdu.placed:
+                    elif ptype == _H2C_DATA and self.initialized and pdu.placed:
                         self._h2c_data(pdu.header, pdu.flags)
                     elif ptype == PduType.IC_REQ and not self.initialized:
                         self._icreq(pdu.header)
@@ -120,9 +124,9 @@ class TcpTargetConnection(PduProtocol):
         queue = self.queue
         req = queue.submit(header[8:72], data)
         state = req.state
-        if state is RequestState.EXECUTING:
+        if state is _EXECUTING:
             self._start(req)
-        elif state is RequestState.NEED_DATA:
+        elif state is _NEED_DATA:
             ttag = self._next_ttag
             self._next_ttag = (ttag + 1) & 0xFFFF
             self.r2t_pending[ttag] = (req, 0)
@@ -134,9 +138,9 @@ class TcpTargetConnection(PduProtocol):
     def _place(self, ptype: int, header: memoryview, length: int) -> memoryview | None:
         """Where a PDU's data goes: a new buffer for in-capsule data, the request's own buffer
         (at the offset the host says, checked against what the R2T asked for) for H2CData."""
-        if ptype == PduType.CAPSULE_CMD:
+        if ptype == _CAPSULE_CMD:
             return memoryview(bytearray(length))
-        if ptype != PduType.H2C_DATA or not self.initialized:
+        if ptype != _H2C_DATA or not self.initialized:
             return None
         _, _, _, _, _, cccid, ttag, datao, datal = _unpack_data_header(header)
         entry = self.r2t_pending.get(ttag)
@@ -189,15 +193,14 @@ class TcpTargetConnection(PduProtocol):
             task.add_done_callback(self.tasks.discard)
 
     async def _execute(self, req: Request) -> None:
-        await self.queue.execute(req)
+        queue = self.queue
+        await queue.execute(req)
         if self.transport.is_closing():
             return
-        if req.state is RequestState.SENDING_DATA:
-            queue = self.queue
+        if req.state is _SENDING_DATA:
             # without SQ flow control the data PDU completes the command (as Linux's nvmet-tcp)
             success = PduFlags.SUCCESS if queue.sqhd_disabled else 0
-            self.out.send(self.writer.data_pdu(
-                PduType.C2H_DATA, req.cid, 0, 0, req.data, PduFlags.LAST_PDU | success))
+            self.out.send(self.writer.data_pdu(_C2H_DATA, req.cid, 0, 0, req.data, PduFlags.LAST_PDU | success))
             queue.data_sent(req)
             if success:
                 queue.completion(req)

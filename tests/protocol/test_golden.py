@@ -214,6 +214,9 @@ def test_rw_command_with_fua():
                   slba=0x0000000100000001, nlb=7, control=0x4000, dsmgmt=7)
     check(nvme.RW_COMMAND, bytes(b), values)
     assert nvme.RW_FAST.as_dict(bytes(b)) == values
+    assert nvme.IO_COMMAND_FAST.as_dict(bytes(b)) == dict(
+        opcode=1, flags=0x40, cid=0x1234, nsid=2, sgl_address=0, sgl_length=8 * 512, sgl_id=0x5A,
+        slba=0x0000000100000001, nlb=7, control=0x4000)
     assert nvme.RW_CONTROL_FUA == 0x4000  # CDW12 bit 30 seen from the upper half-word
 
 
