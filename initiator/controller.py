@@ -50,6 +50,8 @@ IoDone = Callable[[BaseException | None], None]
 
 _pack_sqe = SQE_FAST.pack
 _ZERO_SGL = bytes(16)
+_READ = int(IoOpcode.READ)
+_WRITE = int(IoOpcode.WRITE)
 
 
 def default_hostnqn() -> str:
@@ -96,10 +98,11 @@ class NamespaceInfo:
     blocks: int
     block_size: int
     read_only: bool
+    size: int = field(init=False, repr=False, compare=False)
+    """Bytes: a field, not a property, as the FUSE mount checks it on every request."""
 
-    @property
-    def size(self) -> int:
-        return self.blocks * self.block_size
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", self.blocks * self.block_size)
 
 
 @dataclass(frozen=True)
@@ -456,13 +459,16 @@ class Controller:
         """:meth:`io_command` for hot paths (the FUSE mount): when the association is live and a
         queue has room the command goes out now and ``done`` runs from the transport's receive
         callback, with no Task and no Future; otherwise it waits as ``io_command`` does."""
-        if self._live.is_set() and self.failed is None:
-            conn = self._pick_io()
-            if conn.queue.has_room and not conn.closed:
+        if self.failed is None and self._live.is_set():
+            for conn in self.io:  # _pick_io, less its fallback to a full queue
+                if conn.queue.has_room:
+                    break
+            else:
+                conn = None
+            if conn is not None and not conn.closed:
                 sqe = bytearray(_pack_sqe(opcode, 0x40, 0, nsid, 0, 0, 0, _ZERO_SGL, cdw10, cdw11, cdw12, 0, 0, 0))
-                cmd = HostCommand(sqe, data_out=data_out, data_in=data_in,
-                                  on_done=functools.partial(_io_done, done, opcode, nsid),
-                                  deadline=self._loop.time() + self.params.command_timeout)
+                cmd = _IoCommand(sqe, data_out, data_in, _io_done, self._loop.time() + self.params.command_timeout)
+                cmd.done = done
                 conn.hold()  # out now, not at the end of the loop iteration (unless held further up)
                 try:
                     conn.submit(cmd)
@@ -486,12 +492,12 @@ class Controller:
     def submit_read(self, nsid: int, slba: int, buf: memoryview, done: IoDone) -> None:
         """Callback form of :meth:`read_into` (see :meth:`submit_io`)."""
         nlb = self._blocks(nsid, buf) - 1
-        self.submit_io(IoOpcode.READ, nsid, slba & 0xFFFFFFFF, slba >> 32, nlb, None, buf, done)
+        self.submit_io(_READ, nsid, slba & 0xFFFFFFFF, slba >> 32, nlb, None, buf, done)
 
     def submit_write(self, nsid: int, slba: int, data: bytes | memoryview, done: IoDone) -> None:
         """Callback form of :meth:`write` (see :meth:`submit_io`)."""
         nlb = self._blocks(nsid, data) - 1
-        self.submit_io(IoOpcode.WRITE, nsid, slba & 0xFFFFFFFF, slba >> 32, nlb, data, None, done)
+        self.submit_io(_WRITE, nsid, slba & 0xFFFFFFFF, slba >> 32, nlb, data, None, done)
 
     async def read_into(self, nsid: int, slba: int, buf: memoryview) -> None:
         """Read ``len(buf)`` bytes (whole blocks, at most ``max_transfer``) into ``buf``."""
@@ -521,11 +527,13 @@ class Controller:
     def _blocks(self, nsid: int, data: bytes | bytearray | memoryview) -> int:
         """How many blocks ``data`` is; a ValueError (not a malformed command) when it is not
         a whole number of them, or more than one command may carry."""
-        bs = self.namespace(nsid).block_size
-        if not data or len(data) % bs or len(data) > self.max_transfer:
-            raise ValueError(f"{len(data)} bytes is not 1 to {self.max_transfer // bs} blocks of "
+        info = self.namespaces.get(nsid) or self.namespace(nsid)
+        bs = info.block_size
+        n = len(data)
+        if not n or n % bs or n > self.max_transfer:
+            raise ValueError(f"{n} bytes is not 1 to {self.max_transfer // bs} blocks of "
                              f"{bs} bytes on namespace {nsid}")
-        return len(data) // bs
+        return n // bs
 
     async def flush(self, nsid: int) -> None:
         await self.io_command(IoOpcode.FLUSH, nsid)
@@ -706,11 +714,20 @@ def _resolve(fut: asyncio.Future[HostCommand], cmd: HostCommand, exc: BaseExcept
         fut.set_exception(exc)
 
 
-def _io_done(done: IoDone, opcode: int, nsid: int, cmd: HostCommand, exc: BaseException | None) -> None:
+class _IoCommand(HostCommand):
+    """A :meth:`Controller.submit_io` command, carrying the caller's ``done``: its ``on_done``
+    is the one function ``_io_done``, not a partial made (and called through) per I/O."""
+
+    __slots__ = ("done",)
+    done: IoDone
+
+
+def _io_done(cmd: _IoCommand, exc: BaseException | None) -> None:
     """``on_done`` of a :meth:`Controller.submit_io` command: a status becomes NvmeError."""
     if exc is None and cmd.status:
-        exc = NvmeError(cmd.status, f"{IoOpcode(opcode).name.lower()} on namespace {nsid}")
-    done(exc)
+        nsid = int.from_bytes(cmd.sqe[4:8], "little")
+        exc = NvmeError(cmd.status, f"{IoOpcode(cmd.sqe[0]).name.lower()} on namespace {nsid}")
+    cmd.done(exc)
 
 
 async def discover(traddr: str, trsvcid: int, transport: str = "tcp", hostnqn: str | None = None,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 from protocol.status import describe
@@ -27,7 +26,6 @@ class QueueLost(ConnectionError):
     """The connection carrying a command went away before it completed."""
 
 
-@dataclass(eq=False)
 class HostCommand:
     """One command from the host's point of view.
 
@@ -35,21 +33,34 @@ class HostCommand:
     own buffer, so reads need no extra copy). ``on_done(cmd, None)`` runs straight from the
     transport's receive callback when the target answers, ``on_done(cmd, exc)`` when the
     command cannot complete: no Future and no extra trip round the event loop per I/O.
+
+    A plain class with ``__slots__`` rather than a dataclass: one is made per I/O, and slot
+    stores in a hand-written ``__init__`` cost less than a dataclass's instance dict.
     """
 
-    sqe: bytearray
-    data_out: bytes | memoryview | None = None
-    data_in: memoryview | None = None
-    cid: int = -1
-    received: int = 0
-    status: int = 0
-    dw0: int = 0
-    dw1: int = 0
-    on_done: Callable[[HostCommand, BaseException | None], None] | None = None
-    deadline: float = math.inf
-    """Event-loop time after which the controller's timeout sweep gives up on the command
-    (the controller sets it when it sends the command; never, for one sent by hand)."""
-    attempts: int = 0
+    __slots__ = ("sqe", "data_out", "data_in", "cid", "received", "status", "dw0", "dw1", "on_done",
+                 "deadline", "attempts")
+
+    def __init__(self, sqe: bytearray, data_out: bytes | memoryview | None = None,
+                 data_in: memoryview | None = None,
+                 on_done: Callable[[HostCommand, BaseException | None], None] | None = None,
+                 deadline: float = math.inf) -> None:
+        self.sqe = sqe
+        self.data_out = data_out
+        self.data_in = data_in
+        self.cid = -1
+        self.received = 0
+        self.status = 0
+        self.dw0 = 0
+        self.dw1 = 0
+        self.on_done = on_done
+        self.deadline = deadline
+        """Event-loop time after which the controller's timeout sweep gives up on the command
+        (the controller sets it when it sends the command; never, for one sent by hand)."""
+        self.attempts = 0
+
+    def __repr__(self) -> str:
+        return f"HostCommand(opcode={self.sqe[0]:#x}, cid={self.cid}, status={self.status:#x})"
 
     @property
     def length(self) -> int:
@@ -105,8 +116,9 @@ class HostQueue:
         """Give ``cmd`` a command id and write it into the SQE."""
         cid = self._free.popleft()
         cmd.cid = cid
-        cmd.sqe[2] = cid & 0xFF
-        cmd.sqe[3] = cid >> 8
+        sqe = cmd.sqe
+        sqe[2] = cid & 0xFF
+        sqe[3] = cid >> 8
         cmd.received = 0
         self.pending[cid] = cmd
 

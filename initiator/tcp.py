@@ -11,7 +11,7 @@ from blockd.tcp_pdu import (
 )
 from initiator.queue import HostCommand, HostQueue, QueueLost
 from protocol.constants import SglId
-from protocol.nvme import CQE_FAST, build_sgl_data_block
+from protocol.nvme import CQE_FAST, SGL_DATA_BLOCK_FAST
 from protocol.status import Status
 from protocol.tcp import DATA_PDU_HEADER_FAST, IC_REQ, IC_RESP, PduFlags, PduType
 
@@ -21,12 +21,26 @@ _C2H_TYPES = frozenset({PduType.IC_RESP, PduType.C2H_TERM_REQ, PduType.CAPSULE_R
                         PduType.C2H_DATA, PduType.R2T})
 _unpack_data_header = DATA_PDU_HEADER_FAST.unpack_from
 _unpack_cqe = CQE_FAST.unpack_from
-_NULL_SGL = build_sgl_data_block(SglId.TRANSPORT_DATA_BLOCK, 0, 0)
+_pack_sgl_into = SGL_DATA_BLOCK_FAST.pack_into
+# Plain ints for the per-I/O code: an IntEnum member is a class attribute lookup each time.
+_CAPSULE_CMD = int(PduType.CAPSULE_CMD)
+_CAPSULE_RESP = int(PduType.CAPSULE_RESP)
+_C2H_DATA = int(PduType.C2H_DATA)
+_R2T = int(PduType.R2T)
+_IN_CAPSULE = int(SglId.DATA_BLOCK_OFFSET)
+_TRANSPORT = int(SglId.TRANSPORT_DATA_BLOCK)
+_SUCCESS = PduFlags.SUCCESS
+_LAST_PDU = PduFlags.LAST_PDU
 
 
 class TcpHostConnection(PduProtocol):
     """One queue's TCP connection; completions run each command's ``on_done``. A read's data
     is received straight into the caller's buffer (see :class:`PduReader`)."""
+
+    hold: Callable[[], None]
+    release: Callable[[], None]
+    """``hold``/``release`` (see ``QueueConnection``) are the batcher's own bound methods, set
+    once connected: no method of ours in between, as every command goes through them."""
 
     def __init__(self, queue: HostQueue, on_lost: Callable[[TcpHostConnection, Exception | None], None],
                  max_data: int = 1 << 22) -> None:
@@ -85,25 +99,25 @@ class TcpHostConnection(PduProtocol):
         self.queue.start(cmd)
         sqe = cmd.sqe
         out = cmd.data_out
-        if out is not None and len(out) <= self.inline_limit:
-            sqe[24:40] = build_sgl_data_block(SglId.DATA_BLOCK_OFFSET, 0, len(out))
-            self.out.send(self.writer.pdu(PduType.CAPSULE_CMD, sqe, out))
-            return
-        length = cmd.length
-        sqe[24:40] = build_sgl_data_block(SglId.TRANSPORT_DATA_BLOCK, 0, length) if length else _NULL_SGL
-        self.out.send(self.writer.pdu(PduType.CAPSULE_CMD, sqe))
+        if out is None:
+            data_in = cmd.data_in
+            length = 0 if data_in is None else len(data_in)
+        else:
+            length = len(out)
+            if length <= self.inline_limit:
+                _pack_sgl_into(sqe, 24, 0, length, _IN_CAPSULE)
+                self.out.send(self.writer.pdu(_CAPSULE_CMD, sqe, out))
+                return
+        _pack_sgl_into(sqe, 24, 0, length, _TRANSPORT)
+        self.out.send(self.writer.pdu(_CAPSULE_CMD, sqe))
 
     # -- receiving -------------------------------------------------------------------------------
-
-    def hold(self) -> None:
-        self.out.hold()
-
-    def release(self) -> None:
-        self.out.release()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.out = OutputBatcher(self.transport)
+        self.hold = self.out.hold
+        self.release = self.out.release
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -118,11 +132,11 @@ class TcpHostConnection(PduProtocol):
         try:
             for pdu in self.reader.buffer_updated(nbytes):
                 ptype = pdu.pdu_type
-                if ptype == PduType.CAPSULE_RESP:
-                    self._response(pdu.header)
-                elif ptype == PduType.C2H_DATA and pdu.placed:
+                if ptype == _C2H_DATA and pdu.placed:
                     self._c2h_data(pdu.header, pdu.flags)
-                elif ptype == PduType.R2T:
+                elif ptype == _CAPSULE_RESP:
+                    self._response(pdu.header)
+                elif ptype == _R2T:
                     self._r2t(pdu.header)
                 elif ptype == PduType.IC_RESP and self._icresp is not None and not self._icresp.done():
                     self._icresp.set_result(bytes(pdu.header))
@@ -143,33 +157,38 @@ class TcpHostConnection(PduProtocol):
         cmd = self.queue.finish(cid)
         if cmd is None:
             raise FramingError(1, 12, f"completion for unknown command id {cid}", bytes(header))
-        cmd.status = status >> 1
-        cmd.dw0, cmd.dw1 = dw0, dw1
-        if cmd.status == 0 and cmd.data_in is not None and cmd.received != len(cmd.data_in):
-            cmd.status = Status.DATA_TRANSFER_ERROR
+        status >>= 1
+        if status == 0 and cmd.data_in is not None and cmd.received != len(cmd.data_in):
+            status = Status.DATA_TRANSFER_ERROR
+        cmd.status = status
+        cmd.dw0 = dw0
+        cmd.dw1 = dw1
         cmd.complete()
 
     def _place(self, ptype: int, header: memoryview, length: int) -> memoryview | None:
         """C2HData lands in the command's own buffer, at the offset it must come next."""
-        if ptype != PduType.C2H_DATA:
+        if ptype != _C2H_DATA:
             return None
         _, _, _, _, _, cid, _, datao, datal = _unpack_data_header(header)
         cmd = self.queue.pending.get(cid)
-        if cmd is None or cmd.data_in is None:
+        dest = None if cmd is None else cmd.data_in
+        if dest is None:
             raise FramingError(1, 8, f"C2HData for unknown command id {cid}", bytes(header))
-        if datao != cmd.received or datao + datal > len(cmd.data_in) or datal != length:
+        size = len(dest)
+        if datao != cmd.received or datao + datal > size or datal != length:
             raise FramingError(4, 12, "C2HData outside the command's buffer", bytes(header))
-        return cmd.data_in[datao:datao + datal]
+        return dest if datal == size else dest[datao:datao + datal]  # one PDU: no new view
 
     def _c2h_data(self, header: memoryview, flags: int) -> None:
         """C2HData whose data ``_place`` already put in the command's buffer."""
         _, _, _, _, _, cid, _, _, datal = _unpack_data_header(header)
-        cmd = self.queue.pending[cid]
+        queue = self.queue
+        cmd = queue.pending[cid]
         cmd.received += datal
-        if flags & PduFlags.SUCCESS:
-            if not flags & PduFlags.LAST_PDU:
+        if flags & _SUCCESS:
+            if not flags & _LAST_PDU:
                 raise FramingError(1, 1, "SUCCESS without LAST_PDU", bytes(header))
-            self.queue.finish(cid)
+            queue.finish(cid)
             cmd.status = 0 if cmd.received == len(cmd.data_in) else Status.DATA_TRANSFER_ERROR
             cmd.complete()
 
