@@ -249,7 +249,17 @@ class PduReader:
                dd: int, dest: memoryview) -> Pdu | None:
         """Copy what staging holds of the data to ``dest``; the rest is received into it."""
         start = self._start + header_end
-        have = min(self._end - start, data_len)
+        have = self._end - start
+        if have >= data_len + dd:  # all of it is here (the usual small PDU): no placement state
+            end = start + data_len
+            dest[:] = self._view[start:end]
+            if dd and int.from_bytes(self._view[end:end + DIGEST_SIZE], "little") != crc32c(dest):
+                self._start = end + dd  # the stream goes on after it
+                raise DataDigestError(ptype, bytes(header))
+            self._start = end + dd
+            self._need = 8
+            return Pdu(ptype, flags, header, dest, True)
+        have = min(have, data_len)
         dest[:have] = self._view[start:start + have]
         self._placing = _Placement(ptype, flags, bytes(header), dest, have, dd)
         self._start = start + have
