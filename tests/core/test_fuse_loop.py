@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from typing import Any
+from typing import Any, Iterator
 
 from initiator.controller import NamespaceInfo
 from initiator.fuse import IN_HEADER, MAX_BATCH, OUT_HEADER, READ, RW_IN, FuseMount
@@ -49,7 +50,9 @@ def _request(unique: int, block: int) -> bytes:
             + RW_IN.pack(0, block * BS, BS, 0, 0, 0, 0))
 
 
-def _mount() -> tuple[FuseMount, _Ctrl, socket.socket, socket.socket]:
+@contextlib.contextmanager
+def _mount() -> Iterator[tuple[FuseMount, _Ctrl, socket.socket]]:
+    """A mount watching our end of the pair; yields it, its controller and the kernel's end."""
     ctrl = _Ctrl()
     mount = FuseMount({"c": ctrl}, "c", "/nonexistent")  # type: ignore[dict-item]
     ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -57,7 +60,12 @@ def _mount() -> tuple[FuseMount, _Ctrl, socket.socket, socket.socket]:
     mount._loop = asyncio.get_running_loop()
     mount.fd = ours.fileno()
     mount._watch()
-    return mount, ctrl, ours, kernel
+    try:
+        yield mount, ctrl, kernel
+    finally:
+        mount._loop.remove_reader(mount.fd)
+        ours.close()
+        kernel.close()
 
 
 def _replies(kernel: socket.socket, count: int) -> list[tuple[int, int, bytes]]:
@@ -72,50 +80,35 @@ def _replies(kernel: socket.socket, count: int) -> list[tuple[int, int, bytes]]:
 
 def test_a_lone_request_is_served_without_holding_sends() -> None:
     async def main() -> None:
-        mount, ctrl, ours, kernel = _mount()
-        try:
+        with _mount() as (mount, ctrl, kernel):
             kernel.send(_request(7, 3))
             mount._on_readable()
             assert _replies(kernel, 1) == [(7, 0, bytes([3]) * BS)]
             assert ctrl.holds == 0
             mount._on_readable()  # nothing queued (a spurious wakeup): no error, no reply
             assert ctrl.holds == 0 and not mount.fast
-        finally:
-            mount._loop.remove_reader(mount.fd)
-            ours.close()
-            kernel.close()
     run(main())
 
 
 def test_queued_requests_are_served_in_one_callback_under_one_hold() -> None:
     async def main() -> None:
-        mount, ctrl, ours, kernel = _mount()
-        try:
+        with _mount() as (mount, ctrl, kernel):
             for i in range(3):
                 kernel.send(_request(i + 1, i))
             mount._on_readable()
             assert _replies(kernel, 3) == [(i + 1, 0, bytes([i]) * BS) for i in range(3)]
             assert ctrl.holds == 1 and ctrl.conn.held == 0  # taken for the second, released
-        finally:
-            mount._loop.remove_reader(mount.fd)
-            ours.close()
-            kernel.close()
     run(main())
 
 
 def test_more_queued_requests_than_one_batch_wait_for_the_next_callback() -> None:
     async def main() -> None:
-        mount, ctrl, ours, kernel = _mount()
-        try:
+        with _mount() as (mount, _, kernel):
             for i in range(MAX_BATCH + 1):
                 kernel.send(_request(i + 1, i))
             mount._on_readable()
             assert len(_replies(kernel, MAX_BATCH)) == MAX_BATCH
             mount._on_readable()
             assert _replies(kernel, 1)[0][0] == MAX_BATCH + 1
-        finally:
-            mount._loop.remove_reader(mount.fd)
-            ours.close()
-            kernel.close()
     run(main())
 
