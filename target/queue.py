@@ -41,7 +41,7 @@ _DIRECTIONS = (_NONE, _TO_CONTROLLER, _TO_HOST, None)
 """Data direction by opcode bits 1:0 (FCTYPE bit 0 for fabrics); 3 is no valid opcode."""
 _TRANSPORT_SGL_IDS = {
     "tcp": frozenset({SglId.TRANSPORT_DATA_BLOCK}),
-    "rdma": frozenset({SglId.KEYED_DATA_BLOCK, SglId.KEYED_DATA_BLOCK_INVALIDATE}),
+    "rdma": _KEYED,
 }
 
 
