@@ -33,7 +33,7 @@ HLEN = {
 _NO_DIGEST = frozenset({PduType.IC_REQ, PduType.IC_RESP, PduType.H2C_TERM_REQ, PduType.C2H_TERM_REQ})
 _TERM_REQS = frozenset({PduType.H2C_TERM_REQ, PduType.C2H_TERM_REQ})
 _CARRIES_DATA = frozenset({PduType.CAPSULE_CMD, PduType.H2C_DATA, PduType.C2H_DATA,
-                 PduType.H2C_TERM_REQ, PduType.C2H_TERM_REQ})
+                           PduType.H2C_TERM_REQ, PduType.C2H_TERM_REQ})
 
 
 class FramingError(Exception):
@@ -253,11 +253,11 @@ class PduReader:
         if have >= data_len + dd:  # all of it is here (the usual small PDU): no placement state
             end = start + data_len
             dest[:] = self._view[start:end]
-            if dd and int.from_bytes(self._view[end:end + DIGEST_SIZE], "little") != crc32c(dest):
-                self._start = end + dd  # the stream goes on after it
-                raise DataDigestError(ptype, bytes(header))
-            self._start = end + dd
+            bad = dd and int.from_bytes(self._view[end:end + DIGEST_SIZE], "little") != crc32c(dest)
+            self._start = end + dd  # the stream goes on after it, even after a bad digest
             self._need = 8
+            if bad:
+                raise DataDigestError(ptype, bytes(header))
             return Pdu(ptype, flags, header, dest, True)
         have = min(have, data_len)
         dest[:have] = self._view[start:start + have]

@@ -448,6 +448,19 @@ def test_placed_data_digest_error_skips_the_pdu():
     assert [d for _, _, _, d in feed_all(reader, good)] == [b"next"]
 
 
+def test_placed_data_digest_error_whole_in_staging():
+    """A bad data PDU that arrived whole with the next one: it is skipped, the next is served."""
+    writer, reader, placed = placing(False, True)
+    bad = bytearray(b"".join(bytes(p) for p in writer.data_pdu(PduType.H2C_DATA, 1, 2, 0, b"x" * 2000, PduFlags.LAST_PDU)))
+    bad[-1] ^= 0xFF
+    good = b"".join(bytes(p) for p in writer.data_pdu(PduType.H2C_DATA, 1, 3, 0, b"next", PduFlags.LAST_PDU))
+    with pytest.raises(DataDigestError):
+        for _ in reader.feed(bytes(bad) + good):
+            pass
+    assert [(p.placed, bytes(p.data)) for p in reader.buffer_updated(0)] == [(True, b"next")]
+    assert bytes(placed[1]) == b"next"
+
+
 # --- damaged framing ------------------------------------------------------------------------
 
 
