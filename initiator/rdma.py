@@ -56,6 +56,7 @@ from typing import Callable
 
 import structlog
 
+from blockd.rdma.abi import SEND_SIGNALED, WR_SEND
 from initiator.queue import HostCommand, HostQueue, QueueLost
 from protocol.constants import SglId
 from protocol.nvme import CQE_FAST, build_sgl_data_block, build_sgl_keyed
@@ -226,8 +227,7 @@ class RdmaHostConnection:
         return self.qp
 
     def _post_recvs(self, qp) -> None:
-        for s in self.resp_pool.slots:
-            qp.post_recv((_RECV << _KIND_SHIFT) | s.index, *s.sge())
+        qp.post_recvs([((_RECV << _KIND_SHIFT) | s.index, *s.sge()) for s in self.resp_pool.slots])
 
     # -- sending --------------------------------------------------------------------------------
 
@@ -271,8 +271,6 @@ class RdmaHostConnection:
         self._send(cmd, st)
 
     def _send(self, cmd: HostCommand, st: _Slot, inline: bool = False) -> None:
-        import pyverbs.enums as e
-        from pyverbs.wr import SGE, SendWR
         cid = cmd.cid
         cslot = self.cmd_pool.slots[cid]
         sqe = cmd.sqe
@@ -286,6 +284,7 @@ class RdmaHostConnection:
         elif st.data is not None:
             slot = st.data
             if self.key_mode == "mw":
+                import pyverbs.enums as e
                 win = self.windows[cid]
                 access = e.IBV_ACCESS_REMOTE_READ if cmd.data_out is not None else \
                     e.IBV_ACCESS_REMOTE_WRITE
@@ -299,24 +298,33 @@ class RdmaHostConnection:
         else:
             sqe[24:40] = _NULL_SGL
         cslot.view[:SQE_SIZE] = sqe
+        wr_id = (_SEND << _KIND_SHIFT) | cid
+        if bind is None:  # the common case: one SEND, posted without pyverbs objects
+            try:
+                self.qp.post_sends([(wr_id, WR_SEND, SEND_SIGNALED, cslot.addr, nbytes, cslot.lkey, 0, 0, 0)])
+            except Exception as exc:
+                self._fail(ConnectionError(f"posting a command failed: {exc}"))
+            return
+        self._send_bound(cid, st, bind, wr_id, cslot, nbytes)
+
+    def _send_bound(self, cid: int, st: _Slot, bind, wr_id: int, cslot, nbytes: int) -> None:
+        """The memory-window bind chained before the SEND: pyverbs' ``set_bind_wr`` builds the
+        bind, so this chain is posted through pyverbs."""
+        import pyverbs.enums as e
+        from pyverbs.wr import SGE, SendWR
         sge = SGE(cslot.addr, nbytes, cslot.lkey)
-        send = SendWR(wr_id=(_SEND << _KIND_SHIFT) | cid, opcode=e.IBV_WR_SEND, num_sge=1,
-                      sg=[sge], send_flags=e.IBV_SEND_SIGNALED)
+        send = SendWR(wr_id=wr_id, opcode=e.IBV_WR_SEND, num_sge=1, sg=[sge], send_flags=e.IBV_SEND_SIGNALED)
         try:
-            if bind is not None:
-                bind.next_wr = send
-                self.qp.qp.post_send(bind)
-                self.windows[cid].bound(st.rkey)
-                st.key_live = True
-            else:
-                self.qp.qp.post_send(send)
+            bind.next_wr = send
+            self.qp.qp.post_send(bind)
+            self.windows[cid].bound(st.rkey)
+            st.key_live = True
         except Exception as exc:
             self._fail(ConnectionError(f"posting a command failed: {exc}"))
         finally:
             send.close()
             sge.close()
-            if bind is not None:
-                bind.close()
+            bind.close()
 
     # -- completions ----------------------------------------------------------------------------
 
@@ -353,12 +361,11 @@ class RdmaHostConnection:
                 return
 
     def _response(self, idx: int, wc) -> None:
-        import pyverbs.enums as e
         rslot = self.resp_pool.slots[idx]
         if wc.byte_len != CQE_SIZE:
             raise ConnectionError(f"response of {wc.byte_len} bytes (want 16)")
         dw0, dw1, _, _, cid, status = _unpack_cqe(rslot.view)
-        self.qp.post_recv((_RECV << _KIND_SHIFT) | idx, *rslot.sge())
+        self.qp.post_recvs([((_RECV << _KIND_SHIFT) | idx, *rslot.sge())])
         st = self.slots[cid] if cid < len(self.slots) else None
         if st is None or st.cmd is None or st.resp is not None or self.queue.pending.get(cid) is not st.cmd:
             raise ConnectionError(f"completion for unknown command id {cid}")
@@ -371,6 +378,7 @@ class RdmaHostConnection:
             st.key_live = False
         elif st.key_live:
             # the target did not invalidate: kill the key ourselves before completing
+            import pyverbs.enums as e
             self.qp.post_chain([dict(wr_id=(_INV << _KIND_SHIFT) | cid, opcode=e.IBV_WR_LOCAL_INV,
                                      sges=None, signaled=True, imm_data=st.rkey)])
             return

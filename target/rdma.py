@@ -44,6 +44,7 @@ from typing import Any
 import structlog
 
 from blockd import eager
+from blockd.rdma.abi import SEND_SIGNALED, WR_RDMA_READ, WR_RDMA_WRITE, WR_SEND, WR_SEND_WITH_INV
 from target.controller import MQES
 from target.queue import MAX_TRANSFER, TargetQueue
 from target.request import Request, RequestState
@@ -59,21 +60,6 @@ _MASK = (1 << _KIND_SHIFT) - 1
 _SGL_KEYED = (0x40, 0x4F)
 _SGL_INVALIDATE = 0x4F
 _NVME_READ = 0x02
-# ibv_wr_opcode / ibv_send_flags values (verbs.h ABI; checked against pyverbs at first use)
-_WR_RDMA_WRITE, _WR_SEND, _WR_RDMA_READ, _WR_SEND_WITH_INV = 0, 2, 4, 9
-_SIGNALED = 2
-_abi_checked = False
-
-
-def _check_abi() -> None:
-    global _abi_checked
-    if not _abi_checked:
-        import pyverbs.enums as e
-        assert (e.IBV_WR_RDMA_WRITE, e.IBV_WR_SEND, e.IBV_WR_RDMA_READ, e.IBV_WR_SEND_WITH_INV,
-                e.IBV_SEND_SIGNALED) == (_WR_RDMA_WRITE, _WR_SEND, _WR_RDMA_READ,
-                                         _WR_SEND_WITH_INV, _SIGNALED)
-        _abi_checked = True
-
 # shared data buffers per device: (slot size, count); 2 + 4 + 8 MiB registered once
 DATA_CLASSES = [(8192, 256), (128 << 10, 32), (MAX_TRANSFER, 8)]
 
@@ -156,7 +142,6 @@ class RdmaTargetConnection:
 
     def __init__(self, listener: "RdmaListener", creq) -> None:
         from blockd.rdma.verbs import open_device
-        _check_abi()
         nv = creq.nvme
         self.listener = listener
         self.tasks = listener.tasks
@@ -316,7 +301,7 @@ class RdmaTargetConnection:
             tok = self._token(cmd)
             try:
                 # exactly the SGL the core validated: address, key, length (<= MAX_TRANSFER)
-                self.qp.post_sends([((_READ << _KIND_SHIFT) | tok, _WR_RDMA_READ, _SIGNALED,
+                self.qp.post_sends([((_READ << _KIND_SHIFT) | tok, WR_RDMA_READ, SEND_SIGNALED,
                                      slot.addr, req.length, slot.lkey, 0, req.sgl_address,
                                      req.sgl_key)])
             except Exception as exc:
@@ -430,13 +415,13 @@ class RdmaTargetConnection:
             write = cmd.nbytes
             if write:
                 data = cmd.data
-                sends.append(((_WRITE << _KIND_SHIFT) | i, _WR_RDMA_WRITE, 0, data.addr, write,
+                sends.append(((_WRITE << _KIND_SHIFT) | i, WR_RDMA_WRITE, 0, data.addr, write,
                               data.lkey, 0, req.sgl_address, req.sgl_key))
             if req.sgl_id == _SGL_INVALIDATE and req.length:
-                sends.append(((_SEND << _KIND_SHIFT) | i, _WR_SEND_WITH_INV, _SIGNALED, rslot.addr,
+                sends.append(((_SEND << _KIND_SHIFT) | i, WR_SEND_WITH_INV, SEND_SIGNALED, rslot.addr,
                               CQE_SIZE, pool.lkey, req.sgl_key, 0, 0))
             else:
-                sends.append(((_SEND << _KIND_SHIFT) | i, _WR_SEND, _SIGNALED, rslot.addr,
+                sends.append(((_SEND << _KIND_SHIFT) | i, WR_SEND, SEND_SIGNALED, rslot.addr,
                               CQE_SIZE, pool.lkey, 0, 0, 0))
             # before the response: the host may reuse the slot as soon as it has it
             recvs.append(self._recv_wrs[cmd.recv])

@@ -29,7 +29,7 @@ import errno
 import os
 import struct
 
-from . import _raw
+from . import _raw, abi
 
 _ibv = ctypes.CDLL("libibverbs.so.1", use_errno=True)
 _get_cq_event = _ibv.ibv_get_cq_event
@@ -172,6 +172,7 @@ class FastQP:
         if _u64(self.qp_ptr) != ctx_ptr or \
                 ctypes.c_uint32.from_address(self.qp_ptr + 52).value != qp.qp_num:
             raise _raw.LayoutError("ibv_qp does not match its pyverbs QP")
+        abi.check_against_pyverbs()
         self._post_send = _fn(ctx_ptr, _POST_SEND, _POST_FN)
         self._post_recv = _fn(ctx_ptr, _POST_RECV, _POST_FN)
         self._alloc(max_send, max_recv)
