@@ -20,15 +20,14 @@ import asyncio
 import collections
 import functools
 import importlib
-import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
 import structlog
 
 from initiator.errors import ConnectError, NvmeError, QueueLost
+from initiator.params import ConnectParams
 from initiator.queue import HostCommand, HostQueue
 from protocol.commands import (
     async_event_request_command, connect_command, connect_data, describe_command, dsm_command,
@@ -36,7 +35,7 @@ from protocol.commands import (
     property_set_command, read_command, set_features_command, write_command, write_zeroes_command,
 )
 from protocol.constants import (
-    DEFAULT_IO_PORT, DISCOVERY_NQN, DYNAMIC_CNTLID, OAES_NS_ATTR, Cns, FeatureId, LogPageId, Property,
+    DISCOVERY_NQN, DYNAMIC_CNTLID, OAES_NS_ATTR, Cns, FeatureId, LogPageId, Property, TransportType,
 )
 from protocol.fabrics import IATTR_DATA
 from protocol.identify import (
@@ -68,46 +67,6 @@ IoDone = Callable[[BaseException | None], None]
 command failed (:class:`NvmeError` with ``.status``, :class:`QueueLost`, ``TimeoutError``,
 ``ConnectionError``)."""
 
-def default_hostnqn() -> str:
-    """/etc/nvme/hostnqn if nvme-cli set one up, else one derived from the machine id."""
-    try:
-        with open("/etc/nvme/hostnqn") as f:
-            nqn = f.read().strip()
-            if nqn:
-                return nqn
-    except OSError:
-        pass
-    try:
-        with open("/etc/machine-id") as f:
-            mid = uuid.UUID(f.read().strip())
-    except (OSError, ValueError):
-        mid = uuid.uuid5(uuid.NAMESPACE_DNS, os.uname().nodename)
-    return f"nqn.2014-08.org.nvmexpress:uuid:{mid}"
-
-
-@dataclass
-class ConnectParams:
-    """What nvme-cli's connect takes (same names), plus the host library's own timeouts."""
-
-    traddr: str
-    subnqn: str
-    trsvcid: int = DEFAULT_IO_PORT
-    transport: str = "tcp"
-    hostnqn: str = field(default_factory=default_hostnqn)
-    hostid: uuid.UUID = field(default_factory=lambda: uuid.uuid5(uuid.NAMESPACE_OID, default_hostnqn()))
-    nr_io_queues: int = 4
-    queue_size: int = 128
-    keep_alive_tmo: float = 5.0
-    hdr_digest: bool = False
-    data_digest: bool = False
-    command_timeout: float = 30.0
-    connect_timeout: float = 5.0
-    ctrl_loss_tmo: float = 60.0
-    reconnect_delay: float = 1.0
-    rdma_keys: str = field(default_factory=lambda: os.environ.get("BLOCKD_RDMA_KEYS", "auto"))
-    """How RDMA commands expose their buffers (auto, mw, mr: see initiator.rdma)."""
-
-
 @dataclass(frozen=True)
 class NamespaceInfo:
     nsid: int
@@ -133,7 +92,10 @@ class DiscoveryEntry:
 
     @property
     def transport(self) -> str:
-        return {1: "rdma", 3: "tcp"}.get(self.trtype, str(self.trtype))
+        try:
+            return TransportType(self.trtype).name.lower()
+        except ValueError:
+            return str(self.trtype)
 
 
 LostCallback = Callable[[Any, "Exception | None"], None]
@@ -780,9 +742,7 @@ async def discover(traddr: str, trsvcid: int, transport: str = "tcp", hostnqn: s
     """Read the discovery log of a target (non-persistent discovery controller, KATO 0)."""
     params = ConnectParams(traddr=traddr, subnqn=DISCOVERY_NQN, trsvcid=trsvcid,
                            transport=transport, keep_alive_tmo=0, connect_timeout=timeout,
-                           command_timeout=timeout, ctrl_loss_tmo=0)
-    if hostnqn:
-        params.hostnqn = hostnqn
+                           command_timeout=timeout, ctrl_loss_tmo=0, **({"hostnqn": hostnqn} if hostnqn else {}))
     ctrl = await Controller.connect(params)
     try:
         return await ctrl.discovery_log()
