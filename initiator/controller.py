@@ -35,7 +35,9 @@ from protocol.commands import (
     property_set_command, read_command, set_features_command, write_command, write_zeroes_command,
 )
 from protocol.constants import (
-    DISCOVERY_NQN, DYNAMIC_CNTLID, OAES_NS_ATTR, Cns, FeatureId, LogPageId, Property, TransportType,
+    AEN_DW0_MASK, AEN_NS_ATTR_CHANGED, CAP_MPSMIN_SHIFT, CAP_TO_SHIFT, CAP_TO_UNIT, CC_EN, CC_IOCQES_16,
+    CC_IOSQES_64, CC_SHN_NORMAL, CSTS_RDY, CSTS_SHST_COMPLETE, CSTS_SHST_MASK, DISCOVERY_NQN, DYNAMIC_CNTLID,
+    FLBAS_FORMAT_MASK, NSATTR_WRITE_PROTECTED, OAES_NS_ATTR, Cns, FeatureId, LogPageId, Property, TransportType,
 )
 from protocol.fabrics import IATTR_DATA
 from protocol.identify import (
@@ -51,8 +53,8 @@ __all__ = ["ConnectError", "ConnectParams", "Controller", "IoDone", "NamespaceIn
 log = structlog.get_logger("blockd.initiator")
 
 ADMIN_DEPTH = 32
-CC_ENABLE = 0x00460001
-CC_SHUTDOWN = 0x00464001
+CC_ENABLE = CC_IOCQES_16 | CC_IOSQES_64 | CC_EN
+CC_SHUTDOWN = CC_ENABLE | CC_SHN_NORMAL
 MAX_ATTEMPTS = 5
 AER_TIMEOUT = 365 * 86400.0
 """An Asynchronous Event Request stays outstanding until an event: no practical timeout."""
@@ -270,7 +272,7 @@ class Controller:
         p = self.params
         want = max(1, p.nr_io_queues)
         cmd = await self._admin(set_features_command(FeatureId.NUMBER_OF_QUEUES, (want - 1) | ((want - 1) << 16)))
-        granted = min(cmd.dw0 & 0xFFFF, cmd.dw0 >> 16) + 1
+        granted = min(cmd.dw0 & 0xFFFF, cmd.dw0 >> 16) + 1  # NSQA, NCQA: 0's based, as asked
         depth = min(p.queue_size, self.identity.maxcmd or p.queue_size)
         inline = self.identity.ioccsz * 16 - 64
         for qid in range(1, min(want, granted) + 1):
@@ -286,8 +288,8 @@ class Controller:
             if nsid == 0:
                 break
             ns = IDENTIFY_NAMESPACE.parse(await self._identify(Cns.NAMESPACE, nsid))
-            fmt = ns.lbaf[ns.flbas & 0xF]
-            found[nsid] = NamespaceInfo(nsid, ns.nsze, 1 << fmt.lbads, bool(ns.nsattr & 1))
+            fmt = ns.lbaf[ns.flbas & FLBAS_FORMAT_MASK]
+            found[nsid] = NamespaceInfo(nsid, ns.nsze, 1 << fmt.lbads, bool(ns.nsattr & NSATTR_WRITE_PROTECTED))
         self.namespaces = found
 
     async def _async_events(self) -> None:
@@ -297,7 +299,7 @@ class Controller:
             try:
                 await self._wait_live()
                 cmd = await self._admin(async_event_request_command(), timeout=AER_TIMEOUT)
-                if cmd.dw0 & 0x7 == 2 and (cmd.dw0 >> 16) & 0xFF == LogPageId.CHANGED_NS_LIST:
+                if cmd.dw0 & AEN_DW0_MASK == AEN_NS_ATTR_CHANGED:
                     await self.get_log_page(LogPageId.CHANGED_NS_LIST, 4096, nsid=0xFFFFFFFF)
                     await self._scan_namespaces()
                     log.info("namespaces changed", subnqn=self.params.subnqn, nsids=sorted(self.namespaces))
@@ -327,12 +329,12 @@ class Controller:
 
     async def _enable(self) -> None:
         cap = await self.get_property(Property.CAP, 8)
-        if (cap >> 48) & 0xF:
+        if (cap >> CAP_MPSMIN_SHIFT) & 0xF:
             raise ConnectError("controller requires pages larger than 4 KiB")
-        await self.set_property(Property.CC, CC_ENABLE & ~1)
+        await self.set_property(Property.CC, CC_ENABLE & ~CC_EN)
         await self.set_property(Property.CC, CC_ENABLE)
-        deadline = time.monotonic() + ((cap >> 24) & 0xFF) * 0.5 + 0.5
-        while not await self.get_property(Property.CSTS, 4) & 1:
+        deadline = time.monotonic() + ((cap >> CAP_TO_SHIFT) & 0xFF) * CAP_TO_UNIT + 0.5
+        while not await self.get_property(Property.CSTS, 4) & CSTS_RDY:
             if time.monotonic() > deadline:
                 raise ConnectError("controller did not become ready")
             await asyncio.sleep(0.002)
@@ -718,7 +720,8 @@ class Controller:
             try:
                 await self.set_property(Property.CC, CC_SHUTDOWN)
                 deadline = time.monotonic() + 5
-                while (await self.get_property(Property.CSTS, 4) >> 2) & 3 != 2 and time.monotonic() < deadline:
+                while (await self.get_property(Property.CSTS, 4) & CSTS_SHST_MASK != CSTS_SHST_COMPLETE
+                       and time.monotonic() < deadline):
                     await asyncio.sleep(0.01)
             except (NvmeError, QueueLost, TimeoutError, ConnectionError):
                 pass
