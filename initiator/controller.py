@@ -515,17 +515,17 @@ class Controller:
         bytes, this being the one place that splits; ``done`` once, when all completed, with
         the first error."""
         length = len(buf)
-        info = self.check_range(nsid, offset, length)
-        bs = info.block_size
-        step = self.max_transfer - self.max_transfer % bs
-        if length <= step:
-            if not length:
-                done(None)
-            elif write:
+        bs = self.check_range(nsid, offset, length).block_size
+        if 0 < length <= self.max_transfer:
+            if write:
                 self.submit_io(write_command(nsid, offset // bs, length // bs - 1, fua), buf, None, done)
             else:
                 self.submit_io(read_command(nsid, offset // bs, length // bs - 1), None, buf, done)
             return
+        if not length:
+            done(None)
+            return
+        step = self.max_transfer - self.max_transfer % bs
         piece_done = _Gather(-(-length // step), done).piece_done
         for pos in range(0, length, step):
             piece = buf[pos:pos + step]
