@@ -384,7 +384,7 @@ class Controller:
         if fields[IO_SLBA] + nlb + 1 > ns.blocks:
             return _LBA_RANGE
         opc = req.opcode
-        if opc != _READ and ns.read_only:
+        if opc != _READ and ns.backend.read_only:  # not ns.read_only: a property call per write
             return _WRITE_PROTECTED
         expected = 0 if opc == _WRITE_ZEROES else (nlb + 1) << ns.lba_shift
         if req.length != expected:

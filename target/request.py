@@ -18,7 +18,7 @@ for a request that never ran, is a bug to surface, not to paper over.
 
 from __future__ import annotations
 
-from enum import Enum, IntEnum
+from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from protocol.nvme import IO_CID, IO_NSID, IO_OPCODE
@@ -28,12 +28,15 @@ if TYPE_CHECKING:
     from target.subsystem import Namespace
 
 
-class RequestState(Enum):
-    NEW = "new"
-    NEED_DATA = "need data"
-    EXECUTING = "executing"
-    COMPLETING = "completing"
-    DONE = "done"
+class RequestState(IntEnum):
+    """An IntEnum, not an Enum: an Enum member hashes by a Python-level ``__hash__``, two calls
+    per table lookup on every transition (measured: 12 of a read's 39 Python calls)."""
+
+    NEW = 0
+    NEED_DATA = 1
+    EXECUTING = 2
+    COMPLETING = 3
+    DONE = 4
 
 
 _NEW, _NEED_DATA, _EXECUTING = RequestState.NEW, RequestState.NEED_DATA, RequestState.EXECUTING
@@ -53,7 +56,7 @@ class IllegalTransition(RuntimeError):
     """A request was asked to move where :data:`TRANSITIONS` does not allow."""
 
     def __init__(self, req: Request, new: RequestState) -> None:
-        super().__init__(f"{req!r} cannot go from {req.state.value} to {new.value}")
+        super().__init__(f"{req!r} cannot go from {req.state.name} to {new.name}")
         self.request = req
         self.new = new
 
@@ -113,4 +116,4 @@ class Request:
         self.state = new
 
     def __repr__(self) -> str:
-        return f"<Request cid={self.cid} opc={self.opcode:#x} {self.state.value} status={self.status:#x}>"
+        return f"<Request cid={self.cid} opc={self.opcode:#x} {self.state.name} status={self.status:#x}>"
