@@ -59,6 +59,8 @@ CSTS_SHST_COMPLETE = 2 << 2
 KAS_100MS = 10
 ERROR_LOG_ENTRIES = 64
 AER_LIMIT = 4
+DLFEAT_ZEROES = 0x09
+"""Deallocated blocks read as zeroes, and Write Zeroes may deallocate (DEAC)."""
 DISCOVERY_DEFAULT_KATO_MS = 120_000
 """A discovery controller without keep-alive is still reaped after 2 minutes, as nvmet does."""
 
@@ -104,7 +106,7 @@ class Controller:
         self.io_commands: CommandTable = {
             IoOpcode.READ: (self._check_rw, self._read),
             IoOpcode.WRITE: (self._check_rw, self._write),
-            IoOpcode.WRITE_ZEROES: (self._check_rw, self._write_zeroes),
+            IoOpcode.WRITE_ZEROES: (self._check_write_zeroes, self._write_zeroes),
             IoOpcode.FLUSH: (self._check_flush, self._flush),
             IoOpcode.DATASET_MANAGEMENT: (self._check_dsm, self._dsm),
         }
@@ -294,10 +296,19 @@ class Controller:
             oacs=0, acl=3, aerl=AER_LIMIT - 1, frmw=0x3, lpa=0x04, elpe=ERROR_LOG_ENTRIES - 1,
             npss=0, avscc=0, apsta=0, kas=KAS_100MS, sqes=0x66, cqes=0x44, maxcmd=MQES + 1,
             nn=max(sub.namespaces, default=0) if not disc else 0,
-            oncs=0 if disc else ONCS_DSM | ONCS_WRITE_ZEROES, fuses=0, fna=0,
-            vwc=0 if disc else 1, awun=0, awupf=0, icsvscc=0, nwpc=0, acwu=0,
+            oncs=0 if disc else self._oncs(), fuses=0, fna=0,
+            vwc=int(any(ns.backend.can_flush for ns in self._namespaces.values())),
+            awun=0, awupf=0, icsvscc=0, nwpc=0, acwu=0,
             sgls=transport.sgls, mnan=0, subnqn=sub.nqn, ioccsz=(64 + transport.io_inline) // 16,
             iorcsz=1, icdoff=0, fcatt=0, msdbd=1, ofcs=0))
+
+    def _oncs(self) -> int:
+        """Optional NVM commands: those some namespace's backend can do (a namespace whose
+        backend cannot is refused or does nothing, see the I/O checks). Like VWC it is read
+        when the host identifies the controller, from the namespaces it has then."""
+        backends = [ns.backend for ns in self._namespaces.values()]
+        return ((ONCS_DSM if any(b.can_trim for b in backends) else 0)
+                | (ONCS_WRITE_ZEROES if any(b.can_zero for b in backends) else 0))
 
     async def _get_log_page(self, req: Request) -> None:
         fields = GET_LOG_PAGE_COMMAND.parse(req.sqe)
@@ -392,6 +403,12 @@ class Controller:
         req.ns = ns
         return _SUCCESS
 
+    def _check_write_zeroes(self, req: Request) -> int:
+        status = self._check_rw(req)
+        if not status and not req.ns.backend.can_zero:
+            return Status.INVALID_OPCODE  # not for this namespace (ONCS is the controller's)
+        return status
+
     def _check_flush(self, req: Request) -> int:
         if req.nsid == NSID_ALL:
             return _SUCCESS
@@ -427,14 +444,24 @@ class Controller:
         ns = req.ns
         fields = req.fields
         offset = fields[IO_SLBA] << ns.lba_shift
+        backend = ns.backend
+        fua = fields[IO_CONTROL] & RW_CONTROL_FUA
         try:
-            await ns.backend.write(offset, req.data, bool(fields[IO_CONTROL] & RW_CONTROL_FUA))
+            if fua and not backend.can_fua:
+                # as nbdkit emulates FUA: a flush after the write (nothing to do without a cache)
+                await backend.write(offset, req.data)
+                if backend.can_flush:
+                    await backend.flush()
+            else:
+                await backend.write(offset, req.data, bool(fua))
         except OSError as exc:
             log.error("write failed", nsid=ns.nsid, offset=offset, error=str(exc))
             req.status = Status.WRITE_FAULT
 
     async def _flush(self, req: Request) -> None:
         for ns in [req.ns] if req.ns is not None else list(self._namespaces.values()):
+            if not ns.backend.can_flush:
+                continue  # every completed write is already durable
             try:
                 await ns.backend.flush()
             except OSError as exc:
@@ -451,9 +478,9 @@ class Controller:
             req.status = Status.WRITE_FAULT
 
     async def _dsm(self, req: Request) -> None:
+        ns = req.ns
         if not DSM_COMMAND_FAST.unpack_from(req.sqe)[_DSM_ATTRIBUTES] & DSM_ATTR_DEALLOCATE:
             return  # only hints: nothing to do
-        ns = req.ns
         ranges = []
         for i in range(_dsm_ranges(req)):
             _, nlb, slba = DSM_RANGE_FAST.unpack_from(req.data, i * DSM_RANGE_FAST.size)
@@ -461,6 +488,8 @@ class Controller:
                 req.status = _LBA_RANGE
                 return
             ranges.append((slba, nlb))
+        if not ns.backend.can_trim:
+            return  # deallocation is a hint; DLFEAT tells the host not to expect zeroes
         try:
             for slba, nlb in ranges:
                 if nlb:
@@ -507,6 +536,7 @@ def identify_namespace(ns: Namespace) -> bytes:
     lbaf = [dict(ms=0, lbads=ns.lba_shift, rp=0)] + [dict(ms=0, lbads=0, rp=0)] * 63
     return IDENTIFY_NAMESPACE.build(dict(
         nsze=blocks, ncap=blocks, nuse=blocks, nsfeat=0, nlbaf=0, flbas=0, mc=0, dpc=0,
-        dps=0, nmic=1, rescap=0, fpi=0, dlfeat=0x09, nawun=0, nawupf=0, nacwu=0, noiob=0,
+        dps=0, nmic=1, rescap=0, fpi=0, dlfeat=DLFEAT_ZEROES if ns.backend.can_trim else 0,
+        nawun=0, nawupf=0, nacwu=0, noiob=0,
         anagrpid=0, nsattr=int(ns.read_only), nguid=ns.nguid, eui64=ns.eui64, lbaf=lbaf))
 
