@@ -18,11 +18,12 @@ answers each command, calling back ``fetch_data`` and ``queue_response`` (see
 * Execution: the core runs the command at once, in the completion handler; only a command
   that really waits (an fsync, a slow backend) becomes a Task.
 * Reply (``queue_response``): a read goes straight into a registered slot when one is free
-  (``read_buffer``; else it is copied into one) and is RDMA WRITTEN to the SGL's address/key (never more than the SGL length), chained
-  with the 16-byte response SEND; the command's receive buffer is re-posted before that SEND.
-  SEND_WITH_INV carries the command's key only when the host asked for it (SGL id 0x4F with
-  data).  What one batch of completions produces goes out as one chain of receives and one of
-  sends (:meth:`blockd.rdma.verbs.QueuePair.post_sends`, no pyverbs objects per I/O).
+  (``read_buffer``; else it is copied into one) and is RDMA WRITTEN to the SGL's address/key
+  (never more than the SGL length), chained with the 16-byte response SEND; the command's
+  receive buffer is re-posted before that SEND.  SEND_WITH_INV carries the command's key only
+  when the host asked for it (SGL id 0x4F with data).  What one batch of completions produces
+  goes out as one chain of receives and one of sends
+  (:meth:`blockd.rdma.verbs.QueuePair.post_sends`, no pyverbs objects per I/O).
 * Failures: a failed RDMA READ fails its command with DATA TRANSFER ERROR where the
   connection still lives; a remote access error (bad key/address from the host) moves an RC
   QP to the error state, so that host's queue is torn down -- every other connection is

@@ -1,11 +1,9 @@
 """One command's life on the target, as explicit states with one checked setter.
 
-    NEW --> NEED_DATA --> EXECUTING --> COMPLETING --> DONE
-     |   (data not in        ^    \\       ^   (the transport has
-     |    the capsule:       |     \\      |    sent the response)
-     |    transport fetches) |      \\_____|
-     +-----------------------+-------------+
-                              (valid, data in hand;  or failed validation / data fetch)
+    NEW -> EXECUTING -> COMPLETING -> DONE   (DONE: the transport sent the response)
+    NEW -> NEED_DATA -> EXECUTING            (the host's data is not in the capsule)
+    NEW -> COMPLETING                        (parsing refused it: nothing ran, no data moved)
+    NEED_DATA -> COMPLETING                  (the transport could not fetch the data)
 
 :class:`target.queue.TargetQueue` moves every request: ``submit`` parses it (NEW), asks the
 transport for the host's data (NEED_DATA) or runs its handler (EXECUTING), builds the completion

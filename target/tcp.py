@@ -19,7 +19,7 @@ from blockd.tcp_pdu import (
 from protocol.constants import SglId, TransportType
 from protocol.nvme import SQE_SIZE
 from protocol.tcp import (
-    COMMON_HEADER_SIZE, DATA_PDU_HEADER, DATA_PDU_HEADER_FAST, IC_REQ, IC_REQ_FAST, IC_RESP, PduFlags,
+    CAPSULE_RESP_HLEN, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_PDU_HEADER, DATA_PDU_HEADER_FAST, IC_REQ, IC_REQ_FAST, IC_RESP, PduFlags,
     PduType, TermReqFes, fei_of,
 )
 from target.queue import TargetQueue
@@ -42,7 +42,8 @@ MAXH2CDATA = DEFAULT_MAX_TRANSFER
 _CAPSULE_SQE = slice(COMMON_HEADER_SIZE, COMMON_HEADER_SIZE + SQE_SIZE)
 _H2C_TYPES = frozenset({PduType.IC_REQ, PduType.H2C_TERM_REQ, PduType.CAPSULE_CMD, PduType.H2C_DATA})
 _unpack_data_header = DATA_PDU_HEADER_FAST.unpack_from
-_CAPSULE_RESP_HEADER = bytes([PduType.CAPSULE_RESP, 0, 24, 0, 24, 0, 0, 0])
+_CAPSULE_RESP_HEADER = COMMON_HEADER_FAST.pack(PduType.CAPSULE_RESP, 0, CAPSULE_RESP_HLEN, 0, CAPSULE_RESP_HLEN)
+"""The CapsuleResp common header without digests: HLEN = PLEN = 24."""
 # Bound once: an Enum class attribute lookup costs several times a global's, per PDU.
 _CAPSULE_CMD, _H2C_DATA, _C2H_DATA = int(PduType.CAPSULE_CMD), int(PduType.H2C_DATA), int(PduType.C2H_DATA)
 _TTAG = DATA_PDU_HEADER_FAST.index("ttag")
