@@ -79,12 +79,15 @@ class TargetQueue:
     """Admin (qid 0) or I/O queue of one controller, bound to one transport connection."""
 
     def __init__(self, target: Target, transport: TargetTransport, port_id: int,
-                 peer: str = "", local_address: str = "") -> None:
+                 peer: str = "", local_address: str = "", inline_size: int | None = None) -> None:
         info = transport.info
         self.target = target
         self.transport = transport
         self.port_id = port_id
-        self.inline_size = info.admin_inline
+        self.inline_size = info.admin_inline if inline_size is None else inline_size
+        """In-capsule data accepted now: the admin size until an I/O Connect, unless the
+        transport knows the queue's kind from the start (RDMA: the QID in the CM request sized
+        the receive buffers, and an I/O queue's Connect data comes in the capsule)."""
         self.peer = peer
         self.local_address = local_address
         """Our address on this connection: the discovery log's TRADDR for wildcard ports."""

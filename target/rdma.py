@@ -191,7 +191,7 @@ class RdmaTargetConnection:
         self.peer = _peer_of(creq.cmid)
         port = listener.port
         self.queue = TargetQueue(listener.target, self, port.port_id, peer=self.peer,
-                                 local_address=creq.listener.addr)
+                                 local_address=creq.listener.addr, inline_size=self.inline)
         try:
             self.cm = creq.accept_nvme(self.qp, crqsize=depth, before_rtr=self._post_all_recvs,
                                        on_disconnect=self._cm_closed)

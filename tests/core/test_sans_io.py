@@ -348,3 +348,22 @@ def test_properties_and_discovery_identify() -> None:
         assert status == to_wire(Status.INVALID_FIELD)
         return target
     run(body)
+
+
+def test_in_capsule_size_before_connect() -> None:
+    """Until an I/O Connect a queue takes the transport's admin in-capsule size, unless the
+    transport already knows the queue's kind (RDMA sizes its receives from the CM request's
+    QID, and an I/O queue's Connect data comes in the capsule)."""
+    class NoAdminInline(FakeTransport):
+        info = TransportInfo(**{**FAKE.__dict__, "admin_inline": 0})
+
+    def body() -> Target:
+        target, _ = make_target()
+        transport = NoAdminInline()
+        q = transport.queue = TargetQueue(target, transport, 1)
+        assert complete(q, connect_sqe(), connect_data())[0] == to_wire(Status.SGL_INVALID_OFFSET)
+        transport = NoAdminInline()
+        q = transport.queue = TargetQueue(target, transport, 1, inline_size=4096)
+        assert complete(q, connect_sqe(), connect_data())[0] == 0
+        return target
+    run(body)
