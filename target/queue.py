@@ -103,13 +103,11 @@ class TargetQueue:
         self._data_sgl_ids = info.data_sgl_ids
         self._keyed = info.keyed_sgls
         self._max_transfer = info.max_transfer
-        # with keyed SGLs read data leaves by RDMA WRITE from the transport's registered memory:
-        # the backend reads straight into it
-        self._read_buffer = transport.read_buffer if info.keyed_sgls else None
+        self._read_buffer = transport.read_buffer
         self._queue_response = transport.queue_response
         self._fabrics: CommandTable = {
             _CONNECT: (self._check_connect, self._connect),
-            _PROPERTY_GET: (self._check_property_get, self._property_get),
+            _PROPERTY_GET: (self._check_property, self._property_get),
             _PROPERTY_SET: (self._check_property_set, self._property_set),
         }
 
@@ -265,13 +263,13 @@ class TargetQueue:
             return _BAD_LENGTH
         return _SUCCESS
 
-    def _check_property_get(self, req: Request) -> int:
+    def _check_property(self, req: Request) -> int:
         if self.qid != 0:
             return _INVALID_FIELD
         return _BAD_LENGTH if req.length else _SUCCESS
 
     def _check_property_set(self, req: Request) -> int:
-        return self._check_property_get(req) or self.controller.check_property_set(req)
+        return self._check_property(req) or self.controller.check_property_set(req)
 
     async def _property_get(self, req: Request) -> None:
         self.controller.property_get(req)

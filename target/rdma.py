@@ -541,7 +541,7 @@ class RdmaListener:
             self.channel = None
             self.listeners = []
             raise
-        log.info("listening", transport="rdma", address=",".join(addrs), port=self.port.service)
+        log.info("listening", transport=INFO.name, address=",".join(addrs), port=self.port.service)
 
     def _on_request(self, creq) -> None:
         from protocol import rdma_cm as pcm

@@ -60,6 +60,8 @@ class TcpTargetConnection(PduProtocol):
     H2CData in the write's request buffer (see :class:`PduReader`)."""
 
     info = INFO
+    read_buffer = None
+    """C2HData is sent from whatever buffer the read used."""
 
     def __init__(self, target: Target, port: PortInfo) -> None:
         self.target = target
@@ -149,10 +151,6 @@ class TcpTargetConnection(PduProtocol):
         self.r2t_pending[ttag] = (req, 0)
         req.data = bytearray(req.length)
         self.out.send(self.writer.r2t(req.cid, ttag, 0, req.length))
-
-    def read_buffer(self, req: Request) -> memoryview | None:
-        """Never asked (no keyed SGLs): C2HData is sent from whatever buffer the read used."""
-        return None
 
     def _place(self, ptype: int, header: memoryview, length: int) -> memoryview | None:
         """Where a PDU's data goes: a new buffer for in-capsule data, the request's own buffer
@@ -244,7 +242,7 @@ class TcpListener:
         self.server = await loop.create_server(
             lambda: TcpTargetConnection(self.target, self.port),
             self.port.address, int(self.port.service), reuse_address=True)
-        log.info("listening", transport="tcp", address=self.port.address, port=self.port.service)
+        log.info("listening", transport=INFO.name, address=self.port.address, port=self.port.service)
 
     async def stop(self) -> None:
         if self.server is not None:
