@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 import structlog
 
 from blockd import eager
-from protocol.constants import PSDT_SGL, FabricsType, SglId
+from protocol.constants import PSDT_SGL, AdminOpcode, FabricsType, SglId
 from protocol.fabrics import (
     CATTR_DISABLE_SQFLOW, CONNECT_COMMAND, CONNECT_DATA, CONNECT_DATA_SIZE, FABRICS_COMMAND,
     IPO_CONNECT_SQSIZE, IPO_CONNECT_SUBNQN,
@@ -55,7 +55,7 @@ Handler = Callable[[Request], Awaitable[None]]
 CommandTable = dict[int, tuple[Check, Handler]]
 """Opcode (FCTYPE for fabrics) -> (checks, handler): one per command set."""
 
-_FABRICS = 0x7F
+_FABRICS = int(AdminOpcode.FABRICS)
 _FCTYPE = field_offset(FABRICS_COMMAND, "fctype")
 _CONNECT, _PROPERTY_GET, _PROPERTY_SET = (
     int(FabricsType.CONNECT), int(FabricsType.PROPERTY_GET), int(FabricsType.PROPERTY_SET))
@@ -259,7 +259,7 @@ class TargetQueue:
     def _check_connect(self, req: Request) -> int:
         if self.controller is not None:
             return _SEQUENCE_ERROR
-        if req.length != CONNECT_DATA_SIZE or req.direction is not _TO_CONTROLLER:
+        if req.length != CONNECT_DATA_SIZE:
             return _BAD_LENGTH
         return _SUCCESS
 
