@@ -69,8 +69,8 @@ INFO = TransportInfo(
     data_sgl_ids=frozenset({SglId.KEYED_DATA_BLOCK, SglId.KEYED_DATA_BLOCK_INVALIDATE}),
     keyed_sgls=True, admin_inline=0, io_inline=RDMA_INLINE, max_transfer=DEFAULT_MAX_TRANSFER,
     sgls=0x00100005, tsas=TSAS_RDMA.build(dict(qptype=1, prtype=1, cms=1, pkey=0)))
-"""The admin queue takes 64-byte capsules only, as nvmet; SGLS adds Keyed SGL Data Block;
-TSAS: reliable connected QP, no RDMA provider type, rdma_cm."""
+"""The admin queue takes 64-byte capsules only, as nvmet; SGLS adds bit 2 (Keyed SGL Data
+Block) to TCP's; TSAS: reliable connected QP, no RDMA provider type, rdma_cm."""
 # shared data buffers per device: (slot size, count); 2 + 4 + 8 MiB registered once
 DATA_CLASSES = [(8192, 256), (128 << 10, 32), (INFO.max_transfer, 8)]
 
