@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import construct as c
 
-from protocol.layout import at_offsets, nul_padded
+from protocol.layout import at_offsets, field_offset, fixed_layout, nul_padded
 from protocol.nvme import SGL_SIZE, SQE_SIZE
 
 NQN_FIELD = 256
@@ -49,5 +49,28 @@ PROPERTY_COMMAND = at_offsets(SQE_SIZE, FABRICS_COMMAND_HEAD + [
 ])
 """ATTRIB bits 2:0: 0 = 4-byte property, 1 = 8-byte property."""
 
-# Connect: CQE DW0 for Invalid Parameters points at the bad field.
+PROPERTY_COMMAND_FAST = fixed_layout(PROPERTY_COMMAND)
+PROPERTY_SIZE_8 = 1
+"""ATTRIB value of an 8-byte property access."""
+PROPERTY_SIZE_MASK = 0x07
+
+# Connect: CQE DW0 for Invalid Parameters points at the bad field: IATTR bit 16 set means the
+# field is in the Connect data, clear means in the SQE; IPO is its byte offset (as the kernel's
+# IPO_IATTR_CONNECT_DATA / IPO_IATTR_CONNECT_SQE macros).
 IATTR_DATA = 1 << 16
+
+
+def ipo_connect_data(name: str) -> int:
+    """Connect Invalid Parameters DW0 pointing at Connect data field ``name``."""
+    return IATTR_DATA | field_offset(CONNECT_DATA, name)
+
+
+def ipo_connect_sqe(name: str) -> int:
+    """Connect Invalid Parameters DW0 pointing at Connect SQE field ``name``."""
+    return field_offset(CONNECT_COMMAND, name)
+
+
+IPO_CONNECT_CNTLID = ipo_connect_data("cntlid")
+IPO_CONNECT_SUBNQN = ipo_connect_data("subnqn")
+IPO_CONNECT_QID = ipo_connect_sqe("qid")
+IPO_CONNECT_SQSIZE = ipo_connect_sqe("sqsize")

@@ -36,6 +36,17 @@ def at_offsets(size: int, fields: Iterable[tuple[int, str, c.Construct]]) -> c.S
     return c.Struct(*subcons)
 
 
+def field_offset(con: c.Struct, name: str) -> int:
+    """Byte offset of field ``name`` in a fixed-size ``Struct`` (the C ``offsetof``), for error
+    locations that point at a field."""
+    pos = 0
+    for sub in con.subcons:
+        if isinstance(sub, c.Renamed) and sub.name == name:
+            return pos
+        pos += sub.sizeof()
+    raise KeyError(f"no field {name!r}")
+
+
 def _format_of(con: c.Construct) -> str:
     """The ``struct`` format characters for one construct field (no byte order prefix)."""
     if isinstance(con, c.FormatField):

@@ -99,6 +99,14 @@ IO_COMMAND = at_offsets(SQE_SIZE, [
 Data Block (a keyed descriptor splits address/length/key differently, see
 :func:`parse_sgl_keyed`) and the Read/Write/Write Zeroes dwords (meaningless for others)."""
 IO_COMMAND_FAST = fixed_layout(IO_COMMAND)
+IO_OPCODE, IO_FLAGS, IO_CID, IO_NSID = (IO_COMMAND_FAST.index(n) for n in ("opcode", "flags", "cid", "nsid"))
+IO_SLBA, IO_NLB, IO_CONTROL = (IO_COMMAND_FAST.index(n) for n in ("slba", "nlb", "control"))
+"""Positions in the tuple :data:`IO_COMMAND_FAST` unpacks, derived from the layout."""
+SGL1_OFFSET = 24
+"""SGL1 (DPTR) sits at bytes 24-39 of every fabrics SQE."""
+FLAGS_PSDT_FUSE_MASK = 0xC3
+"""FLAGS bits that must read PSDT=01b, no fused operation, over fabrics."""
+NSID_ALL = 0xFFFFFFFF
 RW_CONTROL_FUA = 1 << 14
 RW_CONTROL_DEAC = 1 << 9
 
@@ -120,6 +128,23 @@ GET_LOG_PAGE_COMMAND = at_offsets(SQE_SIZE, NVM_COMMAND_HEAD + [
     (48, "lpo", c.Int64ul),
     (59, "csi", c.Int8ul),
 ])
+GET_LOG_PAGE_RAE = 0x80
+"""Retain Asynchronous Event: bit 7 of byte 41 (CDW10 bit 15)."""
+
+FEATURES_COMMAND = at_offsets(SQE_SIZE, NVM_COMMAND_HEAD + [
+    (40, "fid", c.Int8ul),
+    (43, "sv", c.Int8ul),
+    (44, "value", c.Int32ul),
+])
+"""Get / Set Features: FID in CDW10 bits 7:0, SV in bit 31 (byte 43 bit 7), the value in CDW11."""
+FEATURES_SAVE = 0x80
+
+DSM_COMMAND = at_offsets(SQE_SIZE, NVM_COMMAND_HEAD + [
+    (40, "nr", c.Int8ul),
+    (44, "attributes", c.Int32ul),
+])
+"""Dataset Management: NR (0's based range count) in CDW10, the attributes (AD, IDR, IDW) in CDW11."""
+DSM_COMMAND_FAST = fixed_layout(DSM_COMMAND)
 
 IDENTIFY_COMMAND = at_offsets(SQE_SIZE, NVM_COMMAND_HEAD + [
     (40, "cns", c.Int8ul),

@@ -7,7 +7,7 @@ from enum import IntEnum
 import construct as c
 import crc32c as _crc32c
 
-from protocol.layout import at_offsets, fixed_layout
+from protocol.layout import at_offsets, field_offset, fixed_layout
 from protocol.nvme import CQE_SIZE, SQE_SIZE
 
 
@@ -74,6 +74,7 @@ IC_REQ = at_offsets(IC_SIZE, _COMMON_ROWS + [
     (12, "maxr2t", c.Int32ul),
 ])
 """DGST bit 0 = header digest, bit 1 = data digest; MAXR2T is 0's based."""
+IC_REQ_FAST = fixed_layout(IC_REQ)
 
 IC_RESP = at_offsets(IC_SIZE, _COMMON_ROWS + [
     (8, "pfv", c.Int16ul),
@@ -90,6 +91,11 @@ DATA_PDU_HEADER = at_offsets(DATA_HLEN, _COMMON_ROWS + [
 ])
 """Header shared by H2CData, C2HData and R2T (R2T: datao = R2TO, datal = R2TL)."""
 DATA_PDU_HEADER_FAST = fixed_layout(DATA_PDU_HEADER)
+
+
+def fei_of(header: c.Struct, name: str) -> int:
+    """Terminate request FEI for a bad header field: its byte offset in the PDU header."""
+    return field_offset(header, name)
 
 TERM_REQ_HEADER = at_offsets(TERM_HLEN, _COMMON_ROWS + [
     (8, "fes", c.Int16ul),

@@ -2,7 +2,10 @@
 
 The controller only ever calls the small :class:`Backend` interface, so files, block devices
 and (later) replicated volumes plug in without touching it. Offsets and lengths are in bytes and
-already checked against ``size`` by the controller.
+already checked against ``size`` by the controller. A backend also says what it can do (as
+nbdkit's ``can_trim``/``can_zero``/``can_fua``/``can_flush``): Identify advertises only that,
+and a command the backend cannot do gets a precise status (see :mod:`target.controller`).
+A backend may wrap another (:class:`target.filter.BackendFilter`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,18 @@ class Backend(Protocol):
 
     size: int
     """Capacity in bytes."""
+    read_only: bool
+    """Writes are refused (Identify NSATTR write protect); the one place this is kept."""
+    can_trim: bool
+    """``discard`` deallocates, and the range reads back as zeroes (Identify ONCS DSM, DLFEAT);
+    without it a deallocate is the hint the spec allows it to be, and does nothing."""
+    can_zero: bool
+    """``write_zeroes`` works (Identify ONCS Write Zeroes); without it Write Zeroes is refused."""
+    can_fua: bool
+    """``write(fua=True)`` makes the data durable itself; without it the controller flushes."""
+    can_flush: bool
+    """Completed writes may sit in a volatile cache that ``flush`` empties (Identify VWC);
+    without it every completed write is durable and Flush has nothing to do."""
 
     async def read_into(self, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` with the bytes at ``offset``."""
@@ -67,6 +82,11 @@ class FileBackend:
     cache they take microseconds, less than handing them to a thread. Anything that waits for the
     disk (fsync, FUA) runs in the default executor so keep-alives and other queues keep flowing.
     """
+
+    can_trim = True  # punch hole / BLKDISCARD
+    can_zero = True  # zero range / BLKZEROOUT, else writes of zeroes
+    can_fua = True  # fdatasync after the write
+    can_flush = True  # the page cache
 
     def __init__(self, path: str, size: int | None = None, read_only: bool = False,
                  create: bool = True) -> None:
@@ -134,13 +154,17 @@ class FileBackend:
 
 
 class MemoryBackend:
-    """A RAM volume, for tests of the controller logic and for benchmarks without a disk."""
+    """A RAM volume, for tests of the controller logic and for benchmarks without a disk.
+
+    It claims a volatile cache (flush and FUA succeed and do nothing) so a host treats it as it
+    treats a file; nothing in it survives the process anyway."""
+
+    can_trim = can_zero = can_fua = can_flush = True
 
     def __init__(self, size: int, read_only: bool = False) -> None:
         self.size = size
         self.read_only = read_only
         self.data = bytearray(size)
-        self.flushes = 0
 
     async def read_into(self, offset: int, buf: memoryview) -> None:
         buf[:] = self.data[offset:offset + len(buf)]
@@ -149,7 +173,7 @@ class MemoryBackend:
         self.data[offset:offset + len(data)] = data
 
     async def flush(self) -> None:
-        self.flushes += 1
+        pass
 
     async def discard(self, offset: int, length: int) -> None:
         self.data[offset:offset + length] = bytes(length)

@@ -18,24 +18,34 @@ from protocol.constants import (
     DISCOVERY_NQN, OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, ONCS_DSM,
     ONCS_WRITE_ZEROES, AdminOpcode, Cns, FeatureId, IoOpcode, LogPageId, NidType, Property,
 )
+from protocol.fabrics import PROPERTY_COMMAND_FAST, PROPERTY_SIZE_8, PROPERTY_SIZE_MASK
 from protocol.identify import (
     ACTIVE_NS_LIST, IDENTIFY_CONTROLLER, IDENTIFY_CSI_INDEPENDENT_NS, IDENTIFY_NAMESPACE,
     IDENTIFY_SIZE, NS_DESCRIPTOR_LIST,
 )
 from protocol.logpage import CHANGED_NS_LIST, ERROR_LOG_ENTRY
-from protocol.nvme import DSM_ATTR_DEALLOCATE, DSM_RANGE_FAST, RW_CONTROL_FUA
+from protocol.nvme import (
+    DSM_ATTR_DEALLOCATE, DSM_COMMAND_FAST, DSM_RANGE_FAST, FEATURES_COMMAND, FEATURES_SAVE,
+    GET_LOG_PAGE_COMMAND, GET_LOG_PAGE_RAE, IDENTIFY_COMMAND, IO_CONTROL, IO_NLB, IO_SLBA, NSID_ALL,
+    RW_CONTROL_FUA,
+)
 from protocol.status import Status, to_wire
 from target.request import Direction, Request
 
 if TYPE_CHECKING:
-    from target.queue import TargetQueue
+    from target.queue import CommandTable, TargetQueue
     from target.subsystem import Namespace, Subsystem
     from target.target import Target
+    from target.transport import TransportInfo
 
 log = structlog.get_logger("blockd.target.controller")
 
-_READ, _WRITE, _WRITE_ZEROES = int(IoOpcode.READ), int(IoOpcode.WRITE), int(IoOpcode.WRITE_ZEROES)
+_READ, _WRITE_ZEROES = int(IoOpcode.READ), int(IoOpcode.WRITE_ZEROES)
+_SUCCESS, _INVALID_NS, _LBA_RANGE = Status.SUCCESS, Status.INVALID_NS, Status.LBA_RANGE
+_WRITE_PROTECTED, _BAD_LENGTH = Status.NS_WRITE_PROTECTED, Status.SGL_INVALID_DATA_LENGTH
+_TO_HOST = Direction.CONTROLLER_TO_HOST
 """Bound once: read several times per I/O, an IntEnum class attribute costs several globals."""
+_PROP_ATTRIB, _PROP_OFFSET, _PROP_VALUE = (PROPERTY_COMMAND_FAST.index(n) for n in ("attrib", "offset", "value"))
 
 VERSION_1_3 = 0x00010300
 MQES = 127
@@ -49,7 +59,8 @@ CSTS_SHST_COMPLETE = 2 << 2
 KAS_100MS = 10
 ERROR_LOG_ENTRIES = 64
 AER_LIMIT = 4
-MDTS = 8
+DLFEAT_ZEROES = 0x09
+"""Deallocated blocks read as zeroes, and Write Zeroes may deallocate (DEAC)."""
 DISCOVERY_DEFAULT_KATO_MS = 120_000
 """A discovery controller without keep-alive is still reaped after 2 minutes, as nvmet does."""
 
@@ -58,7 +69,7 @@ class Controller:
     """State of one host association with one subsystem."""
 
     def __init__(self, target: Target, subsystem: Subsystem, cntlid: int, hostnqn: str,
-                 hostid: bytes, kato_ms: int, transport: str, port_id: int,
+                 hostid: bytes, kato_ms: int, transport: TransportInfo, port_id: int,
                  max_io_queues: int) -> None:
         self.target = target
         self.subsystem = subsystem
@@ -80,6 +91,26 @@ class Controller:
         self.error_log: collections.deque[bytes] = collections.deque(maxlen=ERROR_LOG_ENTRIES)
         self.last_keep_alive = time.monotonic()
         self.dead = False
+        self._namespaces = subsystem.namespaces
+        self.admin_commands: CommandTable = {
+            AdminOpcode.KEEP_ALIVE: (_no_data, self._keep_alive),
+            AdminOpcode.IDENTIFY: (_identify_length, self._identify),
+            AdminOpcode.GET_LOG_PAGE: (_check_get_log_page, self._get_log_page),
+            AdminOpcode.SET_FEATURES: (_no_data, self._set_features),
+            AdminOpcode.GET_FEATURES: (_no_data, self._get_features),
+            AdminOpcode.ASYNC_EVENT_REQUEST: (_no_data, self._async_event_request),
+        }
+        """Admin commands (as nvmet_parse_admin_cmd): opcode -> (checks, handler)."""
+        if not self.is_discovery:
+            self.admin_commands[AdminOpcode.ABORT] = (_no_data, self._abort)
+        self.io_commands: CommandTable = {
+            IoOpcode.READ: (self._check_rw, self._read),
+            IoOpcode.WRITE: (self._check_rw, self._write),
+            IoOpcode.WRITE_ZEROES: (self._check_write_zeroes, self._write_zeroes),
+            IoOpcode.FLUSH: (self._check_flush, self._flush),
+            IoOpcode.DATASET_MANAGEMENT: (self._check_dsm, self._dsm),
+        }
+        """NVM I/O commands (as nvmet_parse_io_cmd): opcode -> (checks, handler)."""
 
     # -- state ------------------------------------------------------------------------------
 
@@ -110,7 +141,7 @@ class Controller:
                  hostnqn=self.hostnqn, reason=reason)
         self.cancel_async_events()
         for queue in list(self.queues.values()):
-            queue.close_transport()
+            queue.transport.close()
         self.target.remove_controller(self)
 
     def cancel_async_events(self) -> None:
@@ -144,29 +175,34 @@ class Controller:
 
     # -- properties ----------------------------------------------------------------------------
 
-    def property_command(self, req: Request) -> None:
-        sqe = req.sqe
-        size8 = sqe[40] & 7 == 1
-        offset = int.from_bytes(sqe[44:48], "little")
-        if sqe[4] == 0x04:  # Property Get
-            if offset == Property.CAP and size8:
-                value = CAP
-            elif offset == Property.VS and not size8:
-                value = VERSION_1_3
-            elif offset == Property.CC and not size8:
-                value = self.cc
-            elif offset == Property.CSTS and not size8:
-                value = self.csts
-            else:
-                req.status = Status.INVALID_FIELD
-                return
-            req.dw0 = value & 0xFFFFFFFF
-            req.dw1 = value >> 32
-            return
-        if offset != Property.CC or size8:
+    def property_get(self, req: Request) -> None:
+        fields = PROPERTY_COMMAND_FAST.unpack_from(req.sqe)
+        size8 = fields[_PROP_ATTRIB] & PROPERTY_SIZE_MASK == PROPERTY_SIZE_8
+        offset = fields[_PROP_OFFSET]
+        if offset == Property.CAP and size8:
+            value = CAP
+        elif offset == Property.VS and not size8:
+            value = VERSION_1_3
+        elif offset == Property.CC and not size8:
+            value = self.cc
+        elif offset == Property.CSTS and not size8:
+            value = self.csts
+        else:
             req.status = Status.INVALID_FIELD
             return
-        self._write_cc(int.from_bytes(sqe[48:52], "little"))
+        req.dw0 = value & 0xFFFFFFFF
+        req.dw1 = value >> 32
+
+    @staticmethod
+    def check_property_set(req: Request) -> int:
+        """Only CC is writable, as a 4-byte property."""
+        fields = PROPERTY_COMMAND_FAST.unpack_from(req.sqe)
+        if fields[_PROP_OFFSET] != Property.CC or fields[_PROP_ATTRIB] & PROPERTY_SIZE_MASK == PROPERTY_SIZE_8:
+            return Status.INVALID_FIELD
+        return _SUCCESS
+
+    def property_set(self, req: Request) -> None:
+        self._write_cc(PROPERTY_COMMAND_FAST.unpack_from(req.sqe)[_PROP_VALUE] & 0xFFFFFFFF)
 
     def _write_cc(self, new: int) -> None:
         old = self.cc
@@ -189,42 +225,26 @@ class Controller:
 
     # -- admin commands ------------------------------------------------------------------------
 
-    async def execute_admin(self, req: Request) -> None:
-        opc = req.opcode
-        if opc == AdminOpcode.KEEP_ALIVE:
-            if not self.kato_ms:
-                req.status = Status.KEEP_ALIVE_INVALID
-            self.last_keep_alive = time.monotonic()
-        elif opc == AdminOpcode.IDENTIFY:
-            self._identify(req)
-        elif opc == AdminOpcode.GET_LOG_PAGE:
-            self._get_log_page(req)
-        elif opc == AdminOpcode.SET_FEATURES:
-            self._set_features(req)
-        elif opc == AdminOpcode.GET_FEATURES:
-            self._get_features(req)
-        elif opc == AdminOpcode.ASYNC_EVENT_REQUEST:
-            await self._async_event_request(req)
-        elif opc == AdminOpcode.ABORT and not self.is_discovery:
-            req.dw0 = 1  # the command was not aborted
-        else:
-            req.status = Status.INVALID_OPCODE
+    async def _keep_alive(self, req: Request) -> None:
+        if not self.kato_ms:
+            req.status = Status.KEEP_ALIVE_INVALID
+        self.last_keep_alive = time.monotonic()
+
+    async def _abort(self, req: Request) -> None:
+        req.dw0 = 1  # the command was not aborted
 
     def _give(self, req: Request, data: bytes) -> None:
         """Return controller-to-host data of exactly the command's transfer length."""
-        if req.direction is not Direction.CONTROLLER_TO_HOST:
-            req.status = Status.INVALID_FIELD if req.length else Status.SGL_INVALID_DATA_LENGTH
+        if req.direction is not _TO_HOST:
+            req.status = Status.INVALID_FIELD if req.length else _BAD_LENGTH
             return
         if len(data) < req.length:
             data = data + bytes(req.length - len(data))
-        req.data = data[:req.length]
+        req.reply = data[:req.length]
 
-    def _identify(self, req: Request) -> None:
-        if req.length != IDENTIFY_SIZE:
-            req.status = Status.SGL_INVALID_DATA_LENGTH
-            return
-        sqe = req.sqe
-        cns, csi = sqe[40], sqe[47]
+    async def _identify(self, req: Request) -> None:
+        fields = IDENTIFY_COMMAND.parse(req.sqe)
+        cns, csi = fields.cns, fields.csi
         if cns == Cns.CONTROLLER:
             self._give(req, self.identify_controller())
             return
@@ -233,9 +253,9 @@ class Controller:
             return
         if cns == Cns.ACTIVE_NS_LIST:
             if req.nsid >= 0xFFFFFFFE:
-                req.status = Status.INVALID_NS
+                req.status = _INVALID_NS
                 return
-            ids = sorted(n for n in self.subsystem.namespaces if n > req.nsid)[:1024]
+            ids = sorted(n for n in self._namespaces if n > req.nsid)[:1024]
             self._give(req, ACTIVE_NS_LIST.build(ids + [0] * (1024 - len(ids))))
             return
         if cns == Cns.CSI_CONTROLLER:
@@ -244,11 +264,11 @@ class Controller:
                 return
             self._give(req, bytes(IDENTIFY_SIZE))
             return
-        ns = self.subsystem.namespaces.get(req.nsid)
+        ns = self._namespaces.get(req.nsid)
         if cns not in (Cns.NAMESPACE, Cns.NS_DESCRIPTORS, Cns.CSI_INDEPENDENT_NS):
             req.status = Status.INVALID_FIELD
         elif ns is None:
-            req.status = Status.INVALID_NS
+            req.status = _INVALID_NS
         elif cns == Cns.NAMESPACE:
             self._give(req, identify_namespace(ns))
         elif cns == Cns.NS_DESCRIPTORS:
@@ -266,33 +286,33 @@ class Controller:
     def identify_controller(self) -> bytes:
         sub = self.subsystem
         disc = self.is_discovery
-        inline = self.target.inline_size(self.transport)
+        transport = self.transport
         return IDENTIFY_CONTROLLER.build(dict(
             vid=0, ssvid=0, sn=sub.serial[:20], mn=sub.model[:40], fr="0.1.0", rab=6,
-            ieee=b"\0\0\0", cmic=0 if disc else 0x02, mdts=MDTS, cntlid=self.cntlid,
-            ver=VERSION_1_3, rtd3r=0, rtd3e=0,
+            ieee=b"\0\0\0", cmic=0 if disc else 0x02, mdts=_mdts(transport.max_transfer),
+            cntlid=self.cntlid, ver=VERSION_1_3, rtd3r=0, rtd3e=0,
             oaes=OAES_DISCOVERY_CHANGE if disc else OAES_NS_ATTR, ctratt=0,
             cntrltype=2 if disc else 1, fguid=bytes(16), crdt1=0, crdt2=0, crdt3=0,
             oacs=0, acl=3, aerl=AER_LIMIT - 1, frmw=0x3, lpa=0x04, elpe=ERROR_LOG_ENTRIES - 1,
             npss=0, avscc=0, apsta=0, kas=KAS_100MS, sqes=0x66, cqes=0x44, maxcmd=MQES + 1,
             nn=max(sub.namespaces, default=0) if not disc else 0,
-            oncs=0 if disc else ONCS_DSM | ONCS_WRITE_ZEROES, fuses=0, fna=0,
-            vwc=0 if disc else 1, awun=0, awupf=0, icsvscc=0, nwpc=0, acwu=0,
-            sgls=self.target.sgls(self.transport),
-            mnan=0, subnqn=sub.nqn, ioccsz=(64 + inline) // 16, iorcsz=1, icdoff=0,
-            fcatt=0, msdbd=1, ofcs=0))
+            oncs=0 if disc else self._oncs(), fuses=0, fna=0,
+            vwc=int(any(ns.backend.can_flush for ns in self._namespaces.values())),
+            awun=0, awupf=0, icsvscc=0, nwpc=0, acwu=0,
+            sgls=transport.sgls, mnan=0, subnqn=sub.nqn, ioccsz=(64 + transport.io_inline) // 16,
+            iorcsz=1, icdoff=0, fcatt=0, msdbd=1, ofcs=0))
 
-    def _get_log_page(self, req: Request) -> None:
-        sqe = req.sqe
-        lid = sqe[40]
-        numd = int.from_bytes(sqe[42:46], "little") + 1
-        lpo = int.from_bytes(sqe[48:56], "little")
-        if numd * 4 != req.length:
-            req.status = Status.SGL_INVALID_DATA_LENGTH
-            return
-        if lpo & 3:
-            req.status = Status.INVALID_FIELD
-            return
+    def _oncs(self) -> int:
+        """Optional NVM commands: those some namespace's backend can do (a namespace whose
+        backend cannot is refused or does nothing, see the I/O checks). Like VWC it is read
+        when the host identifies the controller, from the namespaces it has then."""
+        backends = [ns.backend for ns in self._namespaces.values()]
+        return ((ONCS_DSM if any(b.can_trim for b in backends) else 0)
+                | (ONCS_WRITE_ZEROES if any(b.can_zero for b in backends) else 0))
+
+    async def _get_log_page(self, req: Request) -> None:
+        fields = GET_LOG_PAGE_COMMAND.parse(req.sqe)
+        lid, lpo = fields.lid, fields.lpo
         if lid == LogPageId.DISCOVERY and self.is_discovery:
             page = self.target.discovery_log(self)
         elif lid == LogPageId.ERROR:
@@ -305,18 +325,17 @@ class Controller:
         elif lid == LogPageId.CHANGED_NS_LIST:
             ids = sorted(self.changed_nsids)[:1024]
             page = CHANGED_NS_LIST.build(ids + [0] * (1024 - len(ids)))
-            if not sqe[41] & 0x80:  # RAE clear: reading the log re-arms the event
+            if not fields.lsp_rae & GET_LOG_PAGE_RAE:  # reading the log re-arms the event
                 self.changed_nsids.clear()
         else:
             req.status = Status.INVALID_LOG_PAGE
             return
         self._give(req, page[lpo:lpo + req.length] if lpo < len(page) else b"")
 
-    def _set_features(self, req: Request) -> None:
-        sqe = req.sqe
-        fid = sqe[40]
-        value = int.from_bytes(sqe[44:48], "little")
-        if sqe[43] & 0x80:  # SV: saving features is not supported
+    async def _set_features(self, req: Request) -> None:
+        fields = FEATURES_COMMAND.parse(req.sqe)
+        fid, value = fields.fid, fields.value
+        if fields.sv & FEATURES_SAVE:  # saving features is not supported
             req.status = Status.FEATURE_NOT_SAVEABLE
         elif fid == FeatureId.NUMBER_OF_QUEUES and not self.is_discovery:
             if value & 0xFFFF == 0xFFFF or value >> 16 == 0xFFFF:
@@ -330,12 +349,12 @@ class Controller:
         elif fid == FeatureId.ASYNC_EVENT_CONFIG:
             self.async_event_config = value
         elif fid == FeatureId.VOLATILE_WRITE_CACHE and not self.is_discovery:
-            req.status = Status.INVALID_FIELD if value != 1 else Status.SUCCESS
+            req.status = Status.INVALID_FIELD if value != 1 else _SUCCESS
         else:
             req.status = Status.INVALID_FIELD
 
-    def _get_features(self, req: Request) -> None:
-        fid = req.sqe[40]
+    async def _get_features(self, req: Request) -> None:
+        fid = FEATURES_COMMAND.parse(req.sqe).fid
         if fid == FeatureId.NUMBER_OF_QUEUES and not self.is_discovery:
             n = self.max_io_queues - 1
             req.dw0 = n | (n << 16)
@@ -366,99 +385,150 @@ class Controller:
 
     # -- NVM I/O commands ----------------------------------------------------------------------
 
-    def check_io(self, req: Request) -> int:
-        """Validate an I/O command before any data moves; returns a status (0 = fine)."""
-        ns = self.subsystem.namespaces.get(req.nsid)
-        opc = req.opcode
-        if opc == _READ or opc == _WRITE or opc == _WRITE_ZEROES:
-            if ns is None:
-                return Status.INVALID_NS
-            fields = req.fields  # protocol.nvme.IO_COMMAND
-            nlb = fields[8]
-            if fields[7] + nlb + 1 > ns.blocks:
-                return Status.LBA_RANGE
-            if opc != _READ and ns.read_only:
-                return Status.NS_WRITE_PROTECTED
-            expected = 0 if opc == _WRITE_ZEROES else (nlb + 1) << ns.lba_shift
-            if req.length != expected:
-                return Status.SGL_INVALID_DATA_LENGTH
-            return Status.SUCCESS
-        if opc == IoOpcode.FLUSH:
-            return Status.SUCCESS if ns is not None or req.nsid == 0xFFFFFFFF else Status.INVALID_NS
-        if opc == IoOpcode.DATASET_MANAGEMENT:
-            if ns is None:
-                return Status.INVALID_NS
-            if ns.read_only:
-                return Status.NS_WRITE_PROTECTED
-            nr = req.sqe[40] + 1
-            if req.length < nr * 16 or req.direction is not Direction.HOST_TO_CONTROLLER:
-                return Status.SGL_INVALID_DATA_LENGTH
-            return Status.SUCCESS
-        return Status.INVALID_OPCODE
-
-    async def execute_io(self, req: Request) -> None:
-        opc = req.opcode
-        if opc == _READ or opc == _WRITE:
-            ns = self.subsystem.namespaces.get(req.nsid)
-            if ns is None:  # removed by a reload while the command was in flight
-                req.status = Status.INVALID_NS
-                return
-            offset = req.fields[7] << ns.lba_shift
-            if opc == _READ:
-                buf = req.buffer
-                if buf is None or len(buf) != req.length:
-                    buf = bytearray(req.length)
-                try:
-                    await ns.backend.read_into(offset, memoryview(buf))
-                except OSError as exc:
-                    log.error("read failed", nsid=ns.nsid, offset=offset, error=str(exc))
-                    req.status = Status.UNRECOVERED_READ_ERROR
-                    return
-                req.data = buf
-            else:
-                try:
-                    await ns.backend.write(offset, req.data, bool(req.fields[9] & RW_CONTROL_FUA))
-                except OSError as exc:
-                    log.error("write failed", nsid=ns.nsid, offset=offset, error=str(exc))
-                    req.status = Status.WRITE_FAULT
-            return
-        if opc == IoOpcode.FLUSH:
-            targets = ([self.subsystem.namespaces[req.nsid]] if req.nsid != 0xFFFFFFFF
-                       else list(self.subsystem.namespaces.values()))
-            for ns in targets:
-                try:
-                    await ns.backend.flush()
-                except OSError as exc:
-                    log.error("flush failed", nsid=ns.nsid, error=str(exc))
-                    req.status = Status.WRITE_FAULT
-            return
-        ns = self.subsystem.namespaces.get(req.nsid)
+    def _check_rw(self, req: Request) -> int:
+        """Read, Write, Write Zeroes: namespace, LBA range, write protection, transfer length."""
+        ns = self._namespaces.get(req.nsid)
         if ns is None:
-            req.status = Status.INVALID_NS
-            return
+            return _INVALID_NS
+        fields = req.fields
+        nlb = fields[IO_NLB]
+        if fields[IO_SLBA] + nlb + 1 > ns.blocks:
+            return _LBA_RANGE
+        opc = req.opcode
+        if opc != _READ and ns.backend.read_only:  # not ns.read_only: a property call per write
+            return _WRITE_PROTECTED
+        expected = 0 if opc == _WRITE_ZEROES else (nlb + 1) << ns.lba_shift
+        if req.length != expected:
+            return _BAD_LENGTH
+        req.ns = ns
+        return _SUCCESS
+
+    def _check_write_zeroes(self, req: Request) -> int:
+        status = self._check_rw(req)
+        if not status and not req.ns.backend.can_zero:
+            return Status.INVALID_OPCODE  # not for this namespace (ONCS is the controller's)
+        return status
+
+    def _check_flush(self, req: Request) -> int:
+        if req.nsid == NSID_ALL:
+            return _SUCCESS
+        req.ns = self._namespaces.get(req.nsid)
+        return _SUCCESS if req.ns is not None else _INVALID_NS
+
+    def _check_dsm(self, req: Request) -> int:
+        ns = self._namespaces.get(req.nsid)
+        if ns is None:
+            return _INVALID_NS
+        if ns.read_only:
+            return _WRITE_PROTECTED
+        if req.length < _dsm_ranges(req) * DSM_RANGE_FAST.size or req.direction is not Direction.HOST_TO_CONTROLLER:
+            return _BAD_LENGTH
+        req.ns = ns
+        return _SUCCESS
+
+    async def _read(self, req: Request) -> None:
+        ns = req.ns
+        offset = req.fields[IO_SLBA] << ns.lba_shift
+        buf = req.buffer
+        if buf is None:
+            buf = bytearray(req.length)
         try:
-            if opc == IoOpcode.WRITE_ZEROES:
-                _, _, _, _, _, _, _, slba, nlb, _ = req.fields  # protocol.nvme.IO_COMMAND
-                await ns.backend.write_zeroes(slba << ns.lba_shift, (nlb + 1) << ns.lba_shift)
+            await ns.backend.read_into(offset, memoryview(buf))
+        except OSError as exc:
+            log.error("read failed", nsid=ns.nsid, offset=offset, error=str(exc))
+            req.status = Status.UNRECOVERED_READ_ERROR
+            return
+        req.reply = buf
+
+    async def _write(self, req: Request) -> None:
+        ns = req.ns
+        fields = req.fields
+        offset = fields[IO_SLBA] << ns.lba_shift
+        backend = ns.backend
+        fua = fields[IO_CONTROL] & RW_CONTROL_FUA
+        try:
+            if fua and not backend.can_fua:
+                # as nbdkit emulates FUA: a flush after the write (nothing to do without a cache)
+                await backend.write(offset, req.data)
+                if backend.can_flush:
+                    await backend.flush()
             else:
-                await self._deallocate(req, ns)
+                await backend.write(offset, req.data, bool(fua))
+        except OSError as exc:
+            log.error("write failed", nsid=ns.nsid, offset=offset, error=str(exc))
+            req.status = Status.WRITE_FAULT
+
+    async def _flush(self, req: Request) -> None:
+        for ns in [req.ns] if req.ns is not None else list(self._namespaces.values()):
+            if not ns.backend.can_flush:
+                continue  # every completed write is already durable
+            try:
+                await ns.backend.flush()
+            except OSError as exc:
+                log.error("flush failed", nsid=ns.nsid, error=str(exc))
+                req.status = Status.WRITE_FAULT
+
+    async def _write_zeroes(self, req: Request) -> None:
+        ns = req.ns
+        fields = req.fields
+        try:
+            await ns.backend.write_zeroes(fields[IO_SLBA] << ns.lba_shift, (fields[IO_NLB] + 1) << ns.lba_shift)
         except OSError as exc:
             log.error("zeroing failed", nsid=ns.nsid, error=str(exc))
             req.status = Status.WRITE_FAULT
 
-    async def _deallocate(self, req: Request, ns: Namespace) -> None:
-        if not int.from_bytes(req.sqe[44:48], "little") & DSM_ATTR_DEALLOCATE:
+    async def _dsm(self, req: Request) -> None:
+        ns = req.ns
+        if not DSM_COMMAND_FAST.unpack_from(req.sqe)[_DSM_ATTRIBUTES] & DSM_ATTR_DEALLOCATE:
             return  # only hints: nothing to do
         ranges = []
-        for i in range(req.sqe[40] + 1):
-            _, nlb, slba = DSM_RANGE_FAST.unpack_from(req.data, i * 16)
+        for i in range(_dsm_ranges(req)):
+            _, nlb, slba = DSM_RANGE_FAST.unpack_from(req.data, i * DSM_RANGE_FAST.size)
             if slba + nlb > ns.blocks:
-                req.status = Status.LBA_RANGE
+                req.status = _LBA_RANGE
                 return
             ranges.append((slba, nlb))
-        for slba, nlb in ranges:
-            if nlb:
-                await ns.backend.discard(slba << ns.lba_shift, nlb << ns.lba_shift)
+        if not ns.backend.can_trim:
+            return  # deallocation is a hint; DLFEAT tells the host not to expect zeroes
+        try:
+            for slba, nlb in ranges:
+                if nlb:
+                    await ns.backend.discard(slba << ns.lba_shift, nlb << ns.lba_shift)
+        except OSError as exc:
+            log.error("deallocate failed", nsid=ns.nsid, error=str(exc))
+            req.status = Status.WRITE_FAULT
+
+
+_DSM_NR, _DSM_ATTRIBUTES = DSM_COMMAND_FAST.index("nr"), DSM_COMMAND_FAST.index("attributes")
+
+
+def _dsm_ranges(req: Request) -> int:
+    """How many ranges a Dataset Management command carries (NR is 0's based)."""
+    return DSM_COMMAND_FAST.unpack_from(req.sqe)[_DSM_NR] + 1
+
+
+def _no_data(req: Request) -> int:
+    """Checks of a command that moves no data."""
+    return _BAD_LENGTH if req.length else _SUCCESS
+
+
+def _identify_length(req: Request) -> int:
+    return _SUCCESS if req.length == IDENTIFY_SIZE else _BAD_LENGTH
+
+
+def _check_get_log_page(req: Request) -> int:
+    fields = GET_LOG_PAGE_COMMAND.parse(req.sqe)
+    numd = (fields.numdu << 16 | fields.numdl) + 1
+    if numd * 4 != req.length:
+        return _BAD_LENGTH
+    if fields.lpo & 3:
+        return Status.INVALID_FIELD
+    return _SUCCESS
+
+
+def _mdts(max_transfer: int) -> int:
+    """Identify MDTS: the largest transfer as a power of two of the 4 KiB minimum page size."""
+    return (max_transfer >> 12).bit_length() - 1
 
 
 def identify_namespace(ns: Namespace) -> bytes:
@@ -466,6 +536,7 @@ def identify_namespace(ns: Namespace) -> bytes:
     lbaf = [dict(ms=0, lbads=ns.lba_shift, rp=0)] + [dict(ms=0, lbads=0, rp=0)] * 63
     return IDENTIFY_NAMESPACE.build(dict(
         nsze=blocks, ncap=blocks, nuse=blocks, nsfeat=0, nlbaf=0, flbas=0, mc=0, dpc=0,
-        dps=0, nmic=1, rescap=0, fpi=0, dlfeat=0x09, nawun=0, nawupf=0, nacwu=0, noiob=0,
+        dps=0, nmic=1, rescap=0, fpi=0, dlfeat=DLFEAT_ZEROES if ns.backend.can_trim else 0,
+        nawun=0, nawupf=0, nacwu=0, noiob=0,
         anagrpid=0, nsattr=int(ns.read_only), nguid=ns.nguid, eui64=ns.eui64, lbaf=lbaf))
 

@@ -1,60 +1,93 @@
-"""One submission/completion queue pair on the target, with no I/O of its own (sans-I/O).
+"""One submission/completion queue pair on the target: the core that drives every request.
 
-A transport feeds it raw SQEs (plus any in-capsule data), moves data when a request asks for
-it, and sends the 16-byte completions it produces. The queue checks the command's framing
-(flags, SGL, transfer length) before any data moves, then hands execution to the controller.
+A transport hands it each command capsule (:meth:`TargetQueue.submit`). From there the queue
+owns the request's life (states in :mod:`target.request`):
+
+1. parse once: framing (FLAGS, SGL1, transfer length) and the command's own checks, which
+   also pick its handler from one table per command set (fabrics here, admin and NVM I/O in
+   :class:`target.controller.Controller`), as the kernel's ``nvmet_parse_*_cmd`` sets
+   ``req->execute``. Nothing runs and no data moves before every check passed;
+2. host data not in the capsule: ask the transport to ``fetch_data``; it answers with
+   :meth:`TargetQueue.data_ready` or :meth:`TargetQueue.data_failed`;
+3. run the handler at once (:func:`blockd.eager.start`); only a command that really waits (an
+   fsync, a slow backend, an AER) becomes a Task, tracked here and in ``Target.tasks`` for
+   shutdown;
+4. build the completion and hand it to the transport's ``queue_response``, which reports it
+   sent with :meth:`TargetQueue.response_sent`.
+
+The queue opens no socket; with a backend that completes at once (``MemoryBackend``) a whole
+command runs inside ``submit`` without an event loop.
 """
 
 from __future__ import annotations
 
 from time import monotonic
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import structlog
 
-from protocol.constants import PSDT_SGL, FabricsType, SglId
-from protocol.fabrics import CATTR_DISABLE_SQFLOW, CONNECT_COMMAND, CONNECT_DATA, CONNECT_DATA_SIZE, IATTR_DATA
-from protocol.nvme import CQE_FAST, IO_COMMAND_FAST, parse_sgl_keyed
+from blockd import eager
+from protocol.constants import PSDT_SGL, AdminOpcode, FabricsType, SglId
+from protocol.fabrics import (
+    CATTR_DISABLE_SQFLOW, CONNECT_COMMAND, CONNECT_DATA, CONNECT_DATA_SIZE, FABRICS_COMMAND,
+    IPO_CONNECT_SQSIZE, IPO_CONNECT_SUBNQN,
+)
+from protocol.layout import field_offset
+from protocol.nvme import (
+    CQE_FAST, FLAGS_PSDT_FUSE_MASK, IO_COMMAND_FAST, IO_FLAGS, SGL1_OFFSET, SGL_SIZE, SQE_SIZE,
+    parse_sgl_keyed,
+)
 from protocol.status import Status, to_wire
-from target.request import Direction, Request, RequestState
+from target.request import Direction, IllegalTransition, Request, RequestState
 
 if TYPE_CHECKING:
+    import asyncio
+
     from target.controller import Controller
     from target.target import Target
+    from target.transport import TargetTransport
 
 log = structlog.get_logger("blockd.target.queue")
 
-MAX_TRANSFER = 1 << 20
-"""Largest data transfer of one command (Identify MDTS = 8: 2^8 x 4 KiB)."""
+Check = Callable[[Request], int]
+"""A command's checks: a status, 0 when it may run."""
+Handler = Callable[[Request], Awaitable[None]]
+CommandTable = dict[int, tuple[Check, Handler]]
+"""Opcode (FCTYPE for fabrics) -> (checks, handler): one per command set."""
 
-_FABRICS = 0x7F
+_FABRICS = int(AdminOpcode.FABRICS)
+_FCTYPE = field_offset(FABRICS_COMMAND, "fctype")
+_CONNECT, _PROPERTY_GET, _PROPERTY_SET = (
+    int(FabricsType.CONNECT), int(FabricsType.PROPERTY_GET), int(FabricsType.PROPERTY_SET))
 _unpack_command = IO_COMMAND_FAST.unpack_from
 _pack_cqe = CQE_FAST.pack
-_KEYED = frozenset({SglId.KEYED_DATA_BLOCK, SglId.KEYED_DATA_BLOCK_INVALIDATE})
 _IN_CAPSULE = int(SglId.DATA_BLOCK_OFFSET)
+_SGL1 = slice(SGL1_OFFSET, SGL1_OFFSET + SGL_SIZE)
 # Enum members bound once: a class attribute lookup on an Enum costs several times a global's,
 # and these are read several times per I/O.
-_NEW, _NEED_DATA, _EXECUTING = RequestState.NEW, RequestState.NEED_DATA, RequestState.EXECUTING
-_SENDING_DATA, _COMPLETING, _DONE = RequestState.SENDING_DATA, RequestState.COMPLETING, RequestState.DONE
+_NEED_DATA, _EXECUTING = RequestState.NEED_DATA, RequestState.EXECUTING
+_COMPLETING, _DONE = RequestState.COMPLETING, RequestState.DONE
 _NONE, _TO_CONTROLLER, _TO_HOST = Direction.NONE, Direction.HOST_TO_CONTROLLER, Direction.CONTROLLER_TO_HOST
 _DIRECTIONS = (_NONE, _TO_CONTROLLER, _TO_HOST, None)
 """Data direction by opcode bits 1:0 (FCTYPE bit 0 for fabrics); 3 is no valid opcode."""
-_TRANSPORT_SGL_IDS = {
-    "tcp": frozenset({SglId.TRANSPORT_DATA_BLOCK}),
-    "rdma": _KEYED,
-}
+_SUCCESS, _INVALID_FIELD, _INVALID_OPCODE = Status.SUCCESS, Status.INVALID_FIELD, Status.INVALID_OPCODE
+_SEQUENCE_ERROR, _BAD_LENGTH = Status.COMMAND_SEQUENCE_ERROR, Status.SGL_INVALID_DATA_LENGTH
+_INTERNAL_ERROR = Status.INTERNAL_ERROR
 
 
 class TargetQueue:
     """Admin (qid 0) or I/O queue of one controller, bound to one transport connection."""
 
-    def __init__(self, target: Target, transport: str, port_id: int, inline_size: int,
-                 close: Callable[[], None], peer: str = "", local_address: str = "") -> None:
+    def __init__(self, target: Target, transport: TargetTransport, port_id: int,
+                 peer: str = "", local_address: str = "", inline_size: int | None = None) -> None:
+        info = transport.info
         self.target = target
         self.transport = transport
         self.port_id = port_id
-        self.inline_size = inline_size
-        self.close_transport = close
+        self.inline_size = info.admin_inline if inline_size is None else inline_size
+        """In-capsule data accepted now: the admin size until an I/O Connect, unless the
+        transport knows the queue's kind from the start (RDMA: the QID in the CM request sized
+        the receive buffers, and an I/O queue's Connect data comes in the capsule)."""
         self.peer = peer
         self.local_address = local_address
         """Our address on this connection: the discovery log's TRADDR for wildcard ports."""
@@ -65,18 +98,30 @@ class TargetQueue:
         self.sqhd_disabled = False
         """The host disabled SQ flow control at Connect (CATTR bit 2)."""
         self.in_flight = 0
-        self._data_sgl_ids = _TRANSPORT_SGL_IDS[transport]
+        self.tasks: set[asyncio.Task[None]] = set()
+        """This queue's commands that wait (a transport tearing down waits for them)."""
+        self._data_sgl_ids = info.data_sgl_ids
+        self._keyed = info.keyed_sgls
+        self._max_transfer = info.max_transfer
+        self._read_buffer = transport.read_buffer
+        self._queue_response = transport.queue_response
+        self._fabrics: CommandTable = {
+            _CONNECT: (self._check_connect, self._connect),
+            _PROPERTY_GET: (self._check_property, self._property_get),
+            _PROPERTY_SET: (self._check_property_set, self._property_set),
+        }
 
     # -- the request life cycle -------------------------------------------------------------
 
-    def submit(self, sqe: bytes | memoryview, incapsule: memoryview | None = None) -> Request:
-        """Take one command; afterwards it is NEED_DATA, EXECUTING or COMPLETING."""
+    def submit(self, sqe: bytes | memoryview, incapsule: memoryview | None = None,
+               transport_ctx: object = None) -> None:
+        """Take one command capsule and drive the command as far as it goes now."""
         fields = _unpack_command(sqe)
-        req = Request(bytes(sqe[:64]), fields)
+        req = Request(bytes(sqe[:SQE_SIZE]), fields, transport_ctx)
         self.in_flight += 1
-        if fields[1] & 0xC3 != PSDT_SGL:
-            req.fail(Status.INVALID_FIELD)
-            return req
+        if fields[IO_FLAGS] & FLAGS_PSDT_FUSE_MASK != PSDT_SGL:
+            self._fail(req, _INVALID_FIELD)
+            return
         ctrl = self.controller
         opcode = req.opcode
         if ctrl is not None:
@@ -84,120 +129,125 @@ class TargetQueue:
             # up queues or moving data is not torn down for a Keep Alive that queued behind.
             ctrl.last_keep_alive = monotonic()
         if opcode == _FABRICS:
-            fctype = req.sqe[4]
-            if fctype != FabricsType.CONNECT and ctrl is None:
-                req.fail(Status.INVALID_OPCODE)  # as nvmet_parse_connect_cmd
-                return req
+            fctype = req.sqe[_FCTYPE]
+            if fctype != _CONNECT and ctrl is None:
+                self._fail(req, _INVALID_OPCODE)  # as nvmet_parse_connect_cmd
+                return
+            command = self._fabrics.get(fctype)
             direction = _TO_CONTROLLER if fctype & 1 else _TO_HOST
         elif ctrl is None:
-            req.fail(Status.INVALID_OPCODE)
-            return req
-        elif not ctrl.ready:
-            req.fail(Status.COMMAND_SEQUENCE_ERROR)
-            return req
-        elif self.in_flight > self.sqsize + 1:
-            req.fail(Status.COMMAND_SEQUENCE_ERROR)
-            return req
+            self._fail(req, _INVALID_OPCODE)
+            return
+        elif not ctrl.ready or self.in_flight > self.sqsize + 1:
+            self._fail(req, _SEQUENCE_ERROR)
+            return
         else:
             direction = _DIRECTIONS[opcode & 3]
-            if direction is None:
-                req.fail(Status.INVALID_OPCODE)
-                return req
-        if not self._map_sgl(req, direction, fields, incapsule):
-            return req
-        if self.qid and opcode != _FABRICS:
-            status = ctrl.check_io(req)
-            if status:
-                req.fail(status)
-                return req
-        if req.state is _NEW:
-            req.state = _EXECUTING
-        return req
+            command = (ctrl.io_commands if self.qid else ctrl.admin_commands).get(opcode)
+        if command is None or direction is None:
+            self._fail(req, _INVALID_OPCODE)
+            return
+        status = self._map_sgl(req, direction, fields, incapsule)
+        if not status:
+            check, req.execute = command
+            status = check(req)
+        if status:
+            self._fail(req, status)
+        elif req.data is None and req.direction is _TO_CONTROLLER:
+            req.set_state(_NEED_DATA)
+            self.transport.fetch_data(req)
+        else:
+            if req.direction is _TO_HOST and self._read_buffer is not None and self.qid:
+                req.buffer = self._read_buffer(req)
+            req.set_state(_EXECUTING)
+            self._run(req)
 
     def _map_sgl(self, req: Request, direction: Direction, fields: tuple[int, ...],
-                 incapsule: memoryview | None) -> bool:
-        """Validate SGL1 and decide how data moves; False when ``req`` already failed."""
+                 incapsule: memoryview | None) -> int:
+        """Validate SGL1 and decide how data moves; a status when it cannot."""
         _, _, _, _, address, length, sgl_id, _, _, _ = fields
-        if sgl_id in _KEYED and self.transport == "rdma":
-            address, length, key, _ = parse_sgl_keyed(req.sqe[24:40])
-        else:
-            key = 0
+        key = 0
+        if self._keyed and sgl_id in self._data_sgl_ids:
+            address, length, key, _ = parse_sgl_keyed(req.sqe[_SGL1])
         req.sgl_id = sgl_id
         if length == 0:
-            return True
+            return _SUCCESS
         if direction is _NONE:
-            req.fail(Status.INVALID_FIELD)
-            return False
-        if length > MAX_TRANSFER:
-            req.fail(Status.SGL_INVALID_DATA_LENGTH)
-            return False
+            return _INVALID_FIELD
+        if length > self._max_transfer:
+            return _BAD_LENGTH
         req.direction = direction
         req.length = length
         if sgl_id == _IN_CAPSULE:
             if direction is not _TO_CONTROLLER:
-                req.fail(Status.INVALID_FIELD)
-                return False
+                return _INVALID_FIELD
             avail = len(incapsule) if incapsule is not None else 0
             if address != 0 or length > self.inline_size or length > avail:
-                req.fail(Status.SGL_INVALID_OFFSET)
-                return False
+                return Status.SGL_INVALID_OFFSET
             req.data = incapsule[:length]
-            return True
+            return _SUCCESS
         if sgl_id not in self._data_sgl_ids:
-            req.fail(Status.SGL_INVALID_TYPE if sgl_id >> 4 else Status.INVALID_FIELD)
-            return False
+            return Status.SGL_INVALID_TYPE if sgl_id >> 4 else _INVALID_FIELD
         req.sgl_address = address
         req.sgl_key = key
-        if direction is _TO_CONTROLLER:
-            req.state = _NEED_DATA  # the transport puts the data in req.data
-        return True
+        return _SUCCESS
 
-    def data_received(self, req: Request) -> None:
-        """The transport set ``req.data`` to the host's data (in a buffer of its choosing)."""
-        assert req.state is _NEED_DATA, req
-        req.state = _EXECUTING
+    def data_ready(self, req: Request) -> None:
+        """The transport put the host's data in ``req.data`` (a buffer of its choosing)."""
+        req.set_state(_EXECUTING)
+        self._run(req)
 
     def data_failed(self, req: Request) -> None:
-        """The transport could not fetch the host's data."""
-        req.fail(Status.DATA_TRANSFER_ERROR)
+        """The transport could not fetch the host's data: the command fails, nothing runs."""
+        if req.state is not _NEED_DATA:
+            raise IllegalTransition(req, _COMPLETING)
+        self._fail(req, Status.DATA_TRANSFER_ERROR)
 
-    async def execute(self, req: Request) -> None:
-        """Run the command; afterwards it is SENDING_DATA or COMPLETING."""
-        assert req.state is _EXECUTING, req
+    def capsule_data_failed(self, sqe: bytes | memoryview, transport_ctx: object = None) -> None:
+        """A command arrived with corrupt in-capsule data (data digest): it fails with Data
+        Transfer Error (NVMe/TCP 7.4.6) and the queue carries on."""
+        req = Request(bytes(sqe[:SQE_SIZE]), _unpack_command(sqe), transport_ctx)
+        self.in_flight += 1
+        self._fail(req, Status.DATA_TRANSFER_ERROR)
+
+    def response_sent(self, req: Request) -> None:
+        """The transport sent the response (and the data before it): the request is over."""
+        req.set_state(_DONE)
+
+    def _run(self, req: Request) -> None:
+        task = eager.start(self._execute(req))
+        if task is not None:  # it waits (an fsync, a slow backend): track it for shutdown
+            for tasks in (self.tasks, self.target.tasks):
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+    async def _execute(self, req: Request) -> None:
         try:
-            if req.opcode == _FABRICS:
-                await self._fabrics(req)
-            elif self.qid == 0:
-                await self.controller.execute_admin(req)
-            else:
-                await self.controller.execute_io(req)
+            await req.execute(req)
         except Exception:
             log.exception("command failed", cid=req.cid, opcode=req.opcode, qid=self.qid)
-            req.status = Status.INTERNAL_ERROR
-        if req.state is _EXECUTING:
-            if req.status or req.direction is not _TO_HOST:
-                req.state = _COMPLETING
-            elif req.data is None:
-                req.status = Status.SGL_INVALID_DATA_LENGTH  # a data buffer on a command that returns none
-                req.state = _COMPLETING
-            else:
-                req.state = _SENDING_DATA
+            req.status = _INTERNAL_ERROR
+        self._complete(req)
 
-    def data_sent(self, req: Request) -> None:
-        assert req.state is _SENDING_DATA, req
-        req.state = _COMPLETING
+    def _fail(self, req: Request, status: int) -> None:
+        req.status = status
+        self._complete(req)
 
-    def completion(self, req: Request) -> bytes:
-        """The 16-byte CQE for ``req``; the request is DONE afterwards."""
-        assert req.state is _COMPLETING, req
+    def _complete(self, req: Request) -> None:
+        """Build the completion and hand the response to the transport."""
         status = req.status
+        if status:
+            req.reply = None
+        elif req.direction is _TO_HOST and req.reply is None:
+            status = req.status = _BAD_LENGTH  # a data buffer on a command that returns none
         if status and self.controller is not None:
             self.controller.log_error(self.qid or 0, req)
         if self.sqsize and not self.sqhd_disabled:
             self.sqhd = (self.sqhd + 1) % (self.sqsize + 1)
-        req.state = _DONE
+        req.set_state(_COMPLETING)
         self.in_flight -= 1
-        return _pack_cqe(req.dw0, req.dw1, self.sqhd, self.qid or 0, req.cid, to_wire(status))
+        req.cqe = _pack_cqe(req.dw0, req.dw1, self.sqhd, self.qid or 0, req.cid, to_wire(status))
+        self._queue_response(req)
 
     def close(self) -> None:
         """The connection is gone: detach from the controller."""
@@ -206,25 +256,28 @@ class TargetQueue:
 
     # -- fabrics commands ----------------------------------------------------------------------
 
-    async def _fabrics(self, req: Request) -> None:
-        fctype = req.sqe[4]
-        if fctype == FabricsType.CONNECT:
-            self._connect(req)
-        elif fctype in (FabricsType.PROPERTY_GET, FabricsType.PROPERTY_SET):
-            if self.qid != 0:
-                req.status = Status.INVALID_FIELD
-                return
-            self.controller.property_command(req)
-        else:
-            req.status = Status.INVALID_OPCODE
-
-    def _connect(self, req: Request) -> None:
+    def _check_connect(self, req: Request) -> int:
         if self.controller is not None:
-            req.status = Status.COMMAND_SEQUENCE_ERROR
-            return
-        if req.length != CONNECT_DATA_SIZE or req.data is None:
-            req.status = Status.SGL_INVALID_DATA_LENGTH
-            return
+            return _SEQUENCE_ERROR
+        if req.length != CONNECT_DATA_SIZE:
+            return _BAD_LENGTH
+        return _SUCCESS
+
+    def _check_property(self, req: Request) -> int:
+        if self.qid != 0:
+            return _INVALID_FIELD
+        return _BAD_LENGTH if req.length else _SUCCESS
+
+    def _check_property_set(self, req: Request) -> int:
+        return self._check_property(req) or self.controller.check_property_set(req)
+
+    async def _property_get(self, req: Request) -> None:
+        self.controller.property_get(req)
+
+    async def _property_set(self, req: Request) -> None:
+        self.controller.property_set(req)
+
+    async def _connect(self, req: Request) -> None:
         fields = CONNECT_COMMAND.parse(req.sqe)
         recfmt, qid, sqsize, kato = fields.recfmt, fields.qid, fields.sqsize, fields.kato
         if recfmt != 0:
@@ -233,10 +286,10 @@ class TargetQueue:
         try:
             data = CONNECT_DATA.parse(bytes(req.data))
         except Exception:
-            req.status, req.dw0 = Status.CONNECT_INVALID_PARAMETERS, IATTR_DATA | 256
+            req.status, req.dw0 = Status.CONNECT_INVALID_PARAMETERS, IPO_CONNECT_SUBNQN
             return
         if sqsize == 0:
-            req.status, req.dw0 = Status.CONNECT_INVALID_PARAMETERS, 44
+            req.status, req.dw0 = Status.CONNECT_INVALID_PARAMETERS, IPO_CONNECT_SQSIZE
             return
         if qid == 0:
             status, dw0, ctrl = self.target.connect_admin(
@@ -251,6 +304,6 @@ class TargetQueue:
             self.sqsize = sqsize
             self.sqhd_disabled = bool(fields.cattr & CATTR_DISABLE_SQFLOW)
             if qid:  # I/O queues take the transport's (larger) in-capsule data from now on
-                self.inline_size = self.target.inline_size(self.transport)
+                self.inline_size = self.transport.info.io_inline
             log.info("queue connected", subnqn=data.subnqn, hostnqn=data.hostnqn,
                      cntlid=ctrl.cntlid, qid=qid, sqsize=sqsize + 1, peer=self.peer)

@@ -1,6 +1,8 @@
 """NVMe/RDMA transport of the target: one RC queue pair per NVMe queue, driven by asyncio.
 
-It only moves data; the NVMe core (:class:`target.queue.TargetQueue`) validates and executes.
+It only moves data; the NVMe core (:class:`target.queue.TargetQueue`) validates, executes and
+answers each command, calling back ``fetch_data`` and ``queue_response`` (see
+:mod:`target.transport`).
 
 * Listening: one rdma_cm listener per local IP (never the wildcard: pyverbs 44 segfaults on
   it; a wildcard port listens on every IPv4 address of a netdev that has an RDMA device).
@@ -10,17 +12,18 @@ It only moves data; the NVMe core (:class:`target.queue.TargetQueue`) validates 
   I/O queues; the admin queue takes 64-byte capsules only, as nvmet) are posted *before* the
   accept, which carries CRQSIZE = HSQSIZE+1.
 * Command (RECV): the SQE and any in-capsule data go to ``queue.submit``.  Host-to-controller
-  data behind a keyed SGL is fetched with one RDMA READ of exactly the SGL's (validated)
-  address/length/key into a registered slot, at most ``initiator_depth`` READs in flight per QP
-  (the rest wait in FIFO order); then ``data_received`` + ``execute``.
-* Execution: at once, in the completion handler (:func:`blockd.eager.start`); only a command
+  data behind a keyed SGL is fetched (``fetch_data``) with one RDMA READ of exactly the SGL's
+  (validated) address/length/key into a registered slot, at most ``initiator_depth`` READs in
+  flight per QP (the rest wait in FIFO order); then ``queue.data_ready``.
+* Execution: the core runs the command at once, in the completion handler; only a command
   that really waits (an fsync, a slow backend) becomes a Task.
-* Reply: a read goes straight into a registered slot when one is free (else it is copied into
-  one) and is RDMA WRITTEN to the SGL's address/key (never more than the SGL length), chained
-  with the 16-byte response SEND; the command's receive buffer is re-posted before that SEND.
-  SEND_WITH_INV carries the command's key only when the host asked for it (SGL id 0x4F with
-  data).  What one batch of completions produces goes out as one chain of receives and one of
-  sends (:meth:`blockd.rdma.verbs.QueuePair.post_sends`, no pyverbs objects per I/O).
+* Reply (``queue_response``): a read goes straight into a registered slot when one is free
+  (``read_buffer``; else it is copied into one) and is RDMA WRITTEN to the SGL's address/key
+  (never more than the SGL length), chained with the 16-byte response SEND; the command's
+  receive buffer is re-posted before that SEND.  SEND_WITH_INV carries the command's key only
+  when the host asked for it (SGL id 0x4F with data).  What one batch of completions produces
+  goes out as one chain of receives and one of sends
+  (:meth:`blockd.rdma.verbs.QueuePair.post_sends`, no pyverbs objects per I/O).
 * Failures: a failed RDMA READ fails its command with DATA TRANSFER ERROR where the
   connection still lives; a remote access error (bad key/address from the host) moves an RC
   QP to the error state, so that host's queue is torn down -- every other connection is
@@ -43,12 +46,14 @@ from typing import Any
 
 import structlog
 
-from blockd import eager
 from blockd.rdma.abi import SEND_SIGNALED, WR_RDMA_READ, WR_RDMA_WRITE, WR_SEND, WR_SEND_WITH_INV
+from protocol.constants import SglId, TransportType
+from protocol.logpage import TSAS_RDMA
 from target.controller import MQES
-from target.queue import MAX_TRANSFER, TargetQueue
-from target.request import Request, RequestState
-from target.target import ADMIN_QUEUE_MAX, RDMA_INLINE, PortInfo, Target
+from target.queue import TargetQueue
+from target.request import Request
+from target.target import ADMIN_QUEUE_MAX, PortInfo, Target
+from target.transport import DEFAULT_MAX_TRANSFER, TransportInfo
 
 log = structlog.get_logger("blockd.target.rdma")
 
@@ -57,11 +62,17 @@ CQE_SIZE = 16
 _KIND_SHIFT = 48
 _RECV, _READ, _SEND, _WRITE = 1, 2, 3, 4
 _MASK = (1 << _KIND_SHIFT) - 1
-_SGL_KEYED = (0x40, 0x4F)
-_SGL_INVALIDATE = 0x4F
-_NVME_READ = 0x02
+_SGL_INVALIDATE = int(SglId.KEYED_DATA_BLOCK_INVALIDATE)
+RDMA_INLINE = 4096
+INFO = TransportInfo(
+    name="rdma", trtype=TransportType.RDMA,
+    data_sgl_ids=frozenset({SglId.KEYED_DATA_BLOCK, SglId.KEYED_DATA_BLOCK_INVALIDATE}),
+    keyed_sgls=True, admin_inline=0, io_inline=RDMA_INLINE, max_transfer=DEFAULT_MAX_TRANSFER,
+    sgls=0x00100005, tsas=TSAS_RDMA.build(dict(qptype=1, prtype=1, cms=1, pkey=0)))
+"""The admin queue takes 64-byte capsules only, as nvmet; SGLS adds bit 2 (Keyed SGL Data
+Block) to TCP's; TSAS: reliable connected QP, no RDMA provider type, rdma_cm."""
 # shared data buffers per device: (slot size, count); 2 + 4 + 8 MiB registered once
-DATA_CLASSES = [(8192, 256), (128 << 10, 32), (MAX_TRANSFER, 8)]
+DATA_CLASSES = [(8192, 256), (128 << 10, 32), (INFO.max_transfer, 8)]
 
 _data_slots: dict[str, Any] = {}
 
@@ -122,31 +133,32 @@ def _peer_of(cmid) -> str:
 
 
 class _Cmd:
-    """Transport state of one command: its receive slot, data slot (and the view of it the
-    controller reads into), bytes to RDMA WRITE, CQE, response slot."""
+    """Transport state of one command (its ``req.transport_ctx``): the request once the core
+    hands it back, its receive slot, data slot (and the view of it the controller reads into),
+    bytes to RDMA WRITE, response slot."""
 
-    __slots__ = ("req", "recv", "data", "view", "nbytes", "cqe", "resp")
+    __slots__ = ("req", "recv", "data", "view", "nbytes", "resp")
 
-    def __init__(self, req: Request, recv: int) -> None:
-        self.req = req
+    def __init__(self, recv: int) -> None:
+        self.req: Request | None = None
         self.recv = recv
         self.data = None
         self.view = None
         self.nbytes = 0
-        self.cqe = b""
         self.resp = -1
 
 
 class RdmaTargetConnection:
     """One accepted NVMe/RDMA queue (admin or I/O)."""
 
+    info = INFO
+
     def __init__(self, listener: "RdmaListener", creq) -> None:
         from blockd.rdma.verbs import open_device
         nv = creq.nvme
         self.listener = listener
-        self.tasks = listener.tasks
         self.depth = nv.hsqsize + 1
-        self.inline = 0 if nv.qid == 0 else RDMA_INLINE
+        self.inline = INFO.admin_inline if nv.qid == 0 else INFO.io_inline
         self.loop = asyncio.get_running_loop()
         self.dev = dev = open_device(creq.dev_name)
         self.data = _device_slots(dev)
@@ -165,8 +177,6 @@ class RdmaTargetConnection:
         self.tokens: dict[int, _Cmd] = {}  # RDMA READs in flight
         self._next_token = 0
         self.cmds: set[_Cmd] = set()
-        self.executing = 0
-        self._idle: asyncio.Event | None = None  # made by a teardown that waits for executing
         # work requests as the fast post path takes them, built once
         lkey = self.recv_pool.lkey
         self._recv_wrs = [((_RECV << _KIND_SHIFT) | s.index, s.addr, s.size, lkey)
@@ -180,8 +190,8 @@ class RdmaTargetConnection:
         self._send_out: list = []
         self.peer = _peer_of(creq.cmid)
         port = listener.port
-        self.queue = TargetQueue(listener.target, "rdma", port.port_id, self.inline, self.close,
-                                 peer=self.peer, local_address=creq.listener.addr)
+        self.queue = TargetQueue(listener.target, self, port.port_id, peer=self.peer,
+                                 local_address=creq.listener.addr, inline_size=self.inline)
         try:
             self.cm = creq.accept_nvme(self.qp, crqsize=depth, before_rtr=self._post_all_recvs,
                                        on_disconnect=self._cm_closed)
@@ -260,29 +270,30 @@ class RdmaTargetConnection:
             self._fatal(f"capsule of {nbytes} bytes is shorter than an SQE")
             return
         view = self.recv_pool.slots[idx].view
-        incapsule = view[SQE_SIZE:nbytes] if nbytes > SQE_SIZE else None
-        req = self.queue.submit(view[:SQE_SIZE], incapsule)
-        cmd = _Cmd(req, idx)
+        cmd = _Cmd(idx)
         self.cmds.add(cmd)
-        state = req.state
-        if state is RequestState.EXECUTING:
-            if req.opcode == _NVME_READ and req.length and req.sgl_id in _SGL_KEYED and self.queue.qid:
-                # the controller reads straight into the registered slot the WRITE goes from
-                slot = self.data.get_now(req.length)
-                if slot is not None:
-                    cmd.data = slot
-                    req.buffer = cmd.view = slot.view[:req.length]
-            self._start(cmd)
-        elif state is RequestState.NEED_DATA:
-            if self.cm.initiator_depth == 0 or req.sgl_id not in _SGL_KEYED:
-                self.queue.data_failed(req)  # the host offered no RDMA READ service
-                self._finish(cmd)
-            else:
-                self.data.get(req.length, lambda slot, cmd=cmd: self._read_slot(cmd, slot))
-        else:
-            self._finish(cmd)
+        self.queue.submit(view[:SQE_SIZE], view[SQE_SIZE:nbytes] if nbytes > SQE_SIZE else None, cmd)
+
+    def read_buffer(self, req: Request) -> memoryview | None:
+        """The registered slot the RDMA WRITE goes from, when one is free now: the controller
+        reads straight into it."""
+        slot = self.data.get_now(req.length)
+        if slot is None:
+            return None
+        cmd = req.transport_ctx
+        cmd.data = slot
+        cmd.view = slot.view[:req.length]
+        return cmd.view
 
     # -- host-to-controller data: RDMA READ -----------------------------------------------------
+
+    def fetch_data(self, req: Request) -> None:
+        cmd = req.transport_ctx
+        cmd.req = req
+        if self.cm.initiator_depth == 0:
+            self.queue.data_failed(req)  # the host offered no RDMA READ service
+        else:
+            self.data.get(req.length, lambda slot, cmd=cmd: self._read_slot(cmd, slot))
 
     def _read_slot(self, cmd: _Cmd, slot) -> None:
         if self.closing:
@@ -307,7 +318,6 @@ class RdmaTargetConnection:
             except Exception as exc:
                 self.tokens.pop(tok, None)
                 self.queue.data_failed(req)
-                self._finish(cmd)
                 log.warning("RDMA READ post failed", peer=self.peer, error=str(exc))
                 continue
             self.reads_in_flight += 1
@@ -326,55 +336,36 @@ class RdmaTargetConnection:
                         status=status, addr=hex(req.sgl_address), key=hex(req.sgl_key),
                         length=req.length)
             self.queue.data_failed(req)
-            self._finish(cmd)
             # an RC requester error puts the QP in the error state: the queue is gone
             self._fatal(f"RDMA READ failed with status {status}")
         else:
             req.data = cmd.data.view[:req.length]  # zero copy: the core reads it in place
-            self.queue.data_received(req)
-            self._start(cmd)
+            self.queue.data_ready(req)
         self._pump_reads()
 
-    # -- execution and replies ------------------------------------------------------------------
+    # -- replies ----------------------------------------------------------------------------------
 
-    def _start(self, cmd: _Cmd) -> None:
-        """Run the command at once; only one that really waits (an fsync, a slow backend)
-        becomes a Task, tracked for shutdown."""
-        self.executing += 1
-        task = eager.start(self._execute(cmd))
-        if task is not None:
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-
-    async def _execute(self, cmd: _Cmd) -> None:
-        try:
-            await self.queue.execute(cmd.req)
-        finally:
-            self.executing -= 1
-            if not self.executing and self._idle is not None:
-                self._idle.set()
+    def queue_response(self, req: Request) -> None:
+        """RDMA WRITE the read's data (if any) from a registered slot, then SEND the CQE."""
+        cmd = req.transport_ctx
+        cmd.req = req
         if self.closing:
             self._drop(cmd)
             return
-        req = cmd.req
-        if req.state is RequestState.SENDING_DATA:
-            n = min(len(req.data), req.length)
-            if req.sgl_id not in _SGL_KEYED or n == 0:
-                req.fail(0x06)  # internal error: nowhere to put the data
-                self._finish(cmd)
-                return
-            cmd.nbytes = n
-            if req.data is cmd.view and cmd.view is not None:  # read in place: nothing to copy
-                self._finish(cmd)
-            elif cmd.data is not None and cmd.data.size >= n:
-                self._write_slot(cmd, cmd.data)
-            else:
-                if cmd.data is not None:
-                    self.data.put(cmd.data)
-                    cmd.data = None
-                self.data.get(n, lambda slot, cmd=cmd: self._write_slot(cmd, slot))
+        reply = req.reply
+        if reply is None:
+            self._respond(cmd)
             return
-        self._finish(cmd)
+        n = cmd.nbytes = min(len(reply), req.length)
+        if reply is cmd.view and cmd.view is not None:  # read in place: nothing to copy
+            self._respond(cmd)
+        elif cmd.data is not None and cmd.data.size >= n:
+            self._write_slot(cmd, cmd.data)
+        else:
+            if cmd.data is not None:
+                self.data.put(cmd.data)
+                cmd.data = None
+            self.data.get(n, lambda slot, cmd=cmd: self._write_slot(cmd, slot))
 
     def _write_slot(self, cmd: _Cmd, slot) -> None:
         if self.closing:
@@ -382,18 +373,12 @@ class RdmaTargetConnection:
             return
         cmd.data = slot
         n = cmd.nbytes
-        slot.view[:n] = memoryview(cmd.req.data)[:n]
-        self._finish(cmd)
+        slot.view[:n] = memoryview(cmd.req.reply)[:n]
+        self._respond(cmd)
 
-    def _finish(self, cmd: _Cmd) -> None:
-        """Build the CQE and send it (after the RDMA WRITE of any read data)."""
-        req = cmd.req
-        write = 0
-        if req.state is RequestState.SENDING_DATA:
-            self.queue.data_sent(req)
-            write = cmd.nbytes
-        cmd.cqe = self.queue.completion(req)
-        cmd.nbytes = write
+    def _respond(self, cmd: _Cmd) -> None:
+        """Send the CQE (after the RDMA WRITE of ``cmd.nbytes`` of read data) once a response
+        slot is free."""
         self.resp_wait.append(cmd)
         self._pump_responses()
 
@@ -409,7 +394,7 @@ class RdmaTargetConnection:
             req = cmd.req
             rslot = pool.get()
             i = rslot.index
-            rslot.view[:CQE_SIZE] = cmd.cqe
+            rslot.view[:CQE_SIZE] = req.cqe
             cmd.resp = i
             self._resp_cmd[i] = cmd
             write = cmd.nbytes
@@ -439,6 +424,7 @@ class RdmaTargetConnection:
         if status and not self.closing:
             self._fatal(f"response SEND failed with status {status}")
             return
+        self.queue.response_sent(cmd.req)
         if self.resp_wait:
             self._pump_responses()
 
@@ -477,11 +463,9 @@ class RdmaTargetConnection:
 
     async def _teardown(self) -> None:
         try:
-            if self.executing:
-                self._idle = asyncio.Event()
-                try:
-                    await asyncio.wait_for(self._idle.wait(), 10)
-                except asyncio.TimeoutError:
+            if self.queue.tasks:  # a command still reading into (or writing from) our slots
+                _, pending = await asyncio.wait(list(self.queue.tasks), timeout=10)
+                if pending:
                     log.warning("commands still executing at teardown", peer=self.peer)
             if self.cm is not None:
                 try:
@@ -522,10 +506,9 @@ class RdmaTargetConnection:
 class RdmaListener:
     """A listening NVMe/RDMA port (one rdma_cm listener per local IP)."""
 
-    def __init__(self, target: Target, port: PortInfo, tasks: set[asyncio.Task[None]]) -> None:
+    def __init__(self, target: Target, port: PortInfo) -> None:
         self.target = target
         self.port = port
-        self.tasks = tasks
         self.channel = None
         self.listeners: list = []
         self.connections: set[RdmaTargetConnection] = set()
@@ -558,7 +541,7 @@ class RdmaListener:
             self.channel = None
             self.listeners = []
             raise
-        log.info("listening", transport="rdma", address=",".join(addrs), port=self.port.service)
+        log.info("listening", transport=INFO.name, address=",".join(addrs), port=self.port.service)
 
     def _on_request(self, creq) -> None:
         from protocol import rdma_cm as pcm

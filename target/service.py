@@ -7,7 +7,6 @@ subsystems and namespaces that did not change keep their connections.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
 
 import structlog
 
@@ -15,24 +14,11 @@ from blockd.config import NamespaceConfig, PortConfig, SubsystemConfig, TargetCo
 from target.backend import FileBackend
 from target.subsystem import Namespace, Subsystem
 from target.target import PortInfo, Target
+from target.transport import Listener, listen
 
 log = structlog.get_logger("blockd.target.service")
 
 DRAIN_TIMEOUT = 30.0
-
-
-class Listener(Protocol):
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-
-def _listener(target: Target, port: PortInfo, tasks: set[asyncio.Task[None]]) -> Listener:
-    if port.transport == "tcp":
-        from target.tcp import TcpListener
-        return TcpListener(target, port, tasks)
-    from target.rdma import RdmaListener
-    return RdmaListener(target, port, tasks)
 
 
 def _port_info(p: PortConfig) -> PortInfo:
@@ -49,16 +35,15 @@ def _open_namespace(sub: Subsystem, nc: NamespaceConfig) -> Namespace:
     if backend.size % nc.block_size:
         backend.close()
         raise RuntimeError(f"{sub.nqn} namespace {nc.nsid}: {nc.path} size is not a multiple of {nc.block_size}")
-    return Namespace(nc.nsid, backend, nc.block_size, nc.read_only, sub.nqn, nc.path)
+    return Namespace(nc.nsid, backend, nc.block_size, sub.nqn, nc.path)
 
 
 class TargetService:
-    """Owns the Target, its listeners and the tasks that execute commands."""
+    """Owns the Target and its listeners."""
 
     def __init__(self, config: TargetConfig) -> None:
         self.config = config
         self.target = Target(max_io_queues=config.max_io_queues)
-        self.tasks: set[asyncio.Task[None]] = set()
         self.listeners: dict[int, Listener] = {}
 
     async def start(self) -> None:
@@ -77,7 +62,7 @@ class TargetService:
 
     async def _add_port(self, pc: PortConfig) -> None:
         info = _port_info(pc)
-        listener = _listener(self.target, info, self.tasks)
+        listener = listen(self.target, info)
         await listener.start()
         self.listeners[pc.port_id] = listener
         self.target.add_port(info)
@@ -147,7 +132,7 @@ class TargetService:
             await self._remove_port(pid)
         for ctrl in self.target.controllers.values():
             ctrl.cancel_async_events()
-        pending = [t for t in self.tasks if not t.done()]
+        pending = [t for t in self.target.tasks if not t.done()]
         if pending:
             log.info("draining in-flight commands", count=len(pending))
             done, not_done = await asyncio.wait(pending, timeout=DRAIN_TIMEOUT)

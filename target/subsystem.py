@@ -22,7 +22,6 @@ class Namespace:
     nsid: int
     backend: Backend
     block_size: int = 512
-    read_only: bool = False
     subsystem_nqn: str = ""
     path: str = ""
 
@@ -35,6 +34,11 @@ class Namespace:
         self.nguid = self.uuid.bytes
         self.eui64 = self.uuid.bytes[:8]
         self.lba_shift = self.block_size.bit_length() - 1
+
+    @property
+    def read_only(self) -> bool:
+        """The backend's own answer: write protection is kept in one place."""
+        return self.backend.read_only
 
     @property
     def blocks(self) -> int:

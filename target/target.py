@@ -10,24 +10,20 @@ import structlog
 
 from protocol.constants import (
     AEN_DISCOVERY_CHANGED, AEN_NS_ATTR_CHANGED, DISCOVERY_NQN, DYNAMIC_CNTLID, AddressFamily,
-    SubsystemType, TransportType,
+    SubsystemType,
 )
-from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_HEADER, TSAS_RDMA
+from protocol.fabrics import IPO_CONNECT_CNTLID, IPO_CONNECT_QID, IPO_CONNECT_SQSIZE, IPO_CONNECT_SUBNQN
+from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_HEADER
 from protocol.status import Status
 from target.controller import MQES, Controller
 from target.queue import TargetQueue
 from target.subsystem import Namespace, Subsystem
+from target.transport import transport_info
 
 log = structlog.get_logger("blockd.target")
 
 MAX_CNTLID = 0xFFEF
 ADMIN_QUEUE_MAX = 32
-TCP_IO_INLINE = 131072
-"""In-capsule data limit on TCP I/O queues: 128 KiB writes then need no R2T round trip
-(the Linux target defaults to 16 KiB; hosts honour whatever IOCCSZ says)."""
-TCP_ADMIN_INLINE = 8192
-RDMA_INLINE = 4096
-SGLS = {"tcp": 0x00100001, "rdma": 0x00100005}
 
 
 @dataclass(frozen=True)
@@ -36,6 +32,7 @@ class PortInfo:
 
     port_id: int
     transport: str
+    """The transport's configuration name (see :func:`target.transport.transport_info`)."""
     address: str
     service: str
 
@@ -55,6 +52,9 @@ class Target:
         self.genctr = 1
         self._next_cntlid = 1
         self._reaper: asyncio.Task[None] | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+        """Commands that wait (an fsync, a slow backend, an AER), on every queue: drained at
+        shutdown."""
 
     # -- configuration ----------------------------------------------------------------------------
 
@@ -115,20 +115,20 @@ class Target:
                       cntlid: int, sqsize: int, kato_ms: int) -> tuple[int, int, Controller | None]:
         """Admin Connect: make a controller. Returns (status, CQE DW0, controller)."""
         if cntlid != DYNAMIC_CNTLID:
-            return Status.CONNECT_INVALID_PARAMETERS, (1 << 16) | 16, None
+            return Status.CONNECT_INVALID_PARAMETERS, IPO_CONNECT_CNTLID, None
         if sqsize + 1 > ADMIN_QUEUE_MAX:
-            return Status.CONNECT_INVALID_PARAMETERS, 44, None
+            return Status.CONNECT_INVALID_PARAMETERS, IPO_CONNECT_SQSIZE, None
         sub = self.subsystems.get(subnqn)
         if sub is None or not sub.exported_on(queue.port_id) and not sub.is_discovery:
             log.warning("connect to unknown subsystem", subnqn=subnqn, hostnqn=hostnqn, peer=queue.peer)
-            return Status.CONNECT_INVALID_PARAMETERS, (1 << 16) | 256, None
+            return Status.CONNECT_INVALID_PARAMETERS, IPO_CONNECT_SUBNQN, None
         if not sub.allows(hostnqn):
             log.warning("host not allowed", subnqn=subnqn, hostnqn=hostnqn, peer=queue.peer)
             return Status.CONNECT_INVALID_HOST, 0, None
         new_id = self._allocate_cntlid()
         if new_id is None:
             return Status.CONNECT_CONTROLLER_BUSY, 0, None
-        ctrl = Controller(self, sub, new_id, hostnqn, hostid, kato_ms, queue.transport,
+        ctrl = Controller(self, sub, new_id, hostnqn, hostid, kato_ms, queue.transport.info,
                           queue.port_id, self.max_io_queues)
         ctrl.queues[0] = queue
         self.controllers[new_id] = ctrl
@@ -140,13 +140,13 @@ class Target:
         """I/O Connect: attach a queue to a live controller."""
         ctrl = self.controllers.get(cntlid)
         if ctrl is None or ctrl.dead or ctrl.subsystem.nqn != subnqn or ctrl.hostnqn != hostnqn:
-            return Status.CONNECT_INVALID_PARAMETERS, (1 << 16) | 16, None
+            return Status.CONNECT_INVALID_PARAMETERS, IPO_CONNECT_CNTLID, None
         if ctrl.is_discovery or not ctrl.ready:
             return Status.COMMAND_SEQUENCE_ERROR, 0, None
         if qid > ctrl.max_io_queues:
-            return Status.CONNECT_INVALID_PARAMETERS, 42, None
+            return Status.CONNECT_INVALID_PARAMETERS, IPO_CONNECT_QID, None
         if sqsize > MQES:
-            return Status.CONNECT_INVALID_PARAMETERS, 44, None
+            return Status.CONNECT_INVALID_PARAMETERS, IPO_CONNECT_SQSIZE, None
         if qid in ctrl.queues:
             return Status.COMMAND_SEQUENCE_ERROR, 0, None
         ctrl.queues[qid] = queue
@@ -171,14 +171,6 @@ class Target:
         for ns in list(sub.namespaces.values()):
             asyncio.get_running_loop().create_task(ns.backend.flush())
 
-    # -- transport parameters ----------------------------------------------------------------------
-
-    def inline_size(self, transport: str) -> int:
-        return TCP_IO_INLINE if transport == "tcp" else RDMA_INLINE
-
-    def sgls(self, transport: str) -> int:
-        return SGLS[transport]
-
     # -- discovery --------------------------------------------------------------------------------
 
     def discovery_log(self, ctrl: Controller) -> bytes:
@@ -201,13 +193,12 @@ class Target:
         if address in ("0.0.0.0", "::", ""):
             queue = ctrl.queues.get(0)
             address = queue.local_address if queue is not None and queue.local_address else "127.0.0.1"
-        rdma = port.transport == "rdma"
-        tsas = TSAS_RDMA.build(dict(qptype=1, prtype=1, cms=1, pkey=0)) if rdma else bytes(256)
+        transport = transport_info(port.transport)
         return DISCOVERY_ENTRY.build(dict(
-            trtype=TransportType.RDMA if rdma else TransportType.TCP, adrfam=port.family,
+            trtype=transport.trtype, adrfam=port.family,
             subtype=subtype, treq=2, portid=port.port_id, cntlid=DYNAMIC_CNTLID,
             asqsz=ADMIN_QUEUE_MAX, eflags=0, trsvcid=port.service, subnqn=nqn,
-            traddr=address, tsas=tsas))
+            traddr=address, tsas=transport.tsas))
 
     # -- keep-alive and shutdown ------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import pytest
 
-from target.target import TCP_IO_INLINE
+from target.tcp import TCP_IO_INLINE
 
 from .conftest import HOSTNQN, NQN, NQN2, free_port
 

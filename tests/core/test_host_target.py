@@ -18,7 +18,7 @@ from protocol.identify import ACTIVE_NS_LIST
 from protocol.logpage import DISCOVERY_HEADER
 from protocol.status import Status
 from target.service import TargetService
-from target.target import TCP_IO_INLINE
+from target.tcp import TCP_IO_INLINE
 
 from .conftest import (
     HOSTNQN, NQN, NQN2, RawConn, config, connect, fill_file, free_port, ns, run, serving, sub, until,

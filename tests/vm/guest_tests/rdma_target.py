@@ -33,8 +33,7 @@ async def serve(addr: str, port: int, nqn: str, path: str, size: int):
     t = build_target(nqn, path, size)
     info = PortInfo(1, "rdma", addr, str(port))
     t.add_port(info)
-    tasks: set[asyncio.Task[None]] = set()
-    lst = RdmaListener(t, info, tasks)
+    lst = RdmaListener(t, info)
     await lst.start()
     try:
         yield t, lst

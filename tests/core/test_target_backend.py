@@ -1,0 +1,120 @@
+"""Backends say what they can do, Identify says only that, and filters stack on backends.
+
+Driven through the whole target core with the fake transport of ``test_sans_io``.
+"""
+
+from __future__ import annotations
+
+from protocol.constants import ONCS_DSM, ONCS_WRITE_ZEROES
+from protocol.nvme import build_sqe
+from protocol.status import Status, to_wire
+from target.backend import MemoryBackend
+from target.filter import BackendFilter
+from target.queue import TargetQueue
+from target.target import Target
+
+from .conftest import incapsule_sgl, transport_sgl
+from .test_sans_io import BLOCKS, admin_and_io, complete, run, rw_sqe
+
+FUA = 1 << 30
+"""CDW12 bit 30: FUA (bit 14 of the control word in the upper half)."""
+
+
+class CountingFilter(BackendFilter):
+    """Counts what reaches the backend below: flushes and writes with FUA."""
+
+    def __init__(self, inner: BackendFilter | MemoryBackend) -> None:
+        super().__init__(inner)
+        self.flushes = 0
+        self.fua_writes = 0
+
+    async def write(self, offset: int, data: memoryview | bytes, fua: bool = False) -> None:
+        self.fua_writes += fua
+        await super().write(offset, data, fua)
+
+    async def flush(self) -> None:
+        self.flushes += 1
+        await super().flush()
+
+
+class NoFua(BackendFilter):
+    can_fua = False
+
+
+class Plain(BackendFilter):
+    """A disk without a volatile cache, trim or write zeroes."""
+
+    can_trim = can_zero = can_fua = can_flush = False
+
+
+class ReadOnly(BackendFilter):
+    read_only = True
+
+
+def identify(admin: TargetQueue, cns: int, nsid: int = 0) -> bytes:
+    status, _, data = complete(admin, build_sqe(0x06, 50 + cns, nsid=nsid, dptr=transport_sgl(4096), cdw10=cns))
+    assert status == 0
+    return data
+
+
+def oncs_vwc(admin: TargetQueue) -> tuple[int, int]:
+    data = identify(admin, 1)
+    return int.from_bytes(data[520:522], "little"), data[525]
+
+
+def test_filter_forwards_and_counts_flush_and_fua() -> None:
+    def body() -> Target:
+        counter = CountingFilter(MemoryBackend(BLOCKS * 512))
+        target, _, admin, io = admin_and_io(counter)
+        assert oncs_vwc(admin) == (ONCS_DSM | ONCS_WRITE_ZEROES, 1)
+        assert complete(io, rw_sqe(0x01, 1, 2, 1, incapsule_sgl(512), cdw12_extra=FUA), b"\7" * 512)[0] == 0
+        assert complete(io, rw_sqe(0x01, 2, 3, 1, incapsule_sgl(512)), b"\7" * 512)[0] == 0
+        assert complete(io, build_sqe(0x00, 3, nsid=1, dptr=transport_sgl(0)))[0] == 0
+        assert complete(io, build_sqe(0x00, 4, nsid=0xFFFFFFFF, dptr=transport_sgl(0)))[0] == 0
+        assert (counter.fua_writes, counter.flushes) == (1, 2)
+        assert counter.inner.data[1024:2048] == b"\7" * 1024  # forwarded to the backend below
+        return target
+    run(body)
+
+
+def test_fua_without_native_fua_is_a_write_then_a_flush() -> None:
+    def body() -> Target:
+        counter = CountingFilter(NoFua(MemoryBackend(BLOCKS * 512)))
+        target, _, admin, io = admin_and_io(NoFua(counter))
+        assert complete(io, rw_sqe(0x01, 1, 0, 1, incapsule_sgl(512), cdw12_extra=FUA), b"\1" * 512)[0] == 0
+        assert (counter.fua_writes, counter.flushes) == (0, 1)
+        return target
+    run(body)
+
+
+def test_identify_and_commands_follow_what_the_backend_can_do() -> None:
+    def body() -> Target:
+        counter = CountingFilter(MemoryBackend(BLOCKS * 512))
+        target, _, admin, io = admin_and_io(Plain(counter))
+        assert oncs_vwc(admin) == (0, 0)
+        assert identify(admin, 0, nsid=1)[33] == 0  # DLFEAT: deallocated blocks read as anything
+        counter.inner.data[:512] = b"\xee" * 512
+        status, _, _ = complete(io, rw_sqe(0x08, 1, 0, 1, transport_sgl(0)))
+        assert status == to_wire(Status.INVALID_OPCODE)
+        dsm = build_sqe(0x09, 2, nsid=1, dptr=incapsule_sgl(16), cdw10=0, cdw11=1 << 2)
+        rng = (0).to_bytes(4, "little") + (1).to_bytes(4, "little") + (0).to_bytes(8, "little")
+        assert complete(io, dsm, rng)[0] == 0  # a deallocate is a hint: done by nothing
+        assert complete(io, build_sqe(0x00, 3, nsid=1, dptr=transport_sgl(0)))[0] == 0
+        assert counter.inner.data[:512] == b"\xee" * 512 and counter.flushes == 0
+        assert complete(io, rw_sqe(0x01, 4, 0, 1, incapsule_sgl(512), cdw12_extra=FUA), b"\2" * 512)[0] == 0
+        assert (counter.fua_writes, counter.flushes) == (0, 0)  # no cache: durable already
+        return target
+    run(body)
+
+
+def test_read_only_is_the_backends() -> None:
+    def body() -> Target:
+        backend = ReadOnly(MemoryBackend(BLOCKS * 512))
+        target, _, admin, io = admin_and_io(backend)
+        assert target.subsystems[next(n for n in target.subsystems if "test" in n)].namespaces[1].read_only
+        assert identify(admin, 0, nsid=1)[99] & 1  # NSATTR write protected
+        status, _, _ = complete(io, rw_sqe(0x01, 1, 0, 1, incapsule_sgl(512)), b"\3" * 512)
+        assert status == to_wire(Status.NS_WRITE_PROTECTED)
+        assert complete(io, rw_sqe(0x02, 2, 0, 1, transport_sgl(512)))[0] == 0
+        return target
+    run(body)
