@@ -19,22 +19,11 @@ import construct as c
 
 from protocol.constants import PSDT_SGL, AdminOpcode, FabricsType, IoOpcode
 from protocol.fabrics import CONNECT_COMMAND, CONNECT_DATA, FABRICS_COMMAND, PROPERTY_COMMAND
-from protocol.layout import FixedLayout, at_offsets, fixed_layout
+from protocol.layout import FixedLayout, at_offsets, field_offset, fixed_layout
 from protocol.nvme import (
     CQE, GET_LOG_PAGE_COMMAND, IDENTIFY_COMMAND, NVM_COMMAND_HEAD, RW_CONTROL_DEAC,
     RW_CONTROL_FUA, RW_FAST, SGL_SIZE, SQE, SQE_FAST, SQE_SIZE,
 )
-
-
-def field_offset(con: c.Struct, name: str) -> int:
-    """Byte offset of the field ``name`` in the fixed-size ``con``: code that writes one field
-    into a buffer in place (the CID, the SGL) takes the offset from the layout, not a literal."""
-    pos = 0
-    for sub in con.subcons:
-        if isinstance(sub, c.Renamed) and sub.name == name:
-            return pos
-        pos += sub.sizeof()
-    raise KeyError(name)
 
 
 SQE_CID_OFFSET = field_offset(SQE, "cid")

@@ -139,11 +139,13 @@ CAP_MPSMIN_SHIFT = 48
 """CAP.MPSMIN (bits 51:48): the smallest memory page size is 2 ** (12 + MPSMIN)."""
 CC_EN = 1 << 0
 CC_SHN_NORMAL = 1 << 14
+CC_SHN_MASK = 3 << 14
 CC_IOSQES_64 = 6 << 16
 """CC.IOSQES (bits 19:16): I/O SQ entries of 2 ** 6 = 64 bytes."""
 CC_IOCQES_16 = 4 << 20
 """CC.IOCQES (bits 23:20): I/O CQ entries of 2 ** 4 = 16 bytes."""
 CSTS_RDY = 1 << 0
+CSTS_CFS = 1 << 1
 CSTS_SHST_MASK = 3 << 2
 CSTS_SHST_COMPLETE = 2 << 2
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import structlog
 
 from protocol.constants import (
-    DISCOVERY_NQN, OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, ONCS_DSM,
-    ONCS_WRITE_ZEROES, AdminOpcode, Cns, FeatureId, IoOpcode, LogPageId, NidType, Property,
+    CC_EN, CC_SHN_MASK, CSTS_CFS, CSTS_RDY, CSTS_SHST_COMPLETE, DISCOVERY_NQN, OAES_DISCOVERY_CHANGE,
+    OAES_NS_ATTR, ONCS_DSM, ONCS_WRITE_ZEROES, AdminOpcode, Cns, FeatureId, IoOpcode, LogPageId, NidType, Property,
 )
 from protocol.fabrics import PROPERTY_COMMAND_FAST, PROPERTY_SIZE_8, PROPERTY_SIZE_MASK
 from protocol.identify import (
@@ -51,11 +51,6 @@ VERSION_1_3 = 0x00010300
 MQES = 127
 CAP = (1 << 37) | (15 << 24) | MQES
 """NVM command set only, CAP.TO = 7.5 s, MPSMIN = MPSMAX = 4 KiB, 128-entry queues."""
-CC_EN = 1
-CC_SHN_MASK = 3 << 14
-CSTS_RDY = 1
-CSTS_CFS = 2
-CSTS_SHST_COMPLETE = 2 << 2
 KAS_100MS = 10
 ERROR_LOG_ENTRIES = 64
 AER_LIMIT = 4
