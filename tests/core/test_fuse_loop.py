@@ -9,7 +9,8 @@ import socket
 from typing import Any, Iterator
 
 from initiator.controller import NamespaceInfo
-from initiator.fuse import IN_HEADER, MAX_BATCH, OUT_HEADER, READ, RW_IN, FuseMount
+from initiator.fuse.abi import IN_HEADER, OUT_HEADER, READ, RW_IN
+from initiator.fuse.session import MAX_BATCH, FuseSession
 
 from .conftest import run
 
@@ -51,19 +52,17 @@ def _request(unique: int, block: int) -> bytes:
 
 
 @contextlib.contextmanager
-def _mount() -> Iterator[tuple[FuseMount, _Ctrl, socket.socket]]:
-    """A mount watching our end of the pair; yields it, its controller and the kernel's end."""
+def _mount() -> Iterator[tuple[FuseSession, _Ctrl, socket.socket]]:
+    """A session watching our end of the pair; yields it, its controller and the kernel's end."""
     ctrl = _Ctrl()
-    mount = FuseMount({"c": ctrl}, "c", "/nonexistent")  # type: ignore[dict-item]
+    mount = FuseSession({"c": ctrl}, "c", "/nonexistent", 60.0)
     ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ours.setblocking(False)
-    mount._loop = asyncio.get_running_loop()
-    mount.fd = ours.fileno()
-    mount._watch()
+    mount.attach(ours.fileno())
     try:
         yield mount, ctrl, kernel
     finally:
-        mount._loop.remove_reader(mount.fd)
+        asyncio.get_running_loop().remove_reader(ours.fileno())
         ours.close()
         kernel.close()
 
@@ -86,7 +85,7 @@ def test_a_lone_request_is_served_without_holding_sends() -> None:
             assert _replies(kernel, 1) == [(7, 0, bytes([3]) * BS)]
             assert ctrl.holds == 0
             mount._on_readable()  # nothing queued (a spurious wakeup): no error, no reply
-            assert ctrl.holds == 0 and not mount.fast
+            assert ctrl.holds == 0 and not mount.inflight
     run(main())
 
 
