@@ -5,33 +5,49 @@ the controller and reads its identity; then ``read``/``write``/``flush``/``write
 ``deallocate`` keep many commands in flight across the queues. A lost connection starts a
 reconnect; commands that were in flight are sent again on the new association (block commands
 are idempotent) or, once ``ctrl_loss_tmo`` passes, fail with :class:`QueueLost`.
+
+Every I/O goes through :meth:`Controller.submit_io`, a callback API: the awaitable methods,
+``transfer`` (byte ranges split at ``max_transfer``) and the FUSE mount are wrappers over it.
+Admin commands take the same way (:meth:`Controller._submit`): one place sends, parks a command
+that finds no live association or no free command id, retries after a lost queue and turns a
+status into :class:`NvmeError`. Who writes which bytes of an SQE: a builder from
+:mod:`protocol.commands` the command, :class:`HostQueue` the CID, the transport the SGL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
+import importlib
 import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 import structlog
 
-from blockd import eager
-from initiator.queue import HostCommand, HostQueue, NvmeError, QueueLost
-from protocol.constants import (
-    DEFAULT_IO_PORT, DISCOVERY_NQN, DYNAMIC_CNTLID, OAES_NS_ATTR, AdminOpcode, Cns, FabricsType, FeatureId,
-    IoOpcode, LogPageId, Property,
+from initiator.errors import ConnectError, NvmeError, QueueLost
+from initiator.queue import HostCommand, HostQueue
+from protocol.commands import (
+    async_event_request_command, connect_command, connect_data, describe_command, dsm_command,
+    flush_command, get_log_page_command, identify_command, keep_alive_command, property_get_command,
+    property_set_command, read_command, set_features_command, write_command, write_zeroes_command,
 )
-from protocol.fabrics import CATTR_DISABLE_SQFLOW, CONNECT_DATA, IATTR_DATA
+from protocol.constants import (
+    DEFAULT_IO_PORT, DISCOVERY_NQN, DYNAMIC_CNTLID, OAES_NS_ATTR, Cns, FeatureId, LogPageId, Property,
+)
+from protocol.fabrics import IATTR_DATA
 from protocol.identify import (
     ACTIVE_NS_LIST, IDENTIFY_CONTROLLER, IDENTIFY_NAMESPACE, IDENTIFY_SIZE,
 )
 from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_ENTRY_SIZE, DISCOVERY_HEADER, DISCOVERY_HEADER_SIZE
-from protocol.nvme import DSM_RANGE_FAST, RW_CONTROL_FUA, SQE_FAST
+from protocol.nvme import DSM_ATTR_DEALLOCATE, DSM_RANGE_FAST
 from protocol.status import Status
+
+__all__ = ["ConnectError", "ConnectParams", "Controller", "IoDone", "NamespaceInfo", "NvmeError", "QueueLost",
+           "discover"]
 
 log = structlog.get_logger("blockd.initiator")
 
@@ -44,15 +60,13 @@ AER_TIMEOUT = 365 * 86400.0
 TIMEOUT_SWEEP = 0.5
 """Seconds between checks for commands past their deadline. One periodic sweep (as the Linux
 block layer's request timer) instead of a timer armed and cancelled for every command."""
+CONNECT_IATTR_SUBNQN = IATTR_DATA | 256
+"""Connect's Invalid Parameters pointing at SUBNQN in the Connect data: no such subsystem."""
 
 IoDone = Callable[[BaseException | None], None]
-"""Callback of :meth:`Controller.submit_io`: None on success, else why the command failed."""
-
-_pack_sqe = SQE_FAST.pack
-_ZERO_SGL = bytes(16)
-_READ = int(IoOpcode.READ)
-_WRITE = int(IoOpcode.WRITE)
-
+"""Callback of :meth:`Controller.submit_io`, called exactly once: None on success, else why the
+command failed (:class:`NvmeError` with ``.status``, :class:`QueueLost`, ``TimeoutError``,
+``ConnectionError``)."""
 
 def default_hostnqn() -> str:
     """/etc/nvme/hostnqn if nvme-cli set one up, else one derived from the machine id."""
@@ -90,6 +104,8 @@ class ConnectParams:
     connect_timeout: float = 5.0
     ctrl_loss_tmo: float = 60.0
     reconnect_delay: float = 1.0
+    rdma_keys: str = field(default_factory=lambda: os.environ.get("BLOCKD_RDMA_KEYS", "auto"))
+    """How RDMA commands expose their buffers (auto, mw, mr: see initiator.rdma)."""
 
 
 @dataclass(frozen=True)
@@ -120,15 +136,22 @@ class DiscoveryEntry:
         return {1: "rdma", 3: "tcp"}.get(self.trtype, str(self.trtype))
 
 
+LostCallback = Callable[[Any, "Exception | None"], None]
+"""What a transport calls once when its connection is gone (with why, if it knows)."""
+
+
 class QueueConnection(Protocol):
     """What a transport's per-queue connection offers the controller."""
 
     queue: HostQueue
     inline_limit: int
     closed: bool
+    connect_cattr: int
+    """CATTR this transport's I/O queues are connected with (see protocol.fabrics)."""
 
     def submit(self, cmd: HostCommand) -> None:
-        """Send ``cmd``; transports that batch send it by the end of this loop iteration."""
+        """Send ``cmd`` (the queue has room); transports that batch send it by the end of this
+        loop iteration, or at ``release`` inside a hold."""
 
     def hold(self) -> None:
         """Keep what ``submit`` sends until ``release``, which sends it; holds nest."""
@@ -138,8 +161,68 @@ class QueueConnection(Protocol):
     def close(self) -> None: ...
 
 
-class ConnectError(ConnectionError):
-    """Connecting failed for a reason worth one clear line to a user."""
+QueueOpener = Callable[[ConnectParams, HostQueue, LostCallback], Awaitable[QueueConnection]]
+"""How every transport opens one queue: ``open_queue(params, queue, on_lost)`` in its module;
+raises :class:`ConnectError` with one line for the user when it cannot."""
+
+TRANSPORTS = {"tcp": "initiator.tcp", "rdma": "initiator.rdma"}
+"""Transport name -> the module whose ``open_queue`` is its :data:`QueueOpener` (imported when
+first used: the RDMA one needs pyverbs)."""
+
+
+def queue_opener(transport: str) -> QueueOpener:
+    try:
+        module = TRANSPORTS[transport]
+    except KeyError:
+        raise ConnectError(f"unknown transport {transport!r} (use {' or '.join(TRANSPORTS)})") from None
+    opener: QueueOpener = importlib.import_module(module).open_queue
+    return opener
+
+
+class _Command(HostCommand):
+    """A command the controller sends: the caller's ``done`` (see :data:`IoDone`) and the
+    timeout it gets each time it goes out. Its ``on_done`` is the controller's one bound
+    ``_on_done``, not a partial made (and called through) per I/O."""
+
+    __slots__ = ("done", "timeout")
+    done: IoDone
+    timeout: float
+    admin = False
+    """Sent on the admin queue (a class attribute: no store per I/O)."""
+
+
+class _AdminCommand(_Command):
+    __slots__ = ()
+    admin = True
+
+
+class _Gather:
+    """``done`` of a :meth:`Controller.transfer` that took several commands: the caller's
+    ``done`` once, when the last piece completed, with the first error."""
+
+    __slots__ = ("left", "error", "done")
+
+    def __init__(self, pieces: int, done: IoDone) -> None:
+        self.left = pieces
+        self.error: BaseException | None = None
+        self.done = done
+
+    def piece_done(self, exc: BaseException | None) -> None:
+        if exc is not None and self.error is None:
+            self.error = exc
+        self.left -= 1
+        if not self.left:
+            self.done(self.error)
+
+
+def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    """``done`` of a command someone awaits."""
+    if fut.done():  # the waiter was cancelled
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
 
 
 class Controller:
@@ -153,11 +236,19 @@ class Controller:
         self.max_transfer = 1 << 20
         self.admin: QueueConnection | None = None
         self.io: list[QueueConnection] = []
+        self._open = queue_opener(params.transport)
         self._live = asyncio.Event()
         self._closing = False
-        self._retry: list[tuple[int, HostCommand]] = []
+        self._parked_io: collections.deque[_Command] = collections.deque()
+        self._parked_admin: collections.deque[_Command] = collections.deque()
+        """Commands waiting for a live association or a free command id, oldest first; sent
+        by :meth:`_unpark` when a command completes or the association comes back."""
+        self._on_done = self._complete  # bound once: every command's on_done
+        self._io_timeout = params.command_timeout
         self._establishing: set[QueueConnection] = set()
-        """Connections of an association being set up: their commands fail, never retry."""
+        """Connections of an association being set up: their commands go straight out (the
+        association is not live yet) and fail, never retry."""
+        self._held: list[QueueConnection] = []
         self._reconnect_task: asyncio.Task[None] | None = None
         self._keep_alive_task: asyncio.Task[None] | None = None
         self._aer_task: asyncio.Task[None] | None = None
@@ -166,8 +257,6 @@ class Controller:
         self.failed: Exception | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweep: asyncio.TimerHandle | None = None
-        self._waiting: set[asyncio.Task[None]] = set()
-        """submit_io commands that had to wait (strong references until they finish)."""
 
     # -- association ------------------------------------------------------------------------------
 
@@ -178,21 +267,7 @@ class Controller:
         return ctrl
 
     async def _open_queue(self, qid: int, depth: int) -> QueueConnection:
-        p = self.params
-        queue = HostQueue(qid, depth)
-        conn: QueueConnection
-        if p.transport == "tcp":
-            from initiator.tcp import TcpHostConnection
-            try:
-                conn = await TcpHostConnection.open(p.traddr, p.trsvcid, queue, self._queue_lost,
-                                                    p.hdr_digest, p.data_digest, p.connect_timeout)
-            except (OSError, asyncio.TimeoutError) as exc:
-                raise ConnectError(f"cannot reach {p.traddr}:{p.trsvcid} over tcp: {exc or 'timed out'}") from exc
-        elif p.transport == "rdma":
-            from initiator.rdma import open_rdma_queue
-            conn = await open_rdma_queue(p, queue, self._queue_lost)
-        else:
-            raise ConnectError(f"unknown transport {p.transport!r} (use tcp or rdma)")
+        conn = await self._open(self.params, HostQueue(qid, depth), self._queue_lost)
         self._establishing.add(conn)
         return conn
 
@@ -217,8 +292,7 @@ class Controller:
                 await self._open_io_queues()
                 await self._scan_namespaces()
                 if self.identity.oaes & OAES_NS_ATTR:
-                    await self._admin_command(AdminOpcode.SET_FEATURES, cdw10=FeatureId.ASYNC_EVENT_CONFIG,
-                                              cdw11=OAES_NS_ATTR)
+                    await self._admin(set_features_command(FeatureId.ASYNC_EVENT_CONFIG, OAES_NS_ATTR))
         except BaseException:
             self._close_connections()
             raise
@@ -233,9 +307,7 @@ class Controller:
     async def _open_io_queues(self) -> None:
         p = self.params
         want = max(1, p.nr_io_queues)
-        cmd = await self._admin_command(AdminOpcode.SET_FEATURES,
-                                        cdw10=FeatureId.NUMBER_OF_QUEUES,
-                                        cdw11=(want - 1) | ((want - 1) << 16))
+        cmd = await self._admin(set_features_command(FeatureId.NUMBER_OF_QUEUES, (want - 1) | ((want - 1) << 16)))
         granted = min(cmd.dw0 & 0xFFFF, cmd.dw0 >> 16) + 1
         depth = min(p.queue_size, self.identity.maxcmd or p.queue_size)
         inline = self.identity.ioccsz * 16 - 64
@@ -243,10 +315,7 @@ class Controller:
             conn = await self._open_queue(qid, depth)
             conn.inline_limit = inline
             self.io.append(conn)
-            # Over TCP our queues never overrun the target (one command per free id), so SQ flow
-            # control is off and a read completes with its data PDU: one PDU less per read.
-            cattr = CATTR_DISABLE_SQFLOW if p.transport == "tcp" else 0
-            await self._fabrics_connect(conn, qid, depth - 1, self.cntlid, 0, cattr)
+            await self._fabrics_connect(conn, qid, depth - 1, self.cntlid, 0, conn.connect_cattr)
 
     async def _scan_namespaces(self) -> None:
         raw = await self._identify(Cns.ACTIVE_NS_LIST, 0)
@@ -265,7 +334,7 @@ class Controller:
         while not self._closing:
             try:
                 await self._wait_live()
-                cmd = await self._admin_command(AdminOpcode.ASYNC_EVENT_REQUEST, timeout=AER_TIMEOUT)
+                cmd = await self._admin(async_event_request_command(), timeout=AER_TIMEOUT)
                 if cmd.dw0 & 0x7 == 2 and (cmd.dw0 >> 16) & 0xFF == LogPageId.CHANGED_NS_LIST:
                     await self.get_log_page(LogPageId.CHANGED_NS_LIST, 4096, nsid=0xFFFFFFFF)
                     await self._scan_namespaces()
@@ -282,21 +351,16 @@ class Controller:
     async def _fabrics_connect(self, conn: QueueConnection, qid: int, sqsize: int, cntlid: int,
                                kato_ms: int, cattr: int = 0) -> int:
         p = self.params
-        sqe = bytearray(_pack_sqe(0x7F, 0x40, 0, 0, 0, 0, 0, _ZERO_SGL, 0, 0, 0, 0, 0, 0))
-        sqe[4] = FabricsType.CONNECT
-        sqe[42:44] = qid.to_bytes(2, "little")
-        sqe[44:46] = sqsize.to_bytes(2, "little")
-        sqe[46] = cattr
-        sqe[48:52] = kato_ms.to_bytes(4, "little")
-        data = CONNECT_DATA.build(dict(hostid=p.hostid.bytes, cntlid=cntlid, subnqn=p.subnqn,
-                                       hostnqn=p.hostnqn))
-        cmd = await self._run(conn, HostCommand(sqe, data_out=data), p.connect_timeout)
-        if cmd.status == Status.CONNECT_INVALID_HOST:
-            raise ConnectError(f"host {p.hostnqn} is not allowed to access {p.subnqn}")
-        if cmd.status == Status.CONNECT_INVALID_PARAMETERS and cmd.dw0 == IATTR_DATA | 256:
-            raise ConnectError(f"target at {p.traddr}:{p.trsvcid} has no subsystem {p.subnqn}")
-        if cmd.status:
-            raise NvmeError(cmd.status, f"Connect (qid {qid})")
+        data = connect_data(p.hostid.bytes, cntlid, p.subnqn, p.hostnqn)
+        try:
+            cmd = await self._admin(connect_command(qid, sqsize, kato_ms, cattr), data_out=data,
+                                    timeout=p.connect_timeout, conn=conn)
+        except NvmeError as exc:
+            if exc.status == Status.CONNECT_INVALID_HOST:
+                raise ConnectError(f"host {p.hostnqn} is not allowed to access {p.subnqn}") from exc
+            if exc.status == Status.CONNECT_INVALID_PARAMETERS and exc.dw0 == CONNECT_IATTR_SUBNQN:
+                raise ConnectError(f"target at {p.traddr}:{p.trsvcid} has no subsystem {p.subnqn}") from exc
+            raise
         return cmd.dw0 & 0xFFFF
 
     async def _enable(self) -> None:
@@ -312,39 +376,105 @@ class Controller:
             await asyncio.sleep(0.002)
 
     async def get_property(self, offset: int, size: int) -> int:
-        sqe = bytearray(_pack_sqe(0x7F, 0x40, 0, 0, 0, 0, 0, _ZERO_SGL, 0, 0, 0, 0, 0, 0))
-        sqe[4] = FabricsType.PROPERTY_GET
-        sqe[40] = 1 if size == 8 else 0
-        sqe[44:48] = offset.to_bytes(4, "little")
-        cmd = await self._checked(self.admin, HostCommand(sqe), "Property Get")
+        cmd = await self._admin(property_get_command(offset, size))
         return cmd.dw0 | (cmd.dw1 << 32)
 
     async def set_property(self, offset: int, value: int) -> None:
-        sqe = bytearray(_pack_sqe(0x7F, 0x40, 0, 0, 0, 0, 0, _ZERO_SGL, 0, 0, 0, 0, 0, 0))
-        sqe[4] = FabricsType.PROPERTY_SET
-        sqe[44:48] = offset.to_bytes(4, "little")
-        sqe[48:56] = value.to_bytes(8, "little")
-        await self._checked(self.admin, HostCommand(sqe), "Property Set")
+        await self._admin(property_set_command(offset, value))
 
-    # -- commands ---------------------------------------------------------------------------------
+    # -- the one way a command goes out ------------------------------------------------------------
 
-    async def _run(self, conn: QueueConnection, cmd: HostCommand, timeout: float) -> HostCommand:
-        """Send one command on ``conn`` and wait for its completion."""
-        queue = conn.queue
-        if not queue.has_room:
-            await queue.wait_for_room()
+    def submit_io(self, sqe: bytearray, data_out: bytes | memoryview | None, data_in: memoryview | None,
+                  done: IoDone) -> None:
+        """Send the I/O command ``sqe`` (from a :mod:`protocol.commands` builder) with the data
+        it writes or the buffer its data is read into; ``done`` runs once (see :data:`IoDone`).
+
+        Live with a queue that has room, the command goes out now and ``done`` runs from the
+        transport's receive callback (no Task, no Future); else it waits for the association
+        or room, and after a lost queue it is sent again while the reconnect policy allows."""
+        cmd = _Command(sqe, data_out, data_in, self._on_done)
+        cmd.done = done
+        cmd.timeout = self._io_timeout
+        self._submit(cmd)
+
+    def _submit(self, cmd: _Command) -> None:
+        """Send ``cmd`` now if the association is live and its queue has room, else park it."""
+        if self.failed is None and self._live.is_set():
+            if cmd.admin:
+                conn = self.admin
+                if not conn.queue.has_room:
+                    conn = None
+            else:
+                conn = self._io_with_room()
+            if conn is not None and not conn.closed:
+                self._send(conn, cmd)
+                return
+        self._park(cmd)
+
+    def _send(self, conn: QueueConnection, cmd: _Command) -> None:
+        cmd.deadline = self._loop.time() + cmd.timeout
+        conn.hold()  # out now, not at the end of the loop iteration (unless held further up)
+        try:
+            conn.submit(cmd)
+        finally:
+            conn.release()
+
+    def _park(self, cmd: _Command) -> None:
+        if self.failed is not None:
+            cmd.fail(QueueLost(f"connection to {self.params.subnqn} lost: {self.failed}"))
+        else:
+            (self._parked_admin if cmd.admin else self._parked_io).append(cmd)
+
+    def _unpark(self) -> None:
+        """Send parked commands, oldest first, while the association is live and has room."""
+        for parked in (self._parked_admin, self._parked_io):
+            while parked and self.failed is None and self._live.is_set():
+                cmd = parked.popleft()
+                self._submit(cmd)
+                if parked and parked[-1] is cmd:  # parked again: no room left
+                    parked.rotate(1)  # back to the front, its turn kept
+                    break
+        if self.failed is not None:
+            self._fail_parked()
+
+    def _fail_parked(self) -> None:
+        exc = QueueLost(f"connection to {self.params.subnqn} lost: {self.failed}")
+        for parked in (self._parked_admin, self._parked_io):
+            while parked:
+                parked.popleft().fail(exc)
+
+    def _complete(self, cmd: _Command, exc: BaseException | None) -> None:
+        """Every command's ``on_done``: a status becomes :class:`NvmeError` (here only), the
+        freed command id goes to a parked command, then the caller's ``done`` runs."""
+        if exc is None and cmd.status:
+            exc = NvmeError(cmd.status, describe_command(cmd.sqe, cmd.admin), cmd.dw0)
+        if self._parked_io or self._parked_admin:
+            self._unpark()
+        cmd.done(exc)
+
+    async def _admin(self, sqe: bytearray, data_out: bytes | None = None, data_in: memoryview | None = None,
+                     timeout: float | None = None, conn: QueueConnection | None = None) -> HostCommand:
+        """Send an admin (or fabrics) command and wait for it; raises :class:`NvmeError`. While
+        an association is being set up its commands go straight out on its connection ``conn``
+        (the admin queue by default)."""
+        cmd = _AdminCommand(sqe, data_out, data_in, self._on_done)
+        cmd.timeout = timeout or self._io_timeout
         fut = self._loop.create_future()
-        cmd.on_done = functools.partial(_resolve, fut)
-        cmd.deadline = self._loop.time() + timeout
-        conn.submit(cmd)
-        return await fut
-
-    async def _checked(self, conn: QueueConnection, cmd: HostCommand, what: str,
-                       timeout: float | None = None) -> HostCommand:
-        cmd = await self._run(conn, cmd, timeout or self.params.command_timeout)
-        if cmd.status:
-            raise NvmeError(cmd.status, what)
+        cmd.done = functools.partial(_settle, fut)
+        conn = conn or self.admin
+        if conn in self._establishing:
+            self._send(conn, cmd)
+        else:
+            self._submit(cmd)
+        await fut
         return cmd
+
+    async def admin_command(self, sqe: bytearray, data_out: bytes | None = None,
+                            data_in: memoryview | None = None) -> HostCommand:
+        """Send an admin command (built with :mod:`protocol.commands`) once the association is
+        live; returns it (``dw0``/``dw1`` hold the result); raises :class:`NvmeError`."""
+        await self._wait_live()
+        return await self._admin(sqe, data_out, data_in)
 
     def _sweep_timeouts(self) -> None:
         """Fail commands past their deadline and reset the association of their queue (their
@@ -356,36 +486,17 @@ class Controller:
             expired = conn.queue.expired(now)
             for cmd in expired:
                 conn.queue.finish(cmd.cid)
-                cmd.fail(TimeoutError(f"command {cmd.sqe[0]:#x} timed out on queue {conn.queue.qid}"))
+                what = describe_command(cmd.sqe, conn is self.admin)
+                cmd.fail(TimeoutError(f"{what} timed out on queue {conn.queue.qid}"))
                 log.warning("command timed out; resetting the association", qid=conn.queue.qid, cid=cmd.cid)
             if expired:
                 conn.close()
         if not (self._closing and self.failed is not None):  # close() still times its shutdown
             self._sweep = self._loop.call_later(TIMEOUT_SWEEP, self._sweep_timeouts)
 
-    async def admin_command(self, opcode: int, *, nsid: int = 0, cdw10: int = 0, cdw11: int = 0,
-                            cdw12: int = 0, cdw13: int = 0, cdw14: int = 0, cdw15: int = 0,
-                            data_in: memoryview | None = None,
-                            data_out: bytes | None = None) -> HostCommand:
-        """Send an admin command once the association is live; raises :class:`NvmeError`."""
-        await self._wait_live()
-        return await self._admin_command(opcode, nsid, cdw10, cdw11, cdw12, cdw13, cdw14, cdw15,
-                                         data_in, data_out)
-
-    async def _admin_command(self, opcode: int, nsid: int = 0, cdw10: int = 0, cdw11: int = 0,
-                             cdw12: int = 0, cdw13: int = 0, cdw14: int = 0, cdw15: int = 0,
-                             data_in: memoryview | None = None,
-                             data_out: bytes | None = None, timeout: float | None = None) -> HostCommand:
-        sqe = bytearray(_pack_sqe(opcode, 0x40, 0, nsid, 0, 0, 0, _ZERO_SGL, cdw10, cdw11, cdw12,
-                                  cdw13, cdw14, cdw15))
-        return await self._checked(self.admin, HostCommand(sqe, data_out=data_out, data_in=data_in),
-                                   AdminOpcode(opcode).name if opcode in AdminOpcode._value2member_map_ else hex(opcode),
-                                   timeout)
-
     async def _identify(self, cns: int, nsid: int) -> bytes:
         buf = bytearray(IDENTIFY_SIZE)
-        sqe = bytearray(_pack_sqe(AdminOpcode.IDENTIFY, 0x40, 0, nsid, 0, 0, 0, _ZERO_SGL, cns, 0, 0, 0, 0, 0))
-        await self._checked(self.admin, HostCommand(sqe, data_in=memoryview(buf)), f"Identify CNS {cns}")
+        await self._admin(identify_command(cns, nsid), data_in=memoryview(buf))
         return bytes(buf)
 
     async def identify_controller(self) -> Any:
@@ -399,10 +510,7 @@ class Controller:
     async def get_log_page(self, lid: int, length: int, offset: int = 0, nsid: int = 0,
                            rae: bool = False) -> bytes:
         buf = bytearray(length)
-        numd = length // 4 - 1
-        await self.admin_command(AdminOpcode.GET_LOG_PAGE, nsid=nsid,
-                                 cdw10=lid | (0x8000 if rae else 0) | ((numd & 0xFFFF) << 16),
-                                 cdw11=numd >> 16, cdw12=offset & 0xFFFFFFFF, cdw13=offset >> 32,
+        await self.admin_command(get_log_page_command(lid, length // 4 - 1, offset, nsid, rae),
                                  data_in=memoryview(buf))
         return bytes(buf)
 
@@ -423,11 +531,6 @@ class Controller:
         except KeyError:
             raise NvmeError(Status.INVALID_NS, f"namespace {nsid} of {self.params.subnqn}") from None
 
-    def _pick_io(self) -> QueueConnection:
-        """The first I/O queue with room, else the first (whose caller waits for room)."""
-        conn = self._io_with_room()
-        return conn if conn is not None else self.io[0]
-
     def _io_with_room(self) -> QueueConnection | None:
         """The first I/O queue with room, None when all are full. This host is one thread, so
         spreading commands over queues buys no parallelism here; packing them onto one
@@ -439,72 +542,50 @@ class Controller:
                 return conn
         return None
 
-    async def io_command(self, opcode: int, nsid: int, cdw10: int = 0, cdw11: int = 0,
-                         cdw12: int = 0, data_out: bytes | memoryview | None = None,
-                         data_in: memoryview | None = None) -> HostCommand:
-        """Send one NVM command on the first I/O queue with room; raises :class:`NvmeError`."""
-        if not self._live.is_set():
-            await self._wait_live()
-        sqe = bytearray(_pack_sqe(opcode, 0x40, 0, nsid, 0, 0, 0, _ZERO_SGL, cdw10, cdw11, cdw12, 0, 0, 0))
-        cmd = HostCommand(sqe, data_out=data_out, data_in=data_in)
-        while True:
-            conn = self._pick_io()
-            try:
-                cmd = await self._run(conn, cmd, self.params.command_timeout)
-            except QueueLost:
-                if conn.closed and self._live.is_set():
-                    self._queue_lost(conn, None)  # dead before its transport said so
-                await self._wait_live()
-                continue
-            if cmd.status:
-                raise NvmeError(cmd.status, f"{IoOpcode(opcode).name.lower()} on namespace {nsid}")
-            return cmd
+    # -- wrappers over submit_io --------------------------------------------------------------------
 
-    def submit_io(self, opcode: int, nsid: int, cdw10: int, cdw11: int, cdw12: int,
-                  data_out: bytes | memoryview | None, data_in: memoryview | None, done: IoDone) -> None:
-        """:meth:`io_command` for hot paths (the FUSE mount): when the association is live and a
-        queue has room the command goes out now and ``done`` runs from the transport's receive
-        callback, with no Task and no Future; otherwise it waits as ``io_command`` does."""
-        if self.failed is None and self._live.is_set():
-            conn = self._io_with_room()
-            if conn is not None and not conn.closed:
-                sqe = bytearray(_pack_sqe(opcode, 0x40, 0, nsid, 0, 0, 0, _ZERO_SGL, cdw10, cdw11, cdw12, 0, 0, 0))
-                cmd = _IoCommand(sqe, data_out, data_in, _io_done, self._loop.time() + self.params.command_timeout)
-                cmd.done = done
-                conn.hold()  # out now, not at the end of the loop iteration (unless held further up)
-                try:
-                    conn.submit(cmd)
-                finally:
-                    conn.release()
-                return
-        task = eager.start(self._io_waiting(opcode, nsid, cdw10, cdw11, cdw12, data_out, data_in, done))
-        if task is not None:
-            self._waiting.add(task)
-            task.add_done_callback(self._waiting.discard)
+    def transfer(self, write: bool, nsid: int, offset: int, buf: memoryview, done: IoDone,
+                 fua: bool = False) -> None:
+        """Read into or write from ``buf`` the block-aligned byte range at ``offset`` (any length
+        inside the namespace; a ValueError here otherwise): one command per ``max_transfer``
+        bytes, this being the one place that splits; ``done`` once, when all completed, with
+        the first error."""
+        length = len(buf)
+        info = self.check_range(nsid, offset, length)
+        bs = info.block_size
+        step = self.max_transfer - self.max_transfer % bs
+        if length <= step:
+            if not length:
+                done(None)
+            elif write:
+                self.submit_io(write_command(nsid, offset // bs, length // bs - 1, fua), buf, None, done)
+            else:
+                self.submit_io(read_command(nsid, offset // bs, length // bs - 1), None, buf, done)
+            return
+        piece_done = _Gather(-(-length // step), done).piece_done
+        for pos in range(0, length, step):
+            piece = buf[pos:pos + step]
+            slba, nlb0 = (offset + pos) // bs, len(piece) // bs - 1
+            if write:
+                self.submit_io(write_command(nsid, slba, nlb0, fua), piece, None, piece_done)
+            else:
+                self.submit_io(read_command(nsid, slba, nlb0), None, piece, piece_done)
 
-    async def _io_waiting(self, opcode: int, nsid: int, cdw10: int, cdw11: int, cdw12: int,
-                          data_out: bytes | memoryview | None, data_in: memoryview | None, done: IoDone) -> None:
-        try:
-            await self.io_command(opcode, nsid, cdw10, cdw11, cdw12, data_out, data_in)
-        except (NvmeError, QueueLost, ConnectionError, TimeoutError, asyncio.CancelledError) as exc:
-            done(exc)
-        else:
-            done(None)
+    async def _wait(self, start: Callable[[IoDone], None]) -> None:
+        """Await a callback-API call: ``start(done)``, then the Future ``done`` settles."""
+        fut = self._loop.create_future()
+        start(functools.partial(_settle, fut))
+        await fut
 
-    def submit_read(self, nsid: int, slba: int, buf: memoryview, done: IoDone) -> None:
-        """Callback form of :meth:`read_into` (see :meth:`submit_io`)."""
-        nlb = self._blocks(nsid, buf) - 1
-        self.submit_io(_READ, nsid, slba & 0xFFFFFFFF, slba >> 32, nlb, None, buf, done)
-
-    def submit_write(self, nsid: int, slba: int, data: bytes | memoryview, done: IoDone) -> None:
-        """Callback form of :meth:`write` (see :meth:`submit_io`)."""
-        nlb = self._blocks(nsid, data) - 1
-        self.submit_io(_WRITE, nsid, slba & 0xFFFFFFFF, slba >> 32, nlb, data, None, done)
+    async def io_command(self, sqe: bytearray, data_out: bytes | memoryview | None = None,
+                         data_in: memoryview | None = None) -> None:
+        """Awaitable :meth:`submit_io`: raises :class:`NvmeError` and the rest of :data:`IoDone`."""
+        await self._wait(functools.partial(self.submit_io, sqe, data_out, data_in))
 
     async def read_into(self, nsid: int, slba: int, buf: memoryview) -> None:
-        """Read ``len(buf)`` bytes (whole blocks, at most ``max_transfer``) into ``buf``."""
-        nlb = self._blocks(nsid, buf) - 1
-        await self.io_command(IoOpcode.READ, nsid, slba & 0xFFFFFFFF, slba >> 32, nlb, data_in=buf)
+        """Read ``len(buf)`` bytes (whole blocks, at most ``max_transfer``: one command, the
+        range checked by the target) at block ``slba`` into ``buf``."""
+        await self.io_command(read_command(nsid, slba, self._nlb0(nsid, buf)), data_in=buf)
 
     async def read(self, nsid: int, slba: int, nblocks: int) -> bytearray:
         buf = bytearray(nblocks * self.namespace(nsid).block_size)
@@ -512,75 +593,72 @@ class Controller:
         return buf
 
     async def write(self, nsid: int, slba: int, data: bytes | memoryview, fua: bool = False) -> None:
-        """Write ``data`` (whole blocks, at most ``max_transfer``) at block ``slba``."""
-        nlb = self._blocks(nsid, data) - 1
-        await self.io_command(IoOpcode.WRITE, nsid, slba & 0xFFFFFFFF, slba >> 32,
-                              nlb | (RW_CONTROL_FUA << 16 if fua else 0), data_out=data)
+        """Write ``data`` (whole blocks, at most ``max_transfer``: one command) at block ``slba``."""
+        await self.io_command(write_command(nsid, slba, self._nlb0(nsid, data), fua), data_out=data)
 
-    def hold_sends(self) -> list[QueueConnection]:
-        """Hold the I/O queues' sends (see ``QueueConnection.hold``): a caller about to submit
-        several commands (the FUSE mount draining its requests) lets them leave together. The
-        caller releases each connection returned."""
-        held = list(self.io)
-        for conn in held:
-            conn.hold()
-        return held
-
-    def _blocks(self, nsid: int, data: bytes | bytearray | memoryview) -> int:
-        """How many blocks ``data`` is; a ValueError (not a malformed command) when it is not
-        a whole number of them, or more than one command may carry."""
-        info = self.namespaces.get(nsid) or self.namespace(nsid)
-        bs = info.block_size
+    def _nlb0(self, nsid: int, data: bytes | bytearray | memoryview) -> int:
+        """The 0's based block count of ``data``; a ValueError (not a malformed command) when it
+        is not a whole number of blocks, or more than one command may carry."""
+        bs = self.namespace(nsid).block_size
         n = len(data)
         if not n or n % bs or n > self.max_transfer:
             raise ValueError(f"{n} bytes is not 1 to {self.max_transfer // bs} blocks of "
                              f"{bs} bytes on namespace {nsid}")
-        return n // bs
+        return n // bs - 1
+
+    async def read_bytes(self, nsid: int, offset: int, length: int) -> bytearray:
+        """Read a block-aligned byte range of any size."""
+        buf = bytearray(length)
+        await self._wait(functools.partial(self.transfer, False, nsid, offset, memoryview(buf)))
+        return buf
+
+    async def write_bytes(self, nsid: int, offset: int, data: bytes | memoryview, fua: bool = False) -> None:
+        await self._wait(functools.partial(self.transfer, True, nsid, offset, memoryview(data), fua=fua))
 
     async def flush(self, nsid: int) -> None:
-        await self.io_command(IoOpcode.FLUSH, nsid)
+        await self.io_command(flush_command(nsid))
 
     async def write_zeroes(self, nsid: int, slba: int, nblocks: int, deallocate: bool = False) -> None:
-        await self.io_command(IoOpcode.WRITE_ZEROES, nsid, slba & 0xFFFFFFFF, slba >> 32,
-                              (nblocks - 1) | ((1 << 25) if deallocate else 0))
+        await self.io_command(write_zeroes_command(nsid, slba, nblocks - 1, deallocate))
 
     async def deallocate(self, nsid: int, ranges: list[tuple[int, int]]) -> None:
         """Dataset Management / deallocate of (slba, nblocks) ranges (trim)."""
         if not 1 <= len(ranges) <= 256:
             raise ValueError("between 1 and 256 ranges per deallocate")
         data = b"".join(DSM_RANGE_FAST.pack(0, nlb, slba) for slba, nlb in ranges)
-        await self.io_command(IoOpcode.DATASET_MANAGEMENT, nsid, len(ranges) - 1, 1 << 2,
-                              data_out=data)
+        await self.io_command(dsm_command(nsid, len(ranges) - 1, DSM_ATTR_DEALLOCATE), data_out=data)
 
-    # -- byte ranges (CLI, FUSE) --------------------------------------------------------------------
+    def submit_read(self, nsid: int, slba: int, buf: memoryview, done: IoDone) -> None:
+        """Old name of ``transfer(False, ...)`` at a block address, for the FUSE mount until it
+        calls :meth:`transfer`."""
+        self.transfer(False, nsid, slba * self.namespace(nsid).block_size, buf, done)
 
-    async def read_bytes(self, nsid: int, offset: int, length: int) -> bytearray:
-        """Read a block-aligned byte range of any size, split at ``max_transfer``."""
-        info = self.check_range(nsid, offset, length)
-        buf = bytearray(length)
-        view = memoryview(buf)
-        await asyncio.gather(*(
-            self.read_into(nsid, (offset + pos) // info.block_size, view[pos:pos + n])
-            for pos, n in self._chunks(length)))
-        return buf
+    def submit_write(self, nsid: int, slba: int, data: bytes | memoryview, done: IoDone) -> None:
+        """Old name of ``transfer(True, ...)`` at a block address (see :meth:`submit_read`)."""
+        self.transfer(True, nsid, slba * self.namespace(nsid).block_size, memoryview(data), done)
 
-    async def write_bytes(self, nsid: int, offset: int, data: bytes | memoryview, fua: bool = False) -> None:
-        info = self.check_range(nsid, offset, len(data))
-        view = memoryview(data)
-        await asyncio.gather(*(
-            self.write(nsid, (offset + pos) // info.block_size, view[pos:pos + n], fua)
-            for pos, n in self._chunks(len(data))))
+    def hold_sends(self) -> list[QueueConnection]:
+        """Hold the I/O queues' sends until :meth:`release_sends` (see ``QueueConnection.hold``):
+        a caller about to submit several commands (the FUSE mount draining its requests) lets
+        them leave together. Not nested. Returns the held connections for the FUSE mount of
+        today, which releases them itself, until it calls :meth:`release_sends`."""
+        self._held = list(self.io)
+        for conn in self._held:
+            conn.hold()
+        return self._held
 
-    def _chunks(self, length: int) -> list[tuple[int, int]]:
-        step = self.max_transfer
-        return [(pos, min(step, length - pos)) for pos in range(0, length, step)]
+    def release_sends(self) -> None:
+        held, self._held = self._held, []
+        for conn in held:
+            conn.release()
 
     def check_range(self, nsid: int, offset: int, length: int) -> NamespaceInfo:
         """The namespace, once ``offset``/``length`` are block-aligned and inside it (ValueError else)."""
-        info = self.namespace(nsid)
-        if offset % info.block_size or length % info.block_size:
+        info = self.namespaces.get(nsid) or self.namespace(nsid)
+        bs = info.block_size
+        if offset % bs or length % bs:
             raise ValueError(f"offset {offset} and length {length} must be multiples of the "
-                             f"{info.block_size}-byte block size")
+                             f"{bs}-byte block size")
         if offset < 0 or offset + length > info.size:
             raise ValueError(f"range {offset}+{length} is outside namespace {nsid} ({info.size} bytes)")
         return info
@@ -603,18 +681,25 @@ class Controller:
                 raise QueueLost(f"connection to {self.params.subnqn} lost: {self.failed}")
 
     def _queue_lost(self, conn: QueueConnection, exc: Exception | None) -> None:
+        """A transport's connection is gone: its commands in flight are parked to go again on
+        the next association (at most ``MAX_ATTEMPTS`` times), and a reconnect starts."""
         orphans = conn.queue.take_all()
         if self._closing or conn in self._establishing:
             for cmd in orphans:
                 cmd.fail(QueueLost(f"queue {conn.queue.qid} closed"))
             return
-        self._retry.extend((conn.queue.qid, cmd) for cmd in orphans)
         if self._reconnect_task is None:
             log.warning("connection lost; reconnecting", subnqn=self.params.subnqn,
                         qid=conn.queue.qid, error=str(exc) if exc else "closed by peer")
             self._live.clear()
             self._close_connections()
             self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect())
+        for cmd in orphans:
+            cmd.attempts += 1
+            if cmd.attempts > MAX_ATTEMPTS:
+                cmd.fail(QueueLost("command failed after repeated reconnects"))
+            else:
+                self._park(cmd)
 
     async def _reconnect(self) -> None:
         p = self.params
@@ -628,30 +713,15 @@ class Controller:
                 except (OSError, NvmeError, asyncio.TimeoutError, ConnectionError) as exc:
                     last = exc
                     continue
-                log.info("reconnected", subnqn=p.subnqn, cntlid=self.cntlid, retrying=len(self._retry))
-                retry, self._retry = self._retry, []
-                for qid, cmd in retry:
-                    self._resubmit(qid, cmd)
+                log.info("reconnected", subnqn=p.subnqn, cntlid=self.cntlid,
+                         retrying=len(self._parked_io) + len(self._parked_admin))
+                self._unpark()
                 return
             self.failed = last or QueueLost("closed")
-            for _, cmd in self._retry:
-                cmd.fail(QueueLost(f"connection to {p.subnqn} lost: {self.failed}"))
-            self._retry = []
+            self._fail_parked()
             self._live.set()  # wake waiters so they see ``failed``
         finally:
             self._reconnect_task = None
-
-    def _resubmit(self, qid: int, cmd: HostCommand) -> None:
-        cmd.attempts += 1
-        if cmd.attempts > MAX_ATTEMPTS or cmd.finished:
-            cmd.fail(QueueLost("command failed after repeated reconnects"))
-            return
-        conn = self._pick_io() if qid else self.admin
-        if not conn.queue.has_room:
-            cmd.fail(QueueLost("no room to retry the command"))
-            return
-        cmd.deadline = self._loop.time() + self.params.command_timeout
-        conn.submit(cmd)
 
     async def _keep_alive(self) -> None:
         interval = self.params.keep_alive_tmo / 2
@@ -660,9 +730,7 @@ class Controller:
             if not self._live.is_set() or self.failed is not None:
                 continue
             try:
-                await self._checked(self.admin, HostCommand(bytearray(_pack_sqe(
-                    AdminOpcode.KEEP_ALIVE, 0x40, 0, 0, 0, 0, 0, _ZERO_SGL, 0, 0, 0, 0, 0, 0))),
-                    "Keep Alive", timeout=self.params.keep_alive_tmo)
+                await self._admin(keep_alive_command(), timeout=self.params.keep_alive_tmo)
             except (NvmeError, QueueLost, TimeoutError, ConnectionError) as exc:
                 log.warning("keep-alive failed", error=str(exc))
 
@@ -695,6 +763,7 @@ class Controller:
         self._close_connections()
         if self.failed is None:  # later or waiting commands fail instead of spinning or hanging
             self.failed = QueueLost("disconnected")
+        self._fail_parked()
         self._live.set()
         if self._sweep is not None:
             self._sweep.cancel()
@@ -704,32 +773,6 @@ class Controller:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def _resolve(fut: asyncio.Future[HostCommand], cmd: HostCommand, exc: BaseException | None) -> None:
-    """``on_done`` of a command someone awaits (``Controller._run``)."""
-    if fut.done():  # the waiter was cancelled
-        return
-    if exc is None:
-        fut.set_result(cmd)
-    else:
-        fut.set_exception(exc)
-
-
-class _IoCommand(HostCommand):
-    """A :meth:`Controller.submit_io` command, carrying the caller's ``done``: its ``on_done``
-    is the one function ``_io_done``, not a partial made (and called through) per I/O."""
-
-    __slots__ = ("done",)
-    done: IoDone
-
-
-def _io_done(cmd: _IoCommand, exc: BaseException | None) -> None:
-    """``on_done`` of a :meth:`Controller.submit_io` command: a status becomes NvmeError."""
-    if exc is None and cmd.status:
-        nsid = int.from_bytes(cmd.sqe[4:8], "little")
-        exc = NvmeError(cmd.status, f"{IoOpcode(cmd.sqe[0]).name.lower()} on namespace {nsid}")
-    cmd.done(exc)
 
 
 async def discover(traddr: str, trsvcid: int, transport: str = "tcp", hostnqn: str | None = None,

@@ -1,29 +1,22 @@
-"""Host-side queue bookkeeping with no I/O of its own (sans-I/O).
+"""Host-side queue bookkeeping with no I/O of its own (sans-I/O: no event loop, no Futures).
 
 Command ids, the commands in flight and their completion are tracked here; transports only
-turn :class:`HostCommand` objects into wire units and feed completions back.
+turn :class:`HostCommand` objects into wire units and feed completions back. Waiting for a
+free command id is the controller's business (it parks commands until one completes).
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import math
+import struct
 from typing import Callable
 
-from protocol.status import describe
+from initiator.errors import NvmeError, QueueLost  # noqa: F401  (old import path, kept for fuse.py)
+from protocol.commands import SQE_CID_OFFSET
+from protocol.nvme import SQE_FAST
 
-
-class NvmeError(Exception):
-    """The target completed a command with a non-zero status."""
-
-    def __init__(self, status: int, what: str = "command") -> None:
-        super().__init__(f"{what} failed: {describe(status)}")
-        self.status = status
-
-
-class QueueLost(ConnectionError):
-    """The connection carrying a command went away before it completed."""
+_pack_cid_into = struct.Struct("<H").pack_into
 
 
 class HostCommand:
@@ -60,7 +53,7 @@ class HostCommand:
         self.attempts = 0
 
     def __repr__(self) -> str:
-        return f"HostCommand(opcode={self.sqe[0]:#x}, cid={self.cid}, status={self.status:#x})"
+        return f"HostCommand(opcode={SQE_FAST.as_dict(self.sqe)['opcode']:#x}, cid={self.cid}, status={self.status:#x})"
 
     @property
     def length(self) -> int:
@@ -95,30 +88,16 @@ class HostQueue:
         self.depth = depth
         self._free = collections.deque(range(depth))
         self.pending: dict[int, HostCommand] = {}
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     @property
     def has_room(self) -> bool:
         return bool(self._free)
 
-    async def wait_for_room(self) -> None:
-        """Block until a command id is free (more callers than queue depth)."""
-        while not self._free:
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            try:
-                await fut
-            finally:
-                if fut in self._waiters:
-                    self._waiters.remove(fut)
-
     def start(self, cmd: HostCommand) -> None:
         """Give ``cmd`` a command id and write it into the SQE."""
         cid = self._free.popleft()
         cmd.cid = cid
-        sqe = cmd.sqe
-        sqe[2] = cid & 0xFF
-        sqe[3] = cid >> 8
+        _pack_cid_into(cmd.sqe, SQE_CID_OFFSET, cid)
         cmd.received = 0
         self.pending[cid] = cmd
 
@@ -128,11 +107,6 @@ class HostQueue:
         if cmd is None:
             return None
         self._free.append(cid)
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                break
         return cmd
 
     def expired(self, now: float) -> list[HostCommand]:

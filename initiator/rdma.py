@@ -1,6 +1,6 @@
 """NVMe/RDMA transport of the host: one RC queue pair per NVMe queue, as the Linux host does.
 
-``open_rdma_queue(params, queue, on_lost)`` connects through rdma_cm (private data QID,
+``open_queue(params, queue, on_lost)`` (the controller's ``QueueOpener``) connects through rdma_cm (private data QID,
 HRQSIZE = depth, HSQSIZE = depth - 1; responder resources > 0 so the target may RDMA READ our
 write data) and returns an :class:`RdmaHostConnection` satisfying the controller's
 ``QueueConnection`` protocol.
@@ -35,9 +35,10 @@ nvmet-rdma in the VM bed (TCG drops packets, so retries are common) within a few
 commands; never with ``"mr"`` (no local operations in the send queue).  Likely mechanism: the
 retry rewinds the requester to the oldest unacknowledged WR and it re-executes a BIND_MW the
 completer has already retired, with the window's previous key; that bind fails behind the
-completer's index, so the error is never reported.  ``BLOCKD_RDMA_KEYS=mw`` still forces windows.
+completer's index, so the error is never reported.  ``rdma_keys = "mw"`` (``BLOCKD_RDMA_KEYS=mw``,
+see ``ConnectParams``) still forces windows.
 
-``"mr"`` (fallback where MWs are missing or fail, on rxe, or forced with ``BLOCKD_RDMA_KEYS=mr``): the
+``"mr"`` (fallback where MWs are missing or fail, on rxe, or forced with ``rdma_keys = "mr"``): the
 data pools are registered with REMOTE_READ|REMOTE_WRITE and SGL 0x40 carries the pool's MR
 rkey.  Risk: for the lifetime of the queue the target can read and write the *whole* data pool
 of that queue (not other memory) -- including buffers of commands that already completed or
@@ -50,21 +51,24 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
-import os
 import weakref
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import structlog
 
 from blockd.rdma.abi import SEND_SIGNALED, WR_SEND
-from initiator.queue import HostCommand, HostQueue, QueueLost
+from initiator.errors import ConnectError, QueueLost
+from initiator.queue import HostCommand, HostQueue
+from protocol.commands import SQE_SGL_END, SQE_SGL_OFFSET
 from protocol.constants import SglId
-from protocol.nvme import CQE_FAST, build_sgl_data_block, build_sgl_keyed
+from protocol.nvme import CQE_FAST, CQE_SIZE, SQE_SIZE, build_sgl_data_block, build_sgl_keyed
+from protocol.status import from_wire
+
+if TYPE_CHECKING:
+    from initiator.controller import ConnectParams
 
 log = structlog.get_logger("blockd.initiator.rdma")
 
-SQE_SIZE = 64
-CQE_SIZE = 16
 INLINE_MAX = 4096
 _KIND_SHIFT = 48
 _MASK = (1 << _KIND_SHIFT) - 1
@@ -158,7 +162,7 @@ class RdmaHostConnection:
     """One NVMe queue over an RC QP (see the module docstring)."""
 
     def __init__(self, queue: HostQueue, on_lost: Callable[["RdmaHostConnection", Exception | None], None],
-                 key_mode: str | None = None) -> None:
+                 key_mode: str = "auto") -> None:
         self.queue = queue
         self.on_lost = on_lost
         self.qid = queue.qid
@@ -167,7 +171,8 @@ class RdmaHostConnection:
         self.inline_cap = 0 if queue.qid == 0 else INLINE_MAX
         self.closed = False
         self.error: Exception | None = None
-        self.key_mode = key_mode or os.environ.get("BLOCKD_RDMA_KEYS", "auto")
+        self.key_mode = key_mode
+        self.connect_cattr = 0
         self.loop = asyncio.get_running_loop()
         self.dev = None
         self.cq = None
@@ -278,7 +283,7 @@ class RdmaHostConnection:
         nbytes = SQE_SIZE
         bind = None
         if inline:
-            sqe[24:40] = build_sgl_data_block(SglId.DATA_BLOCK_OFFSET, 0, length)
+            sqe[SQE_SGL_OFFSET:SQE_SGL_END] = build_sgl_data_block(SglId.DATA_BLOCK_OFFSET, 0, length)
             cslot.view[SQE_SIZE:SQE_SIZE + length] = cmd.data_out
             nbytes += length
         elif st.data is not None:
@@ -291,12 +296,12 @@ class RdmaHostConnection:
                 mr = slot.pool.mr
                 bind = win.bind_wr(mr, slot.addr, length, access)
                 st.rkey = bind.rkey
-                sqe[24:40] = build_sgl_keyed(slot.addr, length, st.rkey,
+                sqe[SQE_SGL_OFFSET:SQE_SGL_END] = build_sgl_keyed(slot.addr, length, st.rkey,
                                              SglId.KEYED_DATA_BLOCK_INVALIDATE)
             else:
-                sqe[24:40] = build_sgl_keyed(slot.addr, length, slot.rkey, SglId.KEYED_DATA_BLOCK)
+                sqe[SQE_SGL_OFFSET:SQE_SGL_END] = build_sgl_keyed(slot.addr, length, slot.rkey, SglId.KEYED_DATA_BLOCK)
         else:
-            sqe[24:40] = _NULL_SGL
+            sqe[SQE_SGL_OFFSET:SQE_SGL_END] = _NULL_SGL
         cslot.view[:SQE_SIZE] = sqe
         wr_id = (_SEND << _KIND_SHIFT) | cid
         if bind is None:  # the common case: one SEND, posted without pyverbs objects
@@ -369,7 +374,7 @@ class RdmaHostConnection:
         st = self.slots[cid] if cid < len(self.slots) else None
         if st is None or st.cmd is None or st.resp is not None or self.queue.pending.get(cid) is not st.cmd:
             raise ConnectionError(f"completion for unknown command id {cid}")
-        st.resp = (status >> 1, dw0, dw1)
+        st.resp = (from_wire(status), dw0, dw1)
         if wc.wc_flags & _WITH_INV:
             inv = wc.imm_data
             if not st.key_live or inv != st.rkey:
@@ -405,7 +410,7 @@ class RdmaHostConnection:
 
     def _cm_closed(self, _conn) -> None:
         if self.cm is None:
-            return  # still connecting: open_rdma_queue reports the failure
+            return  # still connecting: open_queue reports the failure
         if not self.closed:
             self._fail(ConnectionError("the target disconnected"))
 
@@ -466,13 +471,13 @@ class RdmaHostConnection:
 _teardowns: set[asyncio.Task[None]] = set()
 
 
-async def open_rdma_queue(params, queue: HostQueue, on_lost) -> RdmaHostConnection:
+async def open_queue(params: ConnectParams, queue: HostQueue,
+                     on_lost: Callable[[RdmaHostConnection, Exception | None], None]) -> RdmaHostConnection:
     """Connect one NVMe queue over RDMA (see the module docstring)."""
     from blockd.rdma.cm import CmError, CmRejected, connect
-    from initiator.controller import ConnectError
     from protocol import rdma_cm as pcm
     loop = asyncio.get_running_loop()
-    conn = RdmaHostConnection(queue, on_lost)
+    conn = RdmaHostConnection(queue, on_lost, params.rdma_keys)
     pdata = pcm.ConnectRequest(qid=queue.qid, hrqsize=queue.depth, hsqsize=queue.depth - 1).pack()
     where = f"{params.traddr}:{params.trsvcid}"
     try:

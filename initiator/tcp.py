@@ -4,22 +4,38 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from blockd.tcp_pdu import (
     DataDigestError, FramingError, OutputBatcher, PduProtocol, PduReader, PduWriter, term_req,
 )
-from initiator.queue import HostCommand, HostQueue, QueueLost
+from initiator.errors import ConnectError, QueueLost
+from initiator.queue import HostCommand, HostQueue
+from protocol.commands import CQE_CID_OFFSET, SQE_SGL_OFFSET, field_offset
 from protocol.constants import SglId
+from protocol.fabrics import CATTR_DISABLE_SQFLOW
 from protocol.nvme import CQE_FAST, SGL_DATA_BLOCK_FAST
-from protocol.status import Status
-from protocol.tcp import DATA_PDU_HEADER_FAST, IC_REQ, IC_RESP, PduFlags, PduType
+from protocol.status import Status, from_wire
+from protocol.layout import fixed_layout
+from protocol.tcp import (
+    COMMON_HEADER, COMMON_HEADER_SIZE, DATA_PDU_HEADER, DATA_PDU_HEADER_FAST, IC_REQ, IC_RESP, TERM_REQ_HEADER,
+    PduFlags, PduType, TermReqFes,
+)
 
-ICRESP_TIMEOUT = 10.0
 ADMIN_INLINE = 8192
+if TYPE_CHECKING:
+    from initiator.controller import ConnectParams
+
 _C2H_TYPES = frozenset({PduType.IC_RESP, PduType.C2H_TERM_REQ, PduType.CAPSULE_RESP,
                         PduType.C2H_DATA, PduType.R2T})
 _unpack_data_header = DATA_PDU_HEADER_FAST.unpack_from
+_unpack_term_req = fixed_layout(TERM_REQ_HEADER).unpack_from
+_FES = fixed_layout(TERM_REQ_HEADER).index("fes")
+# Fatal Error Information for an invalid header field: the field's byte offset in the PDU header.
+_FEI_FLAGS = field_offset(COMMON_HEADER, "flags")
+_FEI_RESP_CID = COMMON_HEADER_SIZE + CQE_CID_OFFSET
+_FEI_CCCID = field_offset(DATA_PDU_HEADER, "cccid")
+_FEI_DATAO = field_offset(DATA_PDU_HEADER, "datao")
 _unpack_cqe = CQE_FAST.unpack_from
 _pack_sgl_into = SGL_DATA_BLOCK_FAST.pack_into
 # Plain ints for the per-I/O code: an IntEnum member is a class attribute lookup each time.
@@ -30,6 +46,9 @@ _R2T = int(PduType.R2T)
 _IN_CAPSULE = int(SglId.DATA_BLOCK_OFFSET)
 _TRANSPORT = int(SglId.TRANSPORT_DATA_BLOCK)
 _SUCCESS = PduFlags.SUCCESS
+_INVALID_FIELD = int(TermReqFes.INVALID_HEADER_FIELD)
+_PDU_SEQUENCE_ERROR = int(TermReqFes.PDU_SEQUENCE_ERROR)
+_OUT_OF_RANGE = int(TermReqFes.DATA_OUT_OF_RANGE)
 _LAST_PDU = PduFlags.LAST_PDU
 
 
@@ -51,26 +70,14 @@ class TcpHostConnection(PduProtocol):
         self.transport: asyncio.Transport | None = None
         self.out: OutputBatcher | None = None
         self.inline_limit = ADMIN_INLINE
+        self.connect_cattr = CATTR_DISABLE_SQFLOW
+        """Our queues never overrun the target (one command per free id), so SQ flow control
+        is off and a read completes with its data PDU: one PDU less per read."""
         self.maxh2cdata = 0
         self._icresp: asyncio.Future[bytes] | None = None
         self.closed = False
         self.error: Exception | None = None
         """Why we closed the connection ourselves, reported to ``on_lost``."""
-
-    @classmethod
-    async def open(cls, address: str, port: int, queue: HostQueue,
-                   on_lost: Callable[[TcpHostConnection, Exception | None], None],
-                   hdgst: bool = False, ddgst: bool = False, timeout: float = ICRESP_TIMEOUT) -> TcpHostConnection:
-        """Connect and run the ICReq/ICResp exchange."""
-        loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(
-            loop.create_connection(lambda: cls(queue, on_lost), address, port), timeout)
-        try:
-            await asyncio.wait_for(conn._initialize(hdgst, ddgst), timeout)
-        except BaseException:
-            conn.close()
-            raise
-        return conn
 
     async def _initialize(self, hdgst: bool, ddgst: bool) -> None:
         self._icresp = asyncio.get_running_loop().create_future()
@@ -105,10 +112,10 @@ class TcpHostConnection(PduProtocol):
         else:
             length = len(out)
             if length <= self.inline_limit:
-                _pack_sgl_into(sqe, 24, 0, length, _IN_CAPSULE)
+                _pack_sgl_into(sqe, SQE_SGL_OFFSET, 0, length, _IN_CAPSULE)
                 self.out.send(self.writer.pdu(_CAPSULE_CMD, sqe, out))
                 return
-        _pack_sgl_into(sqe, 24, 0, length, _TRANSPORT)
+        _pack_sgl_into(sqe, SQE_SGL_OFFSET, 0, length, _TRANSPORT)
         self.out.send(self.writer.pdu(_CAPSULE_CMD, sqe))
 
     # -- receiving -------------------------------------------------------------------------------
@@ -141,11 +148,12 @@ class TcpHostConnection(PduProtocol):
                 elif ptype == PduType.IC_RESP and self._icresp is not None and not self._icresp.done():
                     self._icresp.set_result(bytes(pdu.header))
                 elif ptype == PduType.C2H_TERM_REQ:
-                    fes = int.from_bytes(pdu.header[8:10], "little")
-                    self._fail(ConnectionError(f"target terminated the connection (FES {fes})"))
+                    fes = _unpack_term_req(pdu.header)[_FES]
+                    name = TermReqFes(fes).name if fes in TermReqFes._value2member_map_ else f"{fes:#x}"
+                    self._fail(ConnectionError(f"target terminated the connection (FES {name})"))
                     return
                 else:
-                    raise FramingError(2, 0, f"unexpected PDU type {ptype:#x}", bytes(pdu.header))
+                    raise FramingError(_PDU_SEQUENCE_ERROR, 0, f"unexpected PDU type {ptype:#x}", bytes(pdu.header))
         except FramingError as exc:
             self.out.send([term_req(PduType.H2C_TERM_REQ, exc.fes, exc.fei, exc.header)])
             self._fail(ConnectionError(f"protocol error from target: {exc}"))
@@ -156,8 +164,8 @@ class TcpHostConnection(PduProtocol):
         dw0, dw1, _, _, cid, status = _unpack_cqe(header, 8)
         cmd = self.queue.finish(cid)
         if cmd is None:
-            raise FramingError(1, 12, f"completion for unknown command id {cid}", bytes(header))
-        status >>= 1
+            raise FramingError(_INVALID_FIELD, _FEI_RESP_CID, f"completion for unknown command id {cid}", bytes(header))
+        status = from_wire(status)
         if status == 0 and cmd.data_in is not None and cmd.received != len(cmd.data_in):
             status = Status.DATA_TRANSFER_ERROR
         cmd.status = status
@@ -173,10 +181,10 @@ class TcpHostConnection(PduProtocol):
         cmd = self.queue.pending.get(cid)
         dest = None if cmd is None else cmd.data_in
         if dest is None:
-            raise FramingError(1, 8, f"C2HData for unknown command id {cid}", bytes(header))
+            raise FramingError(_INVALID_FIELD, _FEI_CCCID, f"C2HData for unknown command id {cid}", bytes(header))
         size = len(dest)
         if datao != cmd.received or datao + datal > size or datal != length:
-            raise FramingError(4, 12, "C2HData outside the command's buffer", bytes(header))
+            raise FramingError(_OUT_OF_RANGE, _FEI_DATAO, "C2HData outside the command's buffer", bytes(header))
         return dest if datal == size else dest[datao:datao + datal]  # one PDU: no new view
 
     def _c2h_data(self, header: memoryview, flags: int) -> None:
@@ -187,7 +195,7 @@ class TcpHostConnection(PduProtocol):
         cmd.received += datal
         if flags & _SUCCESS:
             if not flags & _LAST_PDU:
-                raise FramingError(1, 1, "SUCCESS without LAST_PDU", bytes(header))
+                raise FramingError(_INVALID_FIELD, _FEI_FLAGS, "SUCCESS without LAST_PDU", bytes(header))
             queue.finish(cid)
             cmd.status = 0 if cmd.received == len(cmd.data_in) else Status.DATA_TRANSFER_ERROR
             cmd.complete()
@@ -196,10 +204,10 @@ class TcpHostConnection(PduProtocol):
         _, _, _, _, _, cid, ttag, offset, length = _unpack_data_header(header)
         cmd = self.queue.pending.get(cid)
         if cmd is None or cmd.data_out is None:
-            raise FramingError(1, 8, f"R2T for unknown command id {cid}", bytes(header))
+            raise FramingError(_INVALID_FIELD, _FEI_CCCID, f"R2T for unknown command id {cid}", bytes(header))
         out = memoryview(cmd.data_out)
         if length == 0 or offset + length > len(out):
-            raise FramingError(4, 12, "R2T outside the command's data", bytes(header))
+            raise FramingError(_OUT_OF_RANGE, _FEI_DATAO, "R2T outside the command's data", bytes(header))
         end = offset + length
         chunk = self.maxh2cdata
         while offset < end:
@@ -218,3 +226,22 @@ class TcpHostConnection(PduProtocol):
         if self.transport is not None and not self.transport.is_closing():
             self.out.flush()
             self.transport.close()
+
+
+async def open_queue(params: ConnectParams, queue: HostQueue,
+                     on_lost: Callable[[TcpHostConnection, Exception | None], None]) -> TcpHostConnection:
+    """Connect one queue and run the ICReq/ICResp exchange (the controller's ``QueueOpener``)."""
+    loop = asyncio.get_running_loop()
+    timeout = params.connect_timeout
+    try:
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(lambda: TcpHostConnection(queue, on_lost), params.traddr, params.trsvcid),
+            timeout)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise ConnectError(f"cannot reach {params.traddr}:{params.trsvcid} over tcp: {exc or 'timed out'}") from exc
+    try:
+        await asyncio.wait_for(conn._initialize(params.hdr_digest, params.data_digest), timeout)
+    except BaseException:
+        conn.close()
+        raise
+    return conn

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from initiator.controller import ConnectError, Controller, discover
-from initiator.queue import NvmeError, QueueLost
-from protocol.constants import DISCOVERY_NQN, AdminOpcode, Cns, IoOpcode
+from initiator.errors import NvmeError, QueueLost
+from protocol.commands import identify_command, read_command
+from protocol.constants import DISCOVERY_NQN, Cns
 from protocol.identify import ACTIVE_NS_LIST
 from protocol.logpage import DISCOVERY_HEADER
 from protocol.status import Status
@@ -28,7 +29,7 @@ SIZE = 8 << 20
 
 async def identify(ctrl: Controller, cns: int, nsid: int = 0) -> bytes:
     buf = bytearray(4096)
-    await ctrl.admin_command(AdminOpcode.IDENTIFY, nsid=nsid, cdw10=cns, data_in=memoryview(buf))
+    await ctrl.admin_command(identify_command(cns, nsid), data_in=memoryview(buf))
     return bytes(buf)
 
 
@@ -170,7 +171,7 @@ def test_write_zeroes_deallocate_readonly_and_errors(tmp_path: Path) -> None:
                     await ctrl.deallocate(1, [(blocks - 1, 2)])
                 assert err.value.status == Status.LBA_RANGE
                 with pytest.raises(NvmeError) as err:
-                    await ctrl.io_command(IoOpcode.READ, 7, 0, 0, 0, data_in=memoryview(bytearray(512)))
+                    await ctrl.io_command(read_command(7, 0, 0), data_in=memoryview(bytearray(512)))
                 assert err.value.status == Status.INVALID_NS
                 with pytest.raises(NvmeError) as err:
                     await ctrl.flush(7)

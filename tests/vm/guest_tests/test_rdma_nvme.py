@@ -273,12 +273,8 @@ def test_hostile_host(rxe, record_property):
         return rounds
 
     async def hostile(mode: str):
-        p = _params(4432, nr_io_queues=1, ctrl_loss_tmo=0, reconnect_delay=0.1)
-        os.environ["BLOCKD_RDMA_KEYS"] = mode
-        try:
-            return await Controller.connect(p)
-        finally:
-            os.environ.pop("BLOCKD_RDMA_KEYS", None)
+        p = _params(4432, nr_io_queues=1, ctrl_loss_tmo=0, reconnect_delay=0.1, rdma_keys=mode)
+        return await Controller.connect(p)
 
     async def main():
         async with serve(ADDR0, 4432, NQN, vol, SIZE) as (target, listener):
