@@ -1,10 +1,16 @@
 """Block-device semantics for the namespace files of a mount, on top of the controller.
 
-The file size is the namespace size; unaligned writes read-modify-write their edge blocks under a
-per-namespace range lock; fsync/fdatasync send Flush; fallocate PUNCH_HOLE deallocates and
-ZERO_RANGE sends Write Zeroes; any failure of the connection is EIO to the caller. The controller
-is looked up by connection name on every request, so a mount keeps working once the connection
-comes back, even as a new connection under the same name.
+The file size is the namespace size; fsync/fdatasync send Flush; fallocate PUNCH_HOLE deallocates
+and ZERO_RANGE sends Write Zeroes; any failure of the connection is EIO to the caller. The
+controller is looked up by connection name on every request, so a mount keeps working once the
+connection comes back, even as a new connection under the same name.
+
+One path per operation. A read of any range, and a block-aligned write of any length, is one
+``Controller.transfer`` (which splits at the controller's max transfer) sent from the request's
+own callback, its reply written from the completion callback: no Task per request, and while the
+connection is down the controller holds the command until it is back or given up. An unaligned
+write is a read-modify-write of its edge blocks under the namespace's range lock, a coroutine
+that ends in the same calls.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ if TYPE_CHECKING:
 
 WRITE_ZEROES_MAX_BLOCKS = 1 << 16
 DSM_MAX_BLOCKS = 0xFFFFFFFF
+DSM_MAX_RANGES = 256
 PARALLEL_ZEROING = 32
 _FALLOC_MODES = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE
 
@@ -39,7 +46,6 @@ class BlockFiles:
         self.name = name
         self.locks: dict[int, RangeLocks] = {}
         self.stats = session.stats
-        self._send = session.send
         self._reply = session.reply
         self._fail = session.fail
         self._inflight = session.inflight
@@ -59,72 +65,12 @@ class BlockFiles:
             locks = self.locks[nsid] = RangeLocks()
         return locks
 
-    # The common case, a block-aligned read or write of at most one command inside the namespace,
-    # is served by callbacks: the command goes out from the request's own callback and the reply
-    # is written from the completion's, with no Task per request. Everything else (edges, RMW,
-    # splitting, a connection that is down) takes the coroutines below.
-
-    def _fast_target(self, nsid: int, offset: int, length: int) -> tuple[MountController, NamespaceInfo] | None:
-        ctrl = self.connections.get(self.name)
-        if ctrl is None or ctrl.state != "live":
-            return None
-        info = ctrl.namespaces.get(nsid)
-        if info is None:
-            return None
-        bs = info.block_size
-        if offset % bs or length % bs or not length or length > ctrl.max_transfer or offset + length > info.size:
-            return None
-        return ctrl, info
+    # -- READ ---------------------------------------------------------------------------------------
 
     def read(self, unique: int, nsid: int, offset: int, size: int) -> None:
-        found = self._fast_target(nsid, offset, size)
-        if found is None:
-            self.session.spawn(unique, self._read(unique, nsid, offset, size))
-            return
-        ctrl, info = found
-        buf = bytearray(size)
-        self._inflight.add(unique)
-        ctrl.submit_read(nsid, offset // info.block_size, memoryview(buf),
-                         functools.partial(self._read_done, unique, buf))
-
-    def _read_done(self, unique: int, buf: bytearray, exc: BaseException | None) -> None:
-        self._inflight.discard(unique)
-        if exc is not None:
-            self._fail(unique, exc, "read")
-            return
-        self.stats["read"] += 1
-        self.session.reply_data(unique, buf)
-
-    def write(self, unique: int, nsid: int, offset: int, data: bytes | memoryview,
-              owned: bytearray | None) -> None:
-        found = self._fast_target(nsid, offset, len(data))
-        token = None
-        if found is not None:
-            ctrl, info = found
-            if not info.read_only:
-                bs = info.block_size
-                locks = self._range_lock(nsid)
-                token = locks.share_now(offset // bs, (offset + len(data)) // bs)
-        if token is None:
-            self.session.spawn(unique, self._write(unique, nsid, offset, data, owned))
-            return
-        self._inflight.add(unique)
-        ctrl.submit_write(nsid, offset // bs, data,
-                          functools.partial(self._write_done, unique, len(data), owned, locks, token))
-
-    def _write_done(self, unique: int, length: int, owned: bytearray | None, locks: RangeLocks,
-                    token: int, exc: BaseException | None) -> None:
-        self._inflight.discard(unique)
-        locks.release(token)
-        if exc is not None:
-            self._fail(unique, exc, "write")
-            return
-        self.stats["write"] += 1
-        self._reply(unique, WRITE_OUT.pack(length, 0))
-        if owned is not None:
-            self.session.recycle(owned)
-
-    async def _read(self, unique: int, nsid: int, offset: int, size: int) -> None:
+        """Read the blocks covering the range (clipped at the end of the file); reply with the
+        range. Reads take no lock: a read racing a write to the same bytes may see either, as
+        on a block device."""
         try:
             ctrl, info = self._target(nsid)
             end = min(offset + size, info.size)
@@ -133,39 +79,30 @@ class BlockFiles:
                 return
             bs = info.block_size
             start = offset - offset % bs
-            stop = -(-end // bs) * bs
-            buf = bytearray(stop - start)
-            await self._read_blocks(ctrl, info, start, memoryview(buf))
-            self.stats["read"] += 1
-            if start == offset and stop == end:
-                self.session.reply_data(unique, buf)
-            else:
-                self._reply(unique, memoryview(buf)[offset - start:end - start])
-        except BaseException as exc:
+            buf = bytearray(-(-end // bs) * bs - start)
+            self._inflight.add(unique)
+            ctrl.transfer(False, nsid, start, memoryview(buf),
+                          functools.partial(self._read_done, unique, buf, offset - start, end - start))
+        except Exception as exc:
+            self._inflight.discard(unique)
             self._fail(unique, exc, "read")
 
-    async def _read_blocks(self, ctrl: MountController, info: NamespaceInfo, offset: int, view: memoryview) -> None:
-        bs = info.block_size
-        step = ctrl.max_transfer
-        if len(view) <= step:
-            await ctrl.read_into(info.nsid, offset // bs, view)
+    def _read_done(self, unique: int, buf: bytearray, lo: int, hi: int, exc: BaseException | None) -> None:
+        self._inflight.discard(unique)
+        if exc is not None:
+            self._fail(unique, exc, "read")
+            return
+        self.stats["read"] += 1
+        if lo or hi != len(buf):
+            self._reply(unique, memoryview(buf)[lo:hi])
         else:
-            await asyncio.gather(*(ctrl.read_into(info.nsid, (offset + pos) // bs, view[pos:pos + step])
-                                   for pos in range(0, len(view), step)))
+            self.session.reply_data(unique, buf)
 
-    async def _write_blocks(self, ctrl: MountController, info: NamespaceInfo, offset: int,
-                            data: bytes | bytearray | memoryview) -> None:
-        bs = info.block_size
-        step = ctrl.max_transfer
-        if len(data) <= step:
-            await ctrl.write(info.nsid, offset // bs, data)
-        else:
-            view = memoryview(data)
-            await asyncio.gather(*(ctrl.write(info.nsid, (offset + pos) // bs, view[pos:pos + step])
-                                   for pos in range(0, len(view), step)))
+    # -- WRITE --------------------------------------------------------------------------------------
 
-    async def _write(self, unique: int, nsid: int, offset: int, data: bytes | memoryview,
-                     owned: bytearray | None = None) -> None:
+    def write(self, unique: int, nsid: int, offset: int, data: memoryview, owned: bytearray | None) -> None:
+        """Write ``data`` at ``offset`` (clipped at the end of the file). ``owned``: the request
+        buffer ``data`` lies in, given back to the session once the write succeeded."""
         try:
             ctrl, info = self._target(nsid)
             if info.read_only:
@@ -174,33 +111,76 @@ class BlockFiles:
                 raise FsError(errno.ENOSPC)
             if offset + len(data) > info.size:
                 data = data[:info.size - offset]
-            await self._write_range(ctrl, info, offset, data)
-            self.stats["write"] += 1
-            self._reply(unique, WRITE_OUT.pack(len(data), 0))
-            if owned is not None:
-                self.session.recycle(owned)
+            bs = info.block_size
+            end = offset + len(data)
+            locks = self._range_lock(nsid)
+            if offset % bs or end % bs:
+                self.session.spawn(unique, self._patch_write(unique, ctrl, info, offset, data, owned, locks))
+                return
+            first, last = offset // bs, end // bs
+            token = locks.share_now(first, last)
+            if token is None:  # a read-modify-write holds blocks: the same write once it is done
+                self.session.spawn(unique, self._write_when_free(unique, ctrl, nsid, offset, data, owned,
+                                                                 locks, first, last))
+                return
+            self._write_blocks(unique, ctrl, nsid, offset, data, owned, locks, token)
+        except Exception as exc:
+            self._fail(unique, exc, "write")
+
+    async def _write_when_free(self, unique: int, ctrl: MountController, nsid: int, offset: int,
+                               data: memoryview, owned: bytearray | None, locks: RangeLocks,
+                               first: int, last: int) -> None:
+        try:
+            token = await locks.acquire(first, last, False)
+            self._write_blocks(unique, ctrl, nsid, offset, data, owned, locks, token)
         except BaseException as exc:
             self._fail(unique, exc, "write")
 
-    async def _write_range(self, ctrl: MountController, info: NamespaceInfo, offset: int,
-                           data: bytes | bytearray | memoryview) -> None:
-        bs = info.block_size
-        end = offset + len(data)
-        first, last = offset // bs, -(-end // bs)
-        aligned = not (offset % bs or end % bs)
-        locks = self._range_lock(info.nsid)
-        token = await locks.acquire(first, last, not aligned)
+    def _write_blocks(self, unique: int, ctrl: MountController, nsid: int, offset: int, data: memoryview,
+                      owned: bytearray | None, locks: RangeLocks, token: int) -> None:
+        """Send an aligned write whose blocks ``token`` holds shared."""
+        self._inflight.add(unique)
         try:
-            if aligned:
-                await self._write_blocks(ctrl, info, offset, data)
-            else:
-                await self._patch(ctrl, info, offset, data)
-        finally:
+            ctrl.transfer(True, nsid, offset, data,
+                          functools.partial(self._write_done, unique, len(data), owned, locks, token))
+        except BaseException:
+            self._inflight.discard(unique)
             locks.release(token)
+            raise
+
+    def _write_done(self, unique: int, length: int, owned: bytearray | None, locks: RangeLocks,
+                    token: int, exc: BaseException | None) -> None:
+        self._inflight.discard(unique)
+        locks.release(token)
+        if exc is not None:
+            self._fail(unique, exc, "write")
+        else:
+            self._wrote(unique, length, owned)
+
+    def _wrote(self, unique: int, length: int, owned: bytearray | None) -> None:
+        self.stats["write"] += 1
+        self._reply(unique, WRITE_OUT.pack(length, 0))
+        if owned is not None:
+            self.session.recycle(owned)
+
+    async def _patch_write(self, unique: int, ctrl: MountController, info: NamespaceInfo, offset: int,
+                           data: memoryview, owned: bytearray | None, locks: RangeLocks) -> None:
+        bs = info.block_size
+        try:
+            token = await locks.acquire(offset // bs, -(-(offset + len(data)) // bs), True)
+            try:
+                await self._patch(ctrl, info, offset, data)
+            finally:
+                locks.release(token)
+        except BaseException as exc:
+            self._fail(unique, exc, "write")
+        else:
+            self._wrote(unique, len(data), owned)
 
     async def _patch(self, ctrl: MountController, info: NamespaceInfo, offset: int,
-                     data: bytes | bytearray | memoryview) -> None:
-        """Read-modify-write of an unaligned range (the caller holds its blocks exclusively)."""
+                     data: bytes | memoryview) -> None:
+        """Read-modify-write of an unaligned range (the caller holds its blocks exclusively):
+        the partial edge blocks are read, ``data`` laid over them, the whole span written."""
         bs = info.block_size
         end = offset + len(data)
         start, stop = offset - offset % bs, -(-end // bs) * bs
@@ -208,12 +188,14 @@ class BlockFiles:
         view = memoryview(buf)
         edges = []
         if offset % bs:
-            edges.append(self._read_blocks(ctrl, info, start, view[:bs]))
+            edges.append(ctrl.read_into(info.nsid, start // bs, view[:bs]))
         if end % bs and (stop - bs > start or not offset % bs):
-            edges.append(self._read_blocks(ctrl, info, stop - bs, view[len(buf) - bs:]))
+            edges.append(ctrl.read_into(info.nsid, stop // bs - 1, view[len(buf) - bs:]))
         await asyncio.gather(*edges)
         buf[offset - start:end - start] = data
-        await self._write_blocks(ctrl, info, start, buf)
+        await ctrl.write_bytes(info.nsid, start, view)
+
+    # -- FSYNC and FALLOCATE ------------------------------------------------------------------------
 
     async def fsync(self, unique: int, nsid: int) -> None:
         try:
@@ -263,8 +245,8 @@ class BlockFiles:
             if first < last:
                 if punch:
                     ranges = [(b, min(DSM_MAX_BLOCKS, last - b)) for b in range(first, last, DSM_MAX_BLOCKS)]
-                    for i in range(0, len(ranges), 256):
-                        await ctrl.deallocate(info.nsid, ranges[i:i + 256])
+                    for i in range(0, len(ranges), DSM_MAX_RANGES):
+                        await ctrl.deallocate(info.nsid, ranges[i:i + DSM_MAX_RANGES])
                 else:
                     starts = list(range(first, last, WRITE_ZEROES_MAX_BLOCKS))
                     for i in range(0, len(starts), PARALLEL_ZEROING):

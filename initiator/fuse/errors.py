@@ -6,7 +6,7 @@ import asyncio
 import errno
 import os
 
-from initiator.controller import NvmeError, QueueLost
+from initiator.errors import NvmeError, QueueLost
 
 
 class FsError(Exception):

@@ -133,21 +133,21 @@ class FuseSession:
             return
         if n > 0:
             self._serve(n)
-        held = None
+        ctrl = None
         try:
             for _ in range(MAX_BATCH - 1):
                 n = self._read_request()
                 if not n:
                     break
                 if n > 0:
-                    if held is None:
+                    if ctrl is None:
                         ctrl = self.connections.get(self.name)
-                        held = ctrl.hold_sends() if ctrl is not None else []
+                        if ctrl is not None:
+                            ctrl.hold_sends()
                     self._serve(n)
         finally:
-            if held:
-                for conn in held:
-                    conn.release()
+            if ctrl is not None:
+                ctrl.release_sends()
 
     def _read_request(self) -> int:
         """Read the next request into ``_buf``: its length; 0 when there was none (or the mount
@@ -173,8 +173,8 @@ class FuseSession:
             self._read(unique, nodeid - 1, offset, size)
         elif opcode == WRITE:
             fh, offset, size, _, _, _, _ = _unpack_rw(view, _HDR)
-            if size <= COPY_LIMIT:
-                data: bytes | memoryview = bytes(view[_RW_DATA:_RW_DATA + size])
+            if size <= COPY_LIMIT:  # a copy out of the request buffer, as a view like the other
+                data = memoryview(self._buf[_RW_DATA:_RW_DATA + size])
                 owned = None
             else:  # big write: hand the request buffer itself to the write, read into another
                 owned = self._buf
