@@ -16,7 +16,7 @@ import os
 import socket
 import subprocess
 import threading
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from blockd.linux_files import check, libc
 
@@ -26,6 +26,14 @@ libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes
 libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 MS_NOSUID, MS_NODEV = 2, 4
 MNT_DETACH = 2
+
+
+def _run(args: list[str], timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run a fusermount3 command; TimeoutError (as ``off_loop`` raises) once ``timeout`` passed."""
+    try:
+        return subprocess.run(args, capture_output=True, text=True, check=False, timeout=timeout, **kwargs)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"{args[0]} did not finish within {timeout} s") from None
 
 
 def options(uid: int, gid: int) -> str:
@@ -50,9 +58,8 @@ def fusermount(mountpoint: str, opts: str, timeout: float) -> int:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         env = dict(os.environ, _FUSE_COMMFD=str(theirs.fileno()))
-        proc = subprocess.run(["fusermount3", "-o", f"{opts},fsname=blockd,subtype=blockd", "--", mountpoint],
-                              env=env, pass_fds=(theirs.fileno(),), capture_output=True, text=True,
-                              check=False, timeout=timeout)
+        proc = _run(["fusermount3", "-o", f"{opts},fsname=blockd,subtype=blockd", "--", mountpoint],
+                    timeout, env=env, pass_fds=(theirs.fileno(),))
         theirs.close()
         if proc.returncode:
             raise OSError(errno.EPERM, f"fusermount3: {proc.stderr.strip()}")
@@ -71,7 +78,7 @@ def unmount(mountpoint: str, lazy: bool, via_fusermount: bool, timeout: float) -
     (MNT_DETACH: gone from the namespace at once, open files keep the connection)."""
     if via_fusermount:
         args = ["fusermount3", "-u"] + (["-z"] if lazy else []) + ["--", mountpoint]
-        proc = subprocess.run(args, capture_output=True, text=True, check=False, timeout=timeout)
+        proc = _run(args, timeout)
         if proc.returncode:
             raise OSError(errno.EBUSY, proc.stderr.strip() or "fusermount3 -u failed")
     else:
