@@ -21,7 +21,7 @@ import functools
 from typing import TYPE_CHECKING, Mapping
 
 from blockd.linux_files import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE
-from initiator.fuse.abi import WRITE_OUT
+from initiator.fuse.abi import OUT_HEADER, WRITE_OUT
 from initiator.fuse.errors import FsError
 from initiator.fuse.rangelock import RangeLocks
 
@@ -34,6 +34,7 @@ WRITE_ZEROES_MAX_BLOCKS = 1 << 16
 DSM_MAX_BLOCKS = 0xFFFFFFFF
 DSM_MAX_RANGES = 256
 PARALLEL_ZEROING = 32
+_pack_out = OUT_HEADER.pack
 _FALLOC_MODES = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE
 
 
@@ -46,6 +47,7 @@ class BlockFiles:
         self.name = name
         self.locks: dict[int, RangeLocks] = {}
         self.stats = session.stats
+        self._send = session.send
         self._reply = session.reply
         self._fail = session.fail
         self._inflight = session.inflight
@@ -73,30 +75,40 @@ class BlockFiles:
         on a block device."""
         try:
             ctrl, info = self._target(nsid)
-            end = min(offset + size, info.size)
+            end = offset + size
+            if end > info.size:
+                end = info.size
             if offset >= end:
                 self._reply(unique)
                 return
             bs = info.block_size
-            start = offset - offset % bs
-            buf = bytearray(-(-end // bs) * bs - start)
+            if offset % bs or end % bs:  # read the blocks around it, reply with a view
+                start = offset - offset % bs
+                buf = bytearray(-(-end // bs) * bs - start)
+                done = functools.partial(self._read_part_done, unique, buf, offset - start, end - start)
+            else:
+                start = offset
+                buf = bytearray(end - offset)
+                done = functools.partial(self._read_done, unique, buf)
             self._inflight.add(unique)
-            ctrl.transfer(False, nsid, start, memoryview(buf),
-                          functools.partial(self._read_done, unique, buf, offset - start, end - start))
+            ctrl.transfer(False, nsid, start, memoryview(buf), done)
         except Exception as exc:
             self._inflight.discard(unique)
             self._fail(unique, exc, "read")
 
-    def _read_done(self, unique: int, buf: bytearray, lo: int, hi: int, exc: BaseException | None) -> None:
+    def _read_done(self, unique: int, buf: bytearray | memoryview, exc: BaseException | None) -> None:
         self._inflight.discard(unique)
         if exc is not None:
             self._fail(unique, exc, "read")
             return
         self.stats["read"] += 1
-        if lo or hi != len(buf):
-            self._reply(unique, memoryview(buf)[lo:hi])
+        self._send([_pack_out(16 + len(buf), 0, unique), buf])
+
+    def _read_part_done(self, unique: int, buf: bytearray, lo: int, hi: int, exc: BaseException | None) -> None:
+        if exc is None:
+            self._read_done(unique, memoryview(buf)[lo:hi], None)
         else:
-            self.session.reply_data(unique, buf)
+            self._read_done(unique, buf, exc)
 
     # -- WRITE --------------------------------------------------------------------------------------
 

@@ -247,10 +247,6 @@ class FuseSession:
     def reply(self, unique: int, payload: bytes | bytearray | memoryview = b"") -> None:
         self.send([_pack_out(16 + len(payload), 0, unique), payload])
 
-    def reply_data(self, unique: int, buf: bytearray) -> None:
-        """Reply with ``buf`` as it is (no slicing: the common read's reply)."""
-        self.send([_pack_out(16 + len(buf), 0, unique), buf])
-
     def reply_err(self, unique: int, err: int) -> None:
         self.send([_pack_out(16, -err, unique)])
 
