@@ -20,15 +20,14 @@ import asyncio
 import collections
 import functools
 import importlib
-import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
 import structlog
 
 from initiator.errors import ConnectError, NvmeError, QueueLost
+from initiator.params import ConnectParams
 from initiator.queue import HostCommand, HostQueue
 from protocol.commands import (
     async_event_request_command, connect_command, connect_data, describe_command, dsm_command,
@@ -36,7 +35,9 @@ from protocol.commands import (
     property_set_command, read_command, set_features_command, write_command, write_zeroes_command,
 )
 from protocol.constants import (
-    DEFAULT_IO_PORT, DISCOVERY_NQN, DYNAMIC_CNTLID, OAES_NS_ATTR, Cns, FeatureId, LogPageId, Property,
+    AEN_DW0_MASK, AEN_NS_ATTR_CHANGED, CAP_MPSMIN_SHIFT, CAP_TO_SHIFT, CAP_TO_UNIT, CC_EN, CC_IOCQES_16,
+    CC_IOSQES_64, CC_SHN_NORMAL, CSTS_RDY, CSTS_SHST_COMPLETE, CSTS_SHST_MASK, DISCOVERY_NQN, DYNAMIC_CNTLID,
+    FLBAS_FORMAT_MASK, NSATTR_WRITE_PROTECTED, OAES_NS_ATTR, Cns, FeatureId, LogPageId, Property, TransportType,
 )
 from protocol.fabrics import IATTR_DATA
 from protocol.identify import (
@@ -52,8 +53,8 @@ __all__ = ["ConnectError", "ConnectParams", "Controller", "IoDone", "NamespaceIn
 log = structlog.get_logger("blockd.initiator")
 
 ADMIN_DEPTH = 32
-CC_ENABLE = 0x00460001
-CC_SHUTDOWN = 0x00464001
+CC_ENABLE = CC_IOCQES_16 | CC_IOSQES_64 | CC_EN
+CC_SHUTDOWN = CC_ENABLE | CC_SHN_NORMAL
 MAX_ATTEMPTS = 5
 AER_TIMEOUT = 365 * 86400.0
 """An Asynchronous Event Request stays outstanding until an event: no practical timeout."""
@@ -67,46 +68,6 @@ IoDone = Callable[[BaseException | None], None]
 """Callback of :meth:`Controller.submit_io`, called exactly once: None on success, else why the
 command failed (:class:`NvmeError` with ``.status``, :class:`QueueLost`, ``TimeoutError``,
 ``ConnectionError``)."""
-
-def default_hostnqn() -> str:
-    """/etc/nvme/hostnqn if nvme-cli set one up, else one derived from the machine id."""
-    try:
-        with open("/etc/nvme/hostnqn") as f:
-            nqn = f.read().strip()
-            if nqn:
-                return nqn
-    except OSError:
-        pass
-    try:
-        with open("/etc/machine-id") as f:
-            mid = uuid.UUID(f.read().strip())
-    except (OSError, ValueError):
-        mid = uuid.uuid5(uuid.NAMESPACE_DNS, os.uname().nodename)
-    return f"nqn.2014-08.org.nvmexpress:uuid:{mid}"
-
-
-@dataclass
-class ConnectParams:
-    """What nvme-cli's connect takes (same names), plus the host library's own timeouts."""
-
-    traddr: str
-    subnqn: str
-    trsvcid: int = DEFAULT_IO_PORT
-    transport: str = "tcp"
-    hostnqn: str = field(default_factory=default_hostnqn)
-    hostid: uuid.UUID = field(default_factory=lambda: uuid.uuid5(uuid.NAMESPACE_OID, default_hostnqn()))
-    nr_io_queues: int = 4
-    queue_size: int = 128
-    keep_alive_tmo: float = 5.0
-    hdr_digest: bool = False
-    data_digest: bool = False
-    command_timeout: float = 30.0
-    connect_timeout: float = 5.0
-    ctrl_loss_tmo: float = 60.0
-    reconnect_delay: float = 1.0
-    rdma_keys: str = field(default_factory=lambda: os.environ.get("BLOCKD_RDMA_KEYS", "auto"))
-    """How RDMA commands expose their buffers (auto, mw, mr: see initiator.rdma)."""
-
 
 @dataclass(frozen=True)
 class NamespaceInfo:
@@ -133,7 +94,10 @@ class DiscoveryEntry:
 
     @property
     def transport(self) -> str:
-        return {1: "rdma", 3: "tcp"}.get(self.trtype, str(self.trtype))
+        try:
+            return TransportType(self.trtype).name.lower()
+        except ValueError:
+            return str(self.trtype)
 
 
 LostCallback = Callable[[Any, "Exception | None"], None]
@@ -308,7 +272,7 @@ class Controller:
         p = self.params
         want = max(1, p.nr_io_queues)
         cmd = await self._admin(set_features_command(FeatureId.NUMBER_OF_QUEUES, (want - 1) | ((want - 1) << 16)))
-        granted = min(cmd.dw0 & 0xFFFF, cmd.dw0 >> 16) + 1
+        granted = min(cmd.dw0 & 0xFFFF, cmd.dw0 >> 16) + 1  # NSQA, NCQA: 0's based, as asked
         depth = min(p.queue_size, self.identity.maxcmd or p.queue_size)
         inline = self.identity.ioccsz * 16 - 64
         for qid in range(1, min(want, granted) + 1):
@@ -324,8 +288,8 @@ class Controller:
             if nsid == 0:
                 break
             ns = IDENTIFY_NAMESPACE.parse(await self._identify(Cns.NAMESPACE, nsid))
-            fmt = ns.lbaf[ns.flbas & 0xF]
-            found[nsid] = NamespaceInfo(nsid, ns.nsze, 1 << fmt.lbads, bool(ns.nsattr & 1))
+            fmt = ns.lbaf[ns.flbas & FLBAS_FORMAT_MASK]
+            found[nsid] = NamespaceInfo(nsid, ns.nsze, 1 << fmt.lbads, bool(ns.nsattr & NSATTR_WRITE_PROTECTED))
         self.namespaces = found
 
     async def _async_events(self) -> None:
@@ -335,7 +299,7 @@ class Controller:
             try:
                 await self._wait_live()
                 cmd = await self._admin(async_event_request_command(), timeout=AER_TIMEOUT)
-                if cmd.dw0 & 0x7 == 2 and (cmd.dw0 >> 16) & 0xFF == LogPageId.CHANGED_NS_LIST:
+                if cmd.dw0 & AEN_DW0_MASK == AEN_NS_ATTR_CHANGED:
                     await self.get_log_page(LogPageId.CHANGED_NS_LIST, 4096, nsid=0xFFFFFFFF)
                     await self._scan_namespaces()
                     log.info("namespaces changed", subnqn=self.params.subnqn, nsids=sorted(self.namespaces))
@@ -365,12 +329,12 @@ class Controller:
 
     async def _enable(self) -> None:
         cap = await self.get_property(Property.CAP, 8)
-        if (cap >> 48) & 0xF:
+        if (cap >> CAP_MPSMIN_SHIFT) & 0xF:
             raise ConnectError("controller requires pages larger than 4 KiB")
-        await self.set_property(Property.CC, CC_ENABLE & ~1)
+        await self.set_property(Property.CC, CC_ENABLE & ~CC_EN)
         await self.set_property(Property.CC, CC_ENABLE)
-        deadline = time.monotonic() + ((cap >> 24) & 0xFF) * 0.5 + 0.5
-        while not await self.get_property(Property.CSTS, 4) & 1:
+        deadline = time.monotonic() + ((cap >> CAP_TO_SHIFT) & 0xFF) * CAP_TO_UNIT + 0.5
+        while not await self.get_property(Property.CSTS, 4) & CSTS_RDY:
             if time.monotonic() > deadline:
                 raise ConnectError("controller did not become ready")
             await asyncio.sleep(0.002)
@@ -551,17 +515,17 @@ class Controller:
         bytes, this being the one place that splits; ``done`` once, when all completed, with
         the first error."""
         length = len(buf)
-        info = self.check_range(nsid, offset, length)
-        bs = info.block_size
-        step = self.max_transfer - self.max_transfer % bs
-        if length <= step:
-            if not length:
-                done(None)
-            elif write:
+        bs = self.check_range(nsid, offset, length).block_size
+        if 0 < length <= self.max_transfer:
+            if write:
                 self.submit_io(write_command(nsid, offset // bs, length // bs - 1, fua), buf, None, done)
             else:
                 self.submit_io(read_command(nsid, offset // bs, length // bs - 1), None, buf, done)
             return
+        if not length:
+            done(None)
+            return
+        step = self.max_transfer - self.max_transfer % bs
         piece_done = _Gather(-(-length // step), done).piece_done
         for pos in range(0, length, step):
             piece = buf[pos:pos + step]
@@ -756,7 +720,8 @@ class Controller:
             try:
                 await self.set_property(Property.CC, CC_SHUTDOWN)
                 deadline = time.monotonic() + 5
-                while (await self.get_property(Property.CSTS, 4) >> 2) & 3 != 2 and time.monotonic() < deadline:
+                while (await self.get_property(Property.CSTS, 4) & CSTS_SHST_MASK != CSTS_SHST_COMPLETE
+                       and time.monotonic() < deadline):
                     await asyncio.sleep(0.01)
             except (NvmeError, QueueLost, TimeoutError, ConnectionError):
                 pass
@@ -780,9 +745,7 @@ async def discover(traddr: str, trsvcid: int, transport: str = "tcp", hostnqn: s
     """Read the discovery log of a target (non-persistent discovery controller, KATO 0)."""
     params = ConnectParams(traddr=traddr, subnqn=DISCOVERY_NQN, trsvcid=trsvcid,
                            transport=transport, keep_alive_tmo=0, connect_timeout=timeout,
-                           command_timeout=timeout, ctrl_loss_tmo=0)
-    if hostnqn:
-        params.hostnqn = hostnqn
+                           command_timeout=timeout, ctrl_loss_tmo=0, **({"hostnqn": hostnqn} if hostnqn else {}))
     ctrl = await Controller.connect(params)
     try:
         return await ctrl.discovery_log()

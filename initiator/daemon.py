@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import uuid
 from typing import Any, Awaitable, Callable
 
 import structlog
 
 from initiator.control import CHUNK, socket_path
-from initiator.controller import ConnectError, ConnectParams, Controller
+from initiator.controller import Controller
+from initiator.errors import ConnectError, NvmeError, QueueLost
 from initiator.fuse import FuseMounts
-from initiator.queue import NvmeError, QueueLost
+from initiator.params import connect_params
 
 log = structlog.get_logger("blockd.initiator.daemon")
 
@@ -118,24 +118,19 @@ class InitiatorDaemon:
 
     # -- operations -----------------------------------------------------------------------------------
 
-    async def op_connect(self, traddr: str, nqn: str, transport: str = "tcp", trsvcid: int | None = None,
-                         name: str | None = None, hostnqn: str | None = None, nr_io_queues: int = 4,
-                         queue_size: int = 128, keep_alive_tmo: float = 5.0, hdr_digest: bool = False,
-                         data_digest: bool = False, ctrl_loss_tmo: float = 60.0) -> dict[str, Any]:
-        name = name or nqn
+    async def op_connect(self, name: str | None = None, **options: Any) -> dict[str, Any]:
+        """Connect with the connect options (``initiator.params``: absent ones take their
+        default) under ``name`` (default: the NQN)."""
+        try:
+            params = connect_params(options)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        name = name or params.subnqn
         if name in self.connections:
             raise RequestError(f"a connection named {name!r} already exists")
-        params = ConnectParams(traddr=traddr, subnqn=nqn, trsvcid=int(trsvcid or 4420),
-                               transport=transport, nr_io_queues=nr_io_queues,
-                               queue_size=queue_size, keep_alive_tmo=keep_alive_tmo,
-                               hdr_digest=hdr_digest, data_digest=data_digest,
-                               ctrl_loss_tmo=ctrl_loss_tmo)
-        if hostnqn:
-            params.hostnqn = hostnqn
-            params.hostid = uuid.uuid5(uuid.NAMESPACE_OID, hostnqn)
         ctrl = await Controller.connect(params)
         self.connections[name] = ctrl
-        log.info("connected", name=name, nqn=nqn, traddr=traddr, transport=transport,
+        log.info("connected", name=name, nqn=params.subnqn, traddr=params.traddr, transport=params.transport,
                  cntlid=ctrl.cntlid, io_queues=len(ctrl.io))
         return {"name": name, **self._describe(name, ctrl)}
 

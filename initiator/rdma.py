@@ -52,20 +52,18 @@ import asyncio
 import collections
 import ctypes
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import structlog
 
 from blockd.rdma.abi import SEND_SIGNALED, WR_SEND
 from initiator.errors import ConnectError, QueueLost
+from initiator.params import ConnectParams
 from initiator.queue import HostCommand, HostQueue
 from protocol.commands import SQE_SGL_END, SQE_SGL_OFFSET
 from protocol.constants import SglId
 from protocol.nvme import CQE_FAST, CQE_SIZE, SQE_SIZE, build_sgl_data_block, build_sgl_keyed
 from protocol.status import from_wire
-
-if TYPE_CHECKING:
-    from initiator.controller import ConnectParams
 
 log = structlog.get_logger("blockd.initiator.rdma")
 

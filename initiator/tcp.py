@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from blockd.tcp_pdu import (
     DataDigestError, FramingError, OutputBatcher, PduProtocol, PduReader, PduWriter, term_req,
 )
 from initiator.errors import ConnectError, QueueLost
+from initiator.params import ConnectParams
 from initiator.queue import HostCommand, HostQueue
 from protocol.commands import CQE_CID_OFFSET, SQE_SGL_OFFSET, field_offset
 from protocol.constants import SglId
@@ -23,9 +24,6 @@ from protocol.tcp import (
 )
 
 ADMIN_INLINE = 8192
-if TYPE_CHECKING:
-    from initiator.controller import ConnectParams
-
 _C2H_TYPES = frozenset({PduType.IC_RESP, PduType.C2H_TERM_REQ, PduType.CAPSULE_RESP,
                         PduType.C2H_DATA, PduType.R2T})
 _unpack_data_header = DATA_PDU_HEADER_FAST.unpack_from

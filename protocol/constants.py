@@ -130,3 +130,28 @@ ONCS_DSM = 1 << 2
 ONCS_WRITE_ZEROES = 1 << 3
 OAES_NS_ATTR = 1 << 8
 OAES_DISCOVERY_CHANGE = 1 << 31
+
+# Controller properties' fields (NVMe Base 2.0 section 3.1.4), as the host reads and writes them.
+CAP_TO_SHIFT = 24
+"""CAP.TO (bits 31:24): worst-case time to become ready, in units of CAP_TO_UNIT seconds."""
+CAP_TO_UNIT = 0.5
+CAP_MPSMIN_SHIFT = 48
+"""CAP.MPSMIN (bits 51:48): the smallest memory page size is 2 ** (12 + MPSMIN)."""
+CC_EN = 1 << 0
+CC_SHN_NORMAL = 1 << 14
+CC_IOSQES_64 = 6 << 16
+"""CC.IOSQES (bits 19:16): I/O SQ entries of 2 ** 6 = 64 bytes."""
+CC_IOCQES_16 = 4 << 20
+"""CC.IOCQES (bits 23:20): I/O CQ entries of 2 ** 4 = 16 bytes."""
+CSTS_RDY = 1 << 0
+CSTS_SHST_MASK = 3 << 2
+CSTS_SHST_COMPLETE = 2 << 2
+
+# Identify Namespace fields the host reads.
+FLBAS_FORMAT_MASK = 0x0F
+"""FLBAS bits 3:0: the index of the LBA format in use."""
+NSATTR_WRITE_PROTECTED = 1 << 0
+
+AEN_DW0_MASK = 0x00FFFF07
+"""The bits of an Asynchronous Event Request completion's DW0 that say what happened: event
+type (2:0), event information (15:8), log page (23:16); compare with AEN_* above."""

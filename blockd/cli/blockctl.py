@@ -1,6 +1,7 @@
 """``blockctl``: discover targets and drive the initiator daemon's connections.
 
-Connection flags follow nvme-cli (-t/-a/-s/-n/-q/-i/-Q/-k). Every user mistake ends in one line
+Connection flags follow nvme-cli (-t/-a/-s/-n/-q/-i/-Q/-k/-l/-g/-G) and come from the one
+declaration of the connect parameters, ``initiator.params.ConnectParams``. Every user mistake ends in one line
 on stderr and a non-zero exit status, never a traceback.
 """
 
@@ -13,19 +14,25 @@ import time
 from typing import Any, BinaryIO, Iterator
 
 from initiator.control import CHUNK, ControlClient, ControlError
+from initiator.params import CONNECT_OPTIONS, OPTIONS_BY_KEY, ConnectOption
+from protocol.constants import DEFAULT_IO_PORT, DEFAULT_TCP_DISCOVERY_PORT
 
 
 class UsageError(Exception):
     """A mistake in the command line or its files."""
 
 
-def _connection_flags(p: argparse.ArgumentParser, need_nqn: bool) -> None:
-    p.add_argument("-t", "--transport", choices=("tcp", "rdma"), default="tcp")
-    p.add_argument("-a", "--traddr", required=True, help="target address")
-    p.add_argument("-s", "--trsvcid", type=int, help="target port (tcp: 4420, or 8009 for discovery)")
-    p.add_argument("-q", "--hostnqn", help="host NQN (default /etc/nvme/hostnqn or one from the machine id)")
-    if need_nqn:
-        p.add_argument("-n", "--nqn", required=True, help="subsystem NQN")
+def _option_flag(p: argparse.ArgumentParser, opt: ConnectOption, **overrides: Any) -> None:
+    """The flag of one connect option (initiator.params: the one declaration of each)."""
+    names = ([opt.flag] if opt.flag else []) + ["--" + opt.key.replace("_", "-")]
+    shown = "" if opt.default is None or opt.type is bool else f" (default {opt.default})"
+    kw: dict[str, Any] = {"dest": opt.key, "help": opt.help + shown}
+    if opt.type is bool:
+        kw.update(action="store_const", const=True, default=None)
+    else:
+        kw.update(type=opt.type, default=opt.default, required=opt.required, choices=opt.choices)
+    kw.update(overrides)
+    p.add_argument(*names, **kw)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,16 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("discover", help="print a target's discovery log")
-    _connection_flags(d, need_nqn=False)
+    for key in ("transport", "traddr", "hostnqn"):
+        _option_flag(d, OPTIONS_BY_KEY[key])
+    _option_flag(d, OPTIONS_BY_KEY["trsvcid"], default=None, help="target port (tcp: 8009, rdma: 4420)")
 
     c = sub.add_parser("connect", help="connect to a subsystem (held by the initiator daemon)")
-    _connection_flags(c, need_nqn=True)
-    c.add_argument("-i", "--nr-io-queues", type=int, default=4)
-    c.add_argument("-Q", "--queue-size", type=int, default=128)
-    c.add_argument("-k", "--keep-alive-tmo", type=float, default=5.0, help="seconds")
-    c.add_argument("-l", "--ctrl-loss-tmo", type=float, default=60.0, help="seconds to keep reconnecting")
-    c.add_argument("-g", "--hdr-digest", action="store_true")
-    c.add_argument("-G", "--data-digest", action="store_true")
+    for opt in CONNECT_OPTIONS:
+        _option_flag(c, opt)
     c.add_argument("--name", help="connection name (default: the NQN)")
 
     x = sub.add_parser("disconnect", help="disconnect a connection")
@@ -93,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
 def cmd_discover(args: argparse.Namespace) -> int:
     from initiator.controller import discover
 
-    port = args.trsvcid or (8009 if args.transport == "tcp" else 4420)
+    port = args.trsvcid or (DEFAULT_TCP_DISCOVERY_PORT if args.transport == "tcp" else DEFAULT_IO_PORT)
     from blockd import eventloop
     entries = eventloop.run(discover(args.traddr, port, args.transport, args.hostnqn))
     print(f"Discovery Log Number of Records {len(entries)}")
@@ -106,12 +110,8 @@ def cmd_discover(args: argparse.Namespace) -> int:
 
 def cmd_connect(args: argparse.Namespace) -> int:
     with ControlClient(args.socket) as client:
-        reply = client.call({
-            "op": "connect", "transport": args.transport, "traddr": args.traddr,
-            "trsvcid": args.trsvcid or 4420, "nqn": args.nqn, "hostnqn": args.hostnqn,
-            "nr_io_queues": args.nr_io_queues, "queue_size": args.queue_size,
-            "keep_alive_tmo": args.keep_alive_tmo, "ctrl_loss_tmo": args.ctrl_loss_tmo,
-            "hdr_digest": args.hdr_digest, "data_digest": args.data_digest, "name": args.name})
+        reply = client.call({"op": "connect", "name": args.name,
+                             **{opt.key: getattr(args, opt.key) for opt in CONNECT_OPTIONS}})
     print(f"connected {reply['name']}: {reply['nqn']} cntlid {reply['cntlid']}, "
           f"{reply['io_queues']} I/O queue(s), {len(reply['namespaces'])} namespace(s)")
     return 0
@@ -346,8 +346,7 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from initiator.controller import ConnectError
-    from initiator.queue import NvmeError
+    from initiator.errors import ConnectError, NvmeError
     try:
         return COMMANDS[args.command](args)
     except (ControlError, UsageError, ConnectError, NvmeError, TimeoutError) as exc:

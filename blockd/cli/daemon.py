@@ -77,8 +77,8 @@ async def run_target(config_path: str, log_format: str | None, log_level: str | 
 
 
 async def run_initiator(socket: str | None, config_path: str | None = None) -> int:
-    from blockd.initiator_config import BootConnections
-    from blockd.initiator_config import load as load_initiator
+    from initiator.boot import BootConnections
+    from initiator.config import load as load_initiator
     from initiator.daemon import InitiatorDaemon
 
     config = load_initiator(config_path) if config_path else None

@@ -219,7 +219,7 @@ async def _raw(conn, sqe: bytes, payload: bytes = b"", timeout: float = 15):
         if not fut.done():
             fut.set_exception(exc) if exc is not None else fut.set_result(cmd)
 
-    # a deadline, as Controller._run gives: the controller's sweep fails commands past theirs
+    # a deadline, as Controller._send gives: the controller's sweep fails commands past theirs
     cmd = HostCommand(bytearray(sqe), on_done=done, deadline=loop.time() + timeout)
     conn.queue.start(cmd)
     st = conn.slots[cmd.cid]

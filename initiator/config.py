@@ -1,0 +1,130 @@
+"""Initiator daemon configuration (``/etc/blockd/initiator.toml``): connections made at start.
+
+Example::
+
+    # every [[connection]] takes the options of `blockctl connect` (initiator/params.py)
+    [[connection]]
+    name = "vol1"                       # default: the NQN
+    transport = "tcp"                   # or "rdma"
+    traddr = "192.0.2.1"
+    trsvcid = 4420
+    nqn = "nqn.2026-11.io.blockd:vol1"
+    # hostnqn = "nqn.2014-08.org.nvmexpress:uuid:..."
+    # nr_io_queues = 4
+    # queue_size = 128
+    # keep_alive_tmo = 5.0
+    # ctrl_loss_tmo = -1                # seconds; -1 (the default here) = keep reconnecting forever
+    # rdma_keys = "auto"                # or "mw", "mr" (initiator/rdma.py)
+    # hdr_digest = false
+    # data_digest = false
+
+    # FUSE mounts, as `blockctl mount vol1 /mnt/vol1` (initiator/fuse.py): made once the
+    # connection is up; the mount point must be an existing directory
+    [[mount]]
+    connection = "vol1"
+    mountpoint = "/mnt/vol1"
+
+The daemon connects every entry at start and keeps retrying one that fails (the target may
+boot later than the host); once connected, the initiator library reconnects by itself for
+``ctrl_loss_tmo`` seconds after a target restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from blockd.config import ConfigError, read_toml
+from initiator.params import CONNECT_OPTIONS, OPTIONS_BY_KEY, check_option
+
+BOOT_CTRL_LOSS_TMO = -1.0
+"""Boot-time connections keep reconnecting forever unless their table says otherwise (a storage
+host must not give up on its volumes because a target took a few minutes to come back): the one
+default that differs from ``blockctl connect``'s, on purpose."""
+
+
+@dataclass(frozen=True)
+class ConnectionConfig:
+    """One ``[[connection]]``: the connect options as written (``initiator.params``) and a name."""
+
+    options: tuple[tuple[str, Any], ...]
+    name: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.name or dict(self.options)["nqn"]
+
+    def connect_args(self) -> dict[str, Any]:
+        """The daemon's ``connect`` request (``InitiatorDaemon.op_connect``) for this entry."""
+        return {"ctrl_loss_tmo": BOOT_CTRL_LOSS_TMO, **dict(self.options), "name": self.name}
+
+
+@dataclass(frozen=True)
+class MountConfig:
+    connection: str
+    mountpoint: str
+
+
+@dataclass(frozen=True)
+class InitiatorConfig:
+    connections: tuple[ConnectionConfig, ...] = ()
+    mounts: tuple[MountConfig, ...] = ()
+
+
+def _table(table: Any, where: str) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: must be a table")
+    return table
+
+
+def _connection(table: Any, where: str) -> ConnectionConfig:
+    options = dict(_table(table, where))
+    name = options.pop("name", None)
+    if name is not None and not isinstance(name, str):
+        raise ConfigError(f"{where}: 'name' must be str, not {name!r}")
+    extra = sorted(options.keys() - OPTIONS_BY_KEY.keys())
+    if extra:
+        raise ConfigError(f"{where}: unknown setting(s) {', '.join(extra)}")
+    for opt in CONNECT_OPTIONS:
+        if opt.required and opt.key not in options:
+            raise ConfigError(f"{where}: missing '{opt.key}'")
+    for key, value in options.items():
+        why = check_option(key, value)
+        if why:
+            raise ConfigError(f"{where}: {why}")
+    return ConnectionConfig(tuple(options.items()), name)
+
+
+def _mount(table: Any, where: str) -> MountConfig:
+    fields = dict(_table(table, where))
+    extra = set(fields) - {"connection", "mountpoint"}
+    if extra:
+        raise ConfigError(f"{where}: unknown setting(s) {', '.join(sorted(extra))}")
+    for key in ("connection", "mountpoint"):
+        if key not in fields:
+            raise ConfigError(f"{where}: missing '{key}'")
+        if not isinstance(fields[key], str):
+            raise ConfigError(f"{where}: '{key}' must be str, not {fields[key]!r}")
+    return MountConfig(**fields)
+
+
+def parse(raw: dict[str, Any], source: str = "initiator config") -> InitiatorConfig:
+    extra = set(raw) - {"connection", "mount"}
+    if extra:
+        raise ConfigError(f"{source}: unknown setting(s) {', '.join(sorted(extra))}")
+    conns = [_connection(t, f"{source} connection #{i + 1}") for i, t in enumerate(raw.get("connection", []))]
+    keys = [c.key for c in conns]
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"{source}: connection names must be unique (the name defaults to the NQN)")
+    mounts = []
+    for i, t in enumerate(raw.get("mount", [])):
+        m = _mount(t, f"{source} mount #{i + 1}")
+        if m.connection not in keys:
+            raise ConfigError(f"{source} mount #{i + 1}: no [[connection]] named {m.connection!r}")
+        mounts.append(m)
+    return InitiatorConfig(tuple(conns), tuple(mounts))
+
+
+def load(path: str) -> InitiatorConfig:
+    """Read and validate an initiator configuration file."""
+    return parse(read_toml(path), path)
