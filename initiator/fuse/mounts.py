@@ -2,8 +2,9 @@
 
 They run on the event loop that serves the mounts, so they never touch a path themselves: a
 stat of a mount root whose cached attributes have expired becomes a FUSE request that only this
-loop could answer (issue 19, item 5: the daemon hung in D state inside its own unmount). Paths
-are matched lexically against the table first and resolved off the loop otherwise.
+loop could answer (``blockctl umount`` once left the daemon asleep in newfstatat → fuse_do_getattr
+→ request_wait_answer on its own mountpoint, deaf to SIGTERM). Paths are matched lexically
+against the table first and resolved off the loop otherwise.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Unmounting never waits on the daemon's own mount (issue 19, item 5): the daemon serves its
-mounts from its event loop, so a stat of a mount root whose cached attributes have expired, made
-on that loop, waits for an answer only the loop could give. The mounts here cache attributes for
-a fifth of a second, so they have always expired by the time the unmount comes."""
+"""Unmounting never waits on the daemon's own mount: the daemon serves its mounts from its
+event loop, so a stat of a mount root whose cached attributes have expired, made on that loop,
+waits for an answer only the loop could give. The mounts here cache attributes for a fifth of a
+second, so they have always expired by the time the mount verbs come."""
 
 from __future__ import annotations
 
