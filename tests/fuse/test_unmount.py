@@ -34,12 +34,16 @@ def test_mount_verbs_after_the_attribute_cache_expired(tmp_path: Path) -> None:
         _expire(s)
         again = s.blockctl("mount", "vol", str(s.mnt), check=False, timeout=BOUND)
         assert again.returncode == 1 and "already a blockd mount" in again.stderr
-        _expire(s)
-        t0 = time.monotonic()
-        s.blockctl("umount", str(s.mnt), timeout=BOUND)
-        assert time.monotonic() - t0 < BOUND
-        assert not mounted(s.mnt)
-        assert s.blockctl("mounts", timeout=BOUND).stdout.strip() == "no mounts"
+        for path in (s.mnt, tmp_path / "link"):  # as mounted, then through a symlink (resolved)
+            if path != s.mnt:
+                path.symlink_to(s.mnt)
+                s.mount()
+            _expire(s)
+            t0 = time.monotonic()
+            s.blockctl("umount", str(path), timeout=BOUND)
+            assert time.monotonic() - t0 < BOUND
+            assert not mounted(s.mnt)
+            assert s.blockctl("mounts", timeout=BOUND).stdout.strip() == "no mounts"
 
 
 class _Load:
