@@ -31,9 +31,13 @@ if TYPE_CHECKING:
     from initiator.fuse.session import FuseSession
 
 WRITE_ZEROES_MAX_BLOCKS = 1 << 16
+"""Blocks one Write Zeroes covers (its NLB field is 16 bits, 0's based)."""
 DSM_MAX_BLOCKS = 0xFFFFFFFF
+"""Blocks one Dataset Management range covers (a 32-bit length)."""
 DSM_MAX_RANGES = 256
+"""Ranges one Dataset Management command carries (NR is 8 bits, 0's based)."""
 PARALLEL_ZEROING = 32
+"""Write Zeroes commands of one fallocate(ZERO_RANGE) in flight at once."""
 _pack_out = OUT_HEADER.pack
 _FALLOC_MODES = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE
 
