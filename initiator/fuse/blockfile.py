@@ -94,14 +94,15 @@ class BlockFiles:
                 start = offset
                 buf = bytearray(end - offset)
                 done = functools.partial(self._read_done, unique, buf)
-            self._inflight.add(unique)
+            self._inflight[unique] = True
             ctrl.transfer(False, nsid, start, memoryview(buf), done)
         except Exception as exc:
-            self._inflight.discard(unique)
+            self._inflight.pop(unique, None)
             self._fail(unique, exc, "read")
 
     def _read_done(self, unique: int, buf: bytearray | memoryview, exc: BaseException | None) -> None:
-        self._inflight.discard(unique)
+        if not self._inflight.pop(unique, False):
+            return  # interrupted: answered already
         if exc is not None:
             self._fail(unique, exc, "read")
             return
@@ -155,19 +156,20 @@ class BlockFiles:
     def _write_blocks(self, unique: int, ctrl: MountController, nsid: int, offset: int, data: memoryview,
                       owned: bytearray | None, locks: RangeLocks, token: int) -> None:
         """Send an aligned write whose blocks ``token`` holds shared."""
-        self._inflight.add(unique)
+        self._inflight[unique] = True
         try:
             ctrl.transfer(True, nsid, offset, data,
                           functools.partial(self._write_done, unique, len(data), owned, locks, token))
         except BaseException:
-            self._inflight.discard(unique)
+            self._inflight.pop(unique, None)
             locks.release(token)
             raise
 
     def _write_done(self, unique: int, length: int, owned: bytearray | None, locks: RangeLocks,
                     token: int, exc: BaseException | None) -> None:
-        self._inflight.discard(unique)
         locks.release(token)
+        if not self._inflight.pop(unique, False):
+            return  # interrupted: answered already
         if exc is not None:
             self._fail(unique, exc, "write")
         else:

@@ -64,8 +64,9 @@ class FuseSession:
         self.fd = -1
         self.tasks: dict[int, asyncio.Task[None]] = {}
         """Requests served by a coroutine, by FUSE unique id (INTERRUPT cancels them)."""
-        self.inflight: set[int] = set()
-        """Requests served by callbacks, by FUSE unique id (see ``BlockFiles``)."""
+        self.inflight: dict[int, bool] = {}
+        """Requests served by callbacks, by FUSE unique id (see ``BlockFiles``): taken out when
+        answered, by their completion or by an INTERRUPT, whichever comes first."""
         self.stats = {"read": 0, "write": 0, "errors": 0}
         self.files = BlockFiles(self, connections, name)
         self.directory = NamespaceDir(self, connections, name, attr_ttl)
@@ -200,9 +201,17 @@ class FuseSession:
         elif opcode in (FORGET, BATCH_FORGET):
             pass  # no reply
         elif opcode == INTERRUPT:
-            task = self.tasks.get(INTERRUPT_IN.unpack_from(arg)[0])
+            # The caller got a signal. Once we have read its request the kernel waits for our
+            # answer even through SIGKILL, and a command the controller holds while it
+            # reconnects may take until ctrl_loss_tmo: answer EINTR now. A coroutine is
+            # cancelled (it answers); a callback request is answered here and its completion,
+            # finding it gone from ``inflight``, answers nothing.
+            target = INTERRUPT_IN.unpack_from(arg)[0]
+            task = self.tasks.get(target)
             if task is not None:
                 task.cancel()
+            elif self.inflight.pop(target, False):
+                self.reply_err(target, errno.EINTR)
         elif opcode == INIT:
             self._init(unique, arg)
         elif opcode == DESTROY:

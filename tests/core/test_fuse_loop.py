@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import socket
 from typing import Any, Iterator
 
+import pytest
+
 from initiator.controller import NamespaceInfo
-from initiator.fuse.abi import IN_HEADER, OUT_HEADER, READ, RW_IN, WRITE, WRITE_OUT
+from initiator.fuse.abi import IN_HEADER, INTERRUPT, INTERRUPT_IN, OUT_HEADER, READ, RW_IN, WRITE, WRITE_OUT
 from initiator.fuse.session import MAX_BATCH, FuseSession
 
 from .conftest import run
@@ -218,6 +221,42 @@ def test_an_aligned_write_and_a_read_modify_write_of_the_same_block_do_not_inter
             mount._on_readable()
             await _await_replies(kernel, 2)
             assert ctrl.data[:BS] == b"D" * BS
+    run(main())
+
+
+class _HeldCtrl(_RamCtrl):
+    """A controller that keeps every command until the test completes it (a reconnect)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[Any] = []
+
+    def transfer(self, write: bool, nsid: int, offset: int, buf: memoryview, done: Any, fua: bool = False) -> None:
+        self.held.append(done)
+
+
+def _interrupt(unique: int, target: int) -> bytes:
+    return IN_HEADER.pack(IN_HEADER.size + INTERRUPT_IN.size, INTERRUPT, unique, 0, 0, 0, 0, 0, 0) + \
+        INTERRUPT_IN.pack(target)
+
+
+def test_an_interrupted_request_is_answered_eintr_at_once_and_only_once() -> None:
+    async def main() -> None:
+        ctrl = _HeldCtrl()
+        with _mount(ctrl) as (mount, _, kernel):
+            kernel.send(_read(1, 0, BS))
+            kernel.send(_write(2, BS, b"W" * BS))
+            mount._on_readable()
+            assert len(ctrl.held) == 2
+            kernel.send(_interrupt(3, 1))
+            kernel.send(_interrupt(4, 2))
+            mount._on_readable()
+            assert sorted(await _await_replies(kernel, 2)) == [(1, -errno.EINTR, b""), (2, -errno.EINTR, b"")]
+            for done in ctrl.held:  # the commands complete after all: no second answer
+                done(None)
+            with pytest.raises(BlockingIOError):
+                kernel.recv(64)
+            assert not mount.inflight and not mount.files.locks[1].active
     run(main())
 
 
