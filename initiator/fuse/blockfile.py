@@ -167,15 +167,13 @@ class BlockFiles:
 
     def _write_done(self, unique: int, length: int, owned: bytearray | None, locks: RangeLocks,
                     token: int, exc: BaseException | None) -> None:
+        """Every write's end, aligned or not: its blocks released, then its answer."""
         locks.release(token)
         if not self._inflight.pop(unique, False):
             return  # interrupted: answered already
         if exc is not None:
             self._fail(unique, exc, "write")
-        else:
-            self._wrote(unique, length, owned)
-
-    def _wrote(self, unique: int, length: int, owned: bytearray | None) -> None:
+            return
         self.stats["write"] += 1
         self._reply(unique, WRITE_OUT.pack(length, 0))
         if owned is not None:
@@ -186,14 +184,16 @@ class BlockFiles:
         bs = info.block_size
         try:
             token = await locks.acquire(offset // bs, -(-(offset + len(data)) // bs), True)
-            try:
-                await self._patch(ctrl, info, offset, data)
-            finally:
-                locks.release(token)
         except BaseException as exc:
             self._fail(unique, exc, "write")
+            return
+        self._inflight[unique] = True
+        try:
+            await self._patch(ctrl, info, offset, data)
+        except BaseException as exc:
+            self._write_done(unique, len(data), owned, locks, token, exc)
         else:
-            self._wrote(unique, len(data), owned)
+            self._write_done(unique, len(data), owned, locks, token, None)
 
     async def _patch(self, ctrl: MountController, info: NamespaceInfo, offset: int,
                      data: bytes | memoryview) -> None:
