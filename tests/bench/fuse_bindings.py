@@ -1,6 +1,6 @@
 """Which FUSE binding for ``blockctl mount``: the same RAM-backed 256 MiB file served by
 
-* ``raw``: initiator/fuse.py (the kernel protocol on /dev/fuse, on the asyncio loop),
+* ``raw``: initiator/fuse/ (the kernel protocol on /dev/fuse, on the asyncio loop),
 * ``mfusepy``: libfuse3 threads through ctypes, each request handed to an asyncio loop thread
   with ``run_coroutine_threadsafe`` (how the daemon's Controller would be reached),
 * ``pyfuse3``: Cython low-level API run on asyncio (``pyfuse3.asyncio``), no thread hop,
@@ -38,8 +38,6 @@ class RamController:
         self.data = bytearray(os.urandom(1 << 20) * (SIZE >> 20))
         self.namespaces = {1: NamespaceInfo(1, SIZE // BS, BS, False)}
         self.failed = None
-        self.max_transfer = 1 << 20
-        self.state = "live"
 
     async def read_into(self, nsid: int, slba: int, buf: memoryview) -> None:
         off = slba * BS
@@ -49,17 +47,17 @@ class RamController:
         off = slba * BS
         self.data[off:off + len(data)] = data
 
-    def hold_sends(self) -> list:
-        return []
+    def hold_sends(self) -> None:
+        pass
 
-    def submit_read(self, nsid: int, slba: int, buf: memoryview, done) -> None:
-        off = slba * BS
-        buf[:] = self.data[off:off + len(buf)]
-        done(None)
+    def release_sends(self) -> None:
+        pass
 
-    def submit_write(self, nsid: int, slba: int, data: bytes, done) -> None:
-        off = slba * BS
-        self.data[off:off + len(data)] = data
+    def transfer(self, write: bool, nsid: int, offset: int, buf: memoryview, done, fua: bool = False) -> None:
+        if write:
+            self.data[offset:offset + len(buf)] = buf
+        else:
+            buf[:] = self.data[offset:offset + len(buf)]
         done(None)
 
     async def flush(self, nsid: int) -> None:

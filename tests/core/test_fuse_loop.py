@@ -1,69 +1,73 @@
-"""The FUSE mount's request loop without a kernel: a SEQPACKET socket stands in for /dev/fuse
-(one request per read, like the device) and a controller answers reads at once."""
+"""The FUSE mount's request loop and block-file semantics without a kernel: a SEQPACKET socket
+stands in for /dev/fuse (one request per read, like the device) and fake controllers answer."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import socket
 from typing import Any, Iterator
 
+import pytest
+
 from initiator.controller import NamespaceInfo
-from initiator.fuse import IN_HEADER, MAX_BATCH, OUT_HEADER, READ, RW_IN, FuseMount
+from initiator.fuse.abi import IN_HEADER, INTERRUPT, INTERRUPT_IN, OUT_HEADER, READ, RW_IN, WRITE, WRITE_OUT
+from initiator.fuse.session import MAX_BATCH, FuseSession
 
 from .conftest import run
 
 BS = 4096
 
 
-class _Conn:
-    def __init__(self) -> None:
-        self.held = 0
-
-    def release(self) -> None:
-        self.held -= 1
-
-
 class _Ctrl:
-    """Just enough of Controller: reads complete inside ``submit_read``."""
+    """Just enough of a MountController: reads complete inside ``transfer``."""
 
     def __init__(self) -> None:
         self.namespaces = {1: NamespaceInfo(1, 256, BS, False)}
         self.failed = None
-        self.max_transfer = 1 << 20
-        self.state = "live"
-        self.conn = _Conn()
         self.holds = 0
+        self.held = False
 
-    def hold_sends(self) -> list[_Conn]:
+    def hold_sends(self) -> None:
         self.holds += 1
-        self.conn.held += 1
-        return [self.conn]
+        self.held = True
 
-    def submit_read(self, nsid: int, slba: int, buf: memoryview, done: Any) -> None:
-        buf[:] = bytes([slba & 0xFF]) * len(buf)
+    def release_sends(self) -> None:
+        self.held = False
+
+    def transfer(self, write: bool, nsid: int, offset: int, buf: memoryview, done: Any, fua: bool = False) -> None:
+        assert not write
+        buf[:] = bytes([offset // BS & 0xFF]) * len(buf)
         done(None)
 
 
 def _request(unique: int, block: int) -> bytes:
+    return _read(unique, block * BS, BS)
+
+
+def _read(unique: int, offset: int, size: int) -> bytes:
     return (IN_HEADER.pack(IN_HEADER.size + RW_IN.size, READ, unique, 2, 0, 0, 0, 0, 0)
-            + RW_IN.pack(0, block * BS, BS, 0, 0, 0, 0))
+            + RW_IN.pack(0, offset, size, 0, 0, 0, 0))
+
+
+def _write(unique: int, offset: int, data: bytes) -> bytes:
+    return (IN_HEADER.pack(IN_HEADER.size + RW_IN.size + len(data), WRITE, unique, 2, 0, 0, 0, 0, 0)
+            + RW_IN.pack(0, offset, len(data), 0, 0, 0, 0) + data)
 
 
 @contextlib.contextmanager
-def _mount() -> Iterator[tuple[FuseMount, _Ctrl, socket.socket]]:
-    """A mount watching our end of the pair; yields it, its controller and the kernel's end."""
-    ctrl = _Ctrl()
-    mount = FuseMount({"c": ctrl}, "c", "/nonexistent")  # type: ignore[dict-item]
+def _mount(ctrl: Any = None) -> Iterator[tuple[FuseSession, Any, socket.socket]]:
+    """A session watching our end of the pair; yields it, its controller and the kernel's end."""
+    ctrl = ctrl or _Ctrl()
+    mount = FuseSession({"c": ctrl}, "c", "/nonexistent", 60.0)
     ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ours.setblocking(False)
-    mount._loop = asyncio.get_running_loop()
-    mount.fd = ours.fileno()
-    mount._watch()
+    mount.attach(ours.fileno())
     try:
         yield mount, ctrl, kernel
     finally:
-        mount._loop.remove_reader(mount.fd)
+        asyncio.get_running_loop().remove_reader(ours.fileno())
         ours.close()
         kernel.close()
 
@@ -71,7 +75,7 @@ def _mount() -> Iterator[tuple[FuseMount, _Ctrl, socket.socket]]:
 def _replies(kernel: socket.socket, count: int) -> list[tuple[int, int, bytes]]:
     out = []
     for _ in range(count):
-        raw = kernel.recv(BS + 64)
+        raw = kernel.recv(1 << 21)
         length, err, unique = OUT_HEADER.unpack_from(raw)
         assert length == len(raw)
         out.append((unique, err, raw[OUT_HEADER.size:]))
@@ -86,7 +90,7 @@ def test_a_lone_request_is_served_without_holding_sends() -> None:
             assert _replies(kernel, 1) == [(7, 0, bytes([3]) * BS)]
             assert ctrl.holds == 0
             mount._on_readable()  # nothing queued (a spurious wakeup): no error, no reply
-            assert ctrl.holds == 0 and not mount.fast
+            assert ctrl.holds == 0 and not mount.inflight
     run(main())
 
 
@@ -97,7 +101,7 @@ def test_queued_requests_are_served_in_one_callback_under_one_hold() -> None:
                 kernel.send(_request(i + 1, i))
             mount._on_readable()
             assert _replies(kernel, 3) == [(i + 1, 0, bytes([i]) * BS) for i in range(3)]
-            assert ctrl.holds == 1 and ctrl.conn.held == 0  # taken for the second, released
+            assert ctrl.holds == 1 and not ctrl.held  # taken for the second, released
     run(main())
 
 
@@ -112,3 +116,185 @@ def test_more_queued_requests_than_one_batch_wait_for_the_next_callback() -> Non
             assert _replies(kernel, 1)[0][0] == MAX_BATCH + 1
     run(main())
 
+
+
+class _RamCtrl:
+    """A controller over a bytearray whose commands complete later, each write landing only when
+    it completes (as on a target): what the range lock must order."""
+
+    def __init__(self, blocks: int = 64, delay: float = 0.0) -> None:
+        self.namespaces = {1: NamespaceInfo(1, blocks, BS, False)}
+        self.failed = None
+        self.data = bytearray(blocks * BS)
+        self.delay = delay
+        self.transfers: list[tuple[bool, int, int]] = []
+
+    def hold_sends(self) -> None:
+        pass
+
+    def release_sends(self) -> None:
+        pass
+
+    def transfer(self, write: bool, nsid: int, offset: int, buf: memoryview, done: Any, fua: bool = False) -> None:
+        self.transfers.append((write, offset, len(buf)))
+        loop = asyncio.get_running_loop()
+        if write:
+            payload = bytes(buf)
+
+            def land() -> None:
+                self.data[offset:offset + len(payload)] = payload
+                done(None)
+            loop.call_later(self.delay, land)
+        else:
+            buf[:] = self.data[offset:offset + len(buf)]
+            loop.call_soon(done, None)
+
+    async def _transferred(self, write: bool, offset: int, buf: memoryview) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self.transfer(write, 1, offset, buf, lambda exc: fut.set_result(None))
+        await fut
+
+    async def read_into(self, nsid: int, slba: int, buf: memoryview) -> None:
+        await self._transferred(False, slba * BS, buf)
+
+    async def write_bytes(self, nsid: int, offset: int, data: bytes | memoryview, fua: bool = False) -> None:
+        await self._transferred(True, offset, memoryview(data))
+
+
+async def _await_replies(kernel: socket.socket, count: int) -> list[tuple[int, int, bytes]]:
+    kernel.setblocking(False)
+    out: list[tuple[int, int, bytes]] = []
+    loop = asyncio.get_running_loop()
+    while len(out) < count:
+        raw = await asyncio.wait_for(loop.sock_recv(kernel, 1 << 21), 5)
+        length, err, unique = OUT_HEADER.unpack_from(raw)
+        assert length == len(raw)
+        out.append((unique, err, raw[OUT_HEADER.size:]))
+    return out
+
+
+def test_a_read_of_any_size_is_one_transfer_the_controller_splits() -> None:
+    async def main() -> None:
+        ctrl = _RamCtrl(blocks=40)  # 160 KiB: more than one command of a 128 KiB max transfer
+        ctrl.data[:] = bytes(range(256)) * (len(ctrl.data) // 256)
+        with _mount(ctrl) as (mount, _, kernel):
+            kernel.send(_read(1, 0, len(ctrl.data)))
+            mount._on_readable()
+            assert await _await_replies(kernel, 1) == [(1, 0, bytes(ctrl.data))]
+            assert ctrl.transfers == [(False, 0, len(ctrl.data))]
+    run(main())
+
+
+def test_an_unaligned_read_replies_with_exactly_its_bytes() -> None:
+    async def main() -> None:
+        ctrl = _RamCtrl()
+        ctrl.data[:] = bytes(range(256)) * (len(ctrl.data) // 256)
+        size = len(ctrl.data)
+        with _mount(ctrl) as (mount, _, kernel):
+            kernel.send(_read(1, 100, 5000))
+            kernel.send(_read(2, size - 10, 4096))  # clipped at the end of the file
+            kernel.send(_read(3, size, 4096))  # at the end: nothing
+            mount._on_readable()
+            replies = sorted(await _await_replies(kernel, 3))
+            assert replies == [(1, 0, bytes(ctrl.data[100:5100])), (2, 0, bytes(ctrl.data[-10:])), (3, 0, b"")]
+            assert sorted(ctrl.transfers) == [(False, 0, 2 * BS), (False, size - BS, BS)]
+    run(main())
+
+
+def test_an_aligned_write_and_a_read_modify_write_of_the_same_block_do_not_interleave() -> None:
+    """The aligned write goes out at once; the read-modify-write that arrived with it must read
+    the block only after that write landed, or it writes the old block back over it."""
+    async def main() -> None:
+        ctrl = _RamCtrl(delay=0.02)
+        with _mount(ctrl) as (mount, _, kernel):
+            kernel.send(_write(1, 10, b"A" * 20))
+            kernel.send(_write(2, 0, b"B" * BS))
+            mount._on_readable()
+            replies = sorted(await _await_replies(kernel, 2))
+            assert replies == [(1, 0, WRITE_OUT.pack(20, 0)), (2, 0, WRITE_OUT.pack(BS, 0))]
+            assert ctrl.data[:BS] == b"B" * 10 + b"A" * 20 + b"B" * (BS - 30)
+            # and one that arrives while a read-modify-write holds the block waits for it
+            kernel.send(_write(3, 100, b"C" * 10))
+            mount._on_readable()
+            await asyncio.sleep(0)  # the read-modify-write takes its lock
+            kernel.send(_write(4, 0, b"D" * BS))
+            mount._on_readable()
+            await _await_replies(kernel, 2)
+            assert ctrl.data[:BS] == b"D" * BS
+    run(main())
+
+
+class _HeldCtrl(_RamCtrl):
+    """A controller that keeps every command until the test completes it (a reconnect)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[Any] = []
+
+    def transfer(self, write: bool, nsid: int, offset: int, buf: memoryview, done: Any, fua: bool = False) -> None:
+        self.held.append(done)
+
+
+def _interrupt(unique: int, target: int) -> bytes:
+    return IN_HEADER.pack(IN_HEADER.size + INTERRUPT_IN.size, INTERRUPT, unique, 0, 0, 0, 0, 0, 0) + \
+        INTERRUPT_IN.pack(target)
+
+
+def test_an_interrupted_request_is_answered_eintr_at_once_and_only_once() -> None:
+    async def main() -> None:
+        ctrl = _HeldCtrl()
+        with _mount(ctrl) as (mount, _, kernel):
+            kernel.send(_read(1, 0, BS))
+            kernel.send(_write(2, BS, b"W" * BS))
+            mount._on_readable()
+            assert len(ctrl.held) == 2
+            kernel.send(_interrupt(3, 1))
+            kernel.send(_interrupt(4, 2))
+            mount._on_readable()
+            assert sorted(await _await_replies(kernel, 2)) == [(1, -errno.EINTR, b""), (2, -errno.EINTR, b"")]
+            for done in ctrl.held:  # the commands complete after all: no second answer
+                done(None)
+            with pytest.raises(BlockingIOError):
+                kernel.recv(64)
+            assert not mount.inflight and not mount.files.locks[1].active
+    run(main())
+
+
+def test_an_unmount_that_hangs_is_ended_by_aborting_the_connection(monkeypatch: Any) -> None:
+    """umount2 can wait on the mount itself; after UNMOUNT_TIMEOUT the mount closes its /dev/fuse
+    fd, the kernel then aborts the connection, which frees such a waiter, and the mount is
+    detached. Here the stuck unmount waits until the session's end of the pair is closed."""
+    import threading
+
+    from initiator.fuse import mount as mount_module
+    from initiator.fuse.mount import FuseMount
+
+    ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    mount = FuseMount({"c": _Ctrl()}, "c", "/nonexistent")
+    events: list[str] = []
+    freed = threading.Event()
+
+    def unmount(mountpoint: str, lazy: bool, via_fusermount: bool, timeout: float) -> None:
+        if lazy:
+            events.append("detach, connection " + ("aborted" if mount.session.fd < 0 else "open"))
+            return
+        events.append("umount")
+        kernel.settimeout(10)
+        if kernel.recv(1) == b"":  # until the connection is aborted
+            freed.set()
+
+    monkeypatch.setattr(mount_module.kernel_mount, "unmount", unmount)
+    monkeypatch.setattr(mount_module, "UNMOUNT_TIMEOUT", 0.2)
+
+    async def main() -> None:
+        ours.setblocking(False)
+        mount.session.attach(ours.detach())
+        mount.mounted = True
+        await asyncio.wait_for(mount.stop(), 5)
+        assert events == ["umount", "detach, connection aborted"]
+        assert mount.session.fd == -1 and not mount.mounted
+    try:
+        run(main())
+        assert freed.wait(5)
+    finally:
+        kernel.close()

@@ -41,7 +41,8 @@ def mounted(path: str | Path) -> bool:
 class Stack:
     def __init__(self, workdir: str | Path, size: int = 256 << 20, block_size: int = 512,
                  nr_io_queues: int = 4, queue_size: int = 128, ctrl_loss_tmo: float = 20.0,
-                 log_level: str = "info", backing: str | Path | None = None) -> None:
+                 log_level: str = "info", backing: str | Path | None = None,
+                 attr_ttl: float | None = None) -> None:
         self.dir = Path(workdir)
         self.size = size
         self.block_size = block_size
@@ -49,6 +50,8 @@ class Stack:
         self.queue_size = queue_size
         self.ctrl_loss_tmo = ctrl_loss_tmo
         self.log_level = log_level
+        self.attr_ttl = attr_ttl
+        """Seconds the kernel caches the mount's attributes (None: the daemon's default)."""
         self.port = free_port()
         self.backing = Path(backing) if backing else self.dir / "vol.img"
         self.socket = self.dir / "initiator.sock"
@@ -101,18 +104,21 @@ block_size = {self.block_size}
 
     def start_initiator(self) -> None:
         log = open(self.dir / "initiator.log", "ab")
+        env = dict(os.environ)
+        if self.attr_ttl is not None:
+            env["BLOCKD_FUSE_ATTR_TTL"] = str(self.attr_ttl)
         self.initiator = subprocess.Popen([tool("blockd"), "initiator", "--socket", str(self.socket),
                                            "--log-level", self.log_level],
-                                          stdout=log, stderr=log, cwd=REPO)
+                                          stdout=log, stderr=log, cwd=REPO, env=env)
         deadline = time.monotonic() + 20
         while not self.socket.exists():
             if self.initiator.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"initiator did not start:\n{self.log('initiator')}")
             time.sleep(0.05)
 
-    def blockctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    def blockctl(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         proc = subprocess.run([tool("blockctl"), "--socket", str(self.socket), *args],
-                              capture_output=True, text=True, timeout=60, cwd=REPO)
+                              capture_output=True, text=True, timeout=timeout, cwd=REPO)
         if check and proc.returncode:
             raise RuntimeError(f"blockctl {' '.join(args)} failed: {proc.stderr.strip()}\n{self.log('initiator')}")
         return proc

@@ -1,0 +1,282 @@
+"""The FUSE request loop of one mount: requests read from /dev/fuse on the daemon's event loop,
+handed to the block files or the directory, and replies written back.
+
+No libfuse threads and no thread hop per request: requests from many client threads are served
+concurrently on the one loop without GIL contention (see docs/benchmarks.md for why this beat
+mfusepy and pyfuse3). The session owns what every request shares: the device fd and the request
+buffers, the reply calls, the tasks INTERRUPT can cancel, the INIT handshake and the errno a
+failure answers with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import io
+import os
+import time
+from typing import TYPE_CHECKING, Any, Coroutine, Mapping
+
+import structlog
+
+from initiator.fuse.abi import (
+    BATCH_FORGET, DESTROY, FALLOCATE, FALLOCATE_IN, FORGET, FSYNC, FUSE_ASYNC_DIO, FUSE_ASYNC_READ,
+    FUSE_ATOMIC_O_TRUNC, FUSE_BIG_WRITES, FUSE_KERNEL_MINOR, FUSE_KERNEL_VERSION, FUSE_MAX_PAGES,
+    FUSE_MIN_MINOR, FUSE_PARALLEL_DIROPS, IN_HEADER, INIT, INIT_IN, INIT_OUT, INTERRUPT, INTERRUPT_IN,
+    OUT_HEADER, READ, RW_IN, WRITE,
+)
+from initiator.fuse.blockfile import BlockFiles
+from initiator.fuse.directory import NamespaceDir
+from initiator.fuse.errors import FsError, errno_for
+
+if TYPE_CHECKING:
+    from initiator.fuse.needs import MountController
+
+log = structlog.get_logger("blockd.initiator.fuse")
+
+WANTED_FLAGS = FUSE_ASYNC_READ | FUSE_ATOMIC_O_TRUNC | FUSE_BIG_WRITES | FUSE_ASYNC_DIO | \
+    FUSE_PARALLEL_DIROPS | FUSE_MAX_PAGES
+MAX_WRITE = 1 << 20
+MAX_PAGES = MAX_WRITE // 4096
+MAX_BACKGROUND = 128
+BUFFER_SIZE = MAX_WRITE + 4096
+COPY_LIMIT = 64 << 10
+"""Writes up to this size are copied out of the request buffer; bigger ones take the buffer."""
+SPARE_BUFFERS = 8
+MAX_BATCH = 8
+"""Requests read from /dev/fuse per readiness callback at most (then the loop takes its turn)."""
+
+_unpack_in = IN_HEADER.unpack_from
+_unpack_rw = RW_IN.unpack_from
+_pack_out = OUT_HEADER.pack
+_HDR = IN_HEADER.size
+_RW_DATA = _HDR + RW_IN.size
+
+
+class FuseSession:
+    """The requests of one mount, served from the event loop once ``attach`` gave it the fd."""
+
+    def __init__(self, connections: Mapping[str, MountController], name: str, mountpoint: str,
+                 attr_ttl: float) -> None:
+        self.connections = connections
+        self.name = name
+        self.mountpoint = mountpoint
+        self.fd = -1
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+        """Requests served by a coroutine, by FUSE unique id (INTERRUPT cancels them)."""
+        self.inflight: dict[int, bool] = {}
+        """Requests served by callbacks, by FUSE unique id (see ``BlockFiles``): taken out when
+        answered, by their completion or by an INTERRUPT, whichever comes first."""
+        self.stats = {"read": 0, "write": 0, "errors": 0}
+        self.files = BlockFiles(self, connections, name)
+        self.directory = NamespaceDir(self, connections, name, attr_ttl)
+        self.disconnected = False
+        """The kernel ended the connection (an unmount from outside, or an abort)."""
+        self.ready: asyncio.Future[None] | None = None
+        """Set once the kernel's INIT was answered."""
+        self._read = self.files.read
+        self._write = self.files.write
+        self._buf = bytearray(BUFFER_SIZE)
+        self._view = memoryview(self._buf)
+        self._file: io.FileIO | None = None
+        """/dev/fuse for reading requests (see ``attach``)."""
+        self._spare: list[bytearray] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._last_error_log = 0.0
+        self._suppressed = 0
+
+    # -- the device ---------------------------------------------------------------------------------
+
+    def attach(self, fd: int) -> None:
+        """Serve requests whenever ``fd`` (/dev/fuse) is readable. They are read through a FileIO,
+        whose ``readinto`` answers None when none is queued where ``os.readv`` raises
+        BlockingIOError: at QD1 every readiness callback ends with such a read (see ``_on_readable``)."""
+        self._loop = asyncio.get_running_loop()
+        if self.ready is None:
+            self.ready = self._loop.create_future()
+        self.fd = fd
+        self._file = io.FileIO(fd, "r", closefd=False)
+        self._loop.add_reader(fd, self._on_readable)
+
+    def close(self) -> None:
+        """Close the device fd. The last close of a FUSE connection aborts it in the kernel
+        (fuse_dev_release), so whatever still waits on this mount gets ENOTCONN rather than
+        waiting for us: this is how an unmount that hangs is ended (see ``FuseMount.stop``)."""
+        if self.fd >= 0:
+            if self._loop is not None:
+                self._loop.remove_reader(self.fd)
+            self._file = None
+            os.close(self.fd)
+            self.fd = -1
+
+    async def drain(self, timeout: float) -> None:
+        """Let requests still being served finish, for at most ``timeout``; cancel the rest."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self.tasks:
+            _, pending = await asyncio.wait(list(self.tasks.values()), timeout=timeout)
+            for task in pending:
+                task.cancel()
+        while self.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+
+    # -- the request loop ---------------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        """Serve what /dev/fuse has queued: a request, at once, then more while they keep coming
+        (up to ``MAX_BATCH``), whose capsules leave together when the batch ends, so with several
+        fio jobs the target gets them in one receive and answers in one send. A lone request
+        costs one more read, which finds nothing; the sends are held only once a second request
+        is there. Measured with 4 jobs, 4 KiB: ~20% less CPU per I/O; holding the first capsule
+        back too cost 15-25% IOPS (the target idled meanwhile), this did not."""
+        n = self._read_request()
+        if not n:
+            return
+        if n > 0:
+            self._serve(n)
+        ctrl = None
+        try:
+            for _ in range(MAX_BATCH - 1):
+                n = self._read_request()
+                if not n:
+                    break
+                if n > 0:
+                    if ctrl is None:
+                        ctrl = self.connections.get(self.name)
+                        if ctrl is not None:
+                            ctrl.hold_sends()
+                    self._serve(n)
+        finally:
+            if ctrl is not None:
+                ctrl.release_sends()
+
+    def _read_request(self) -> int:
+        """Read the next request into ``_buf``: its length; 0 when there was none (or the mount
+        is gone), -1 when it was interrupted before we read it (there may be more)."""
+        try:
+            return self._file.readinto(self._buf) or 0  # None: nothing queued
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return -1
+            if exc.errno == errno.ENODEV:  # unmounted (or the connection was aborted)
+                log.info("fuse connection closed by the kernel", mountpoint=self.mountpoint)
+                self.disconnected = True
+                self.close()
+                return 0
+            raise
+
+    def _serve(self, n: int) -> None:
+        """Start the request of ``n`` bytes in ``_buf``."""
+        view = self._view
+        _, opcode, unique, nodeid, _, _, _, _, _ = _unpack_in(view, 0)
+        if opcode == READ:
+            fh, offset, size, _, _, _, _ = _unpack_rw(view, _HDR)
+            self._read(unique, nodeid - 1, offset, size)
+        elif opcode == WRITE:
+            fh, offset, size, _, _, _, _ = _unpack_rw(view, _HDR)
+            if size <= COPY_LIMIT:  # a copy out of the request buffer, as a view like the other
+                data = memoryview(self._buf[_RW_DATA:_RW_DATA + size])
+                owned = None
+            else:  # big write: hand the request buffer itself to the write, read into another
+                owned = self._buf
+                data = view[_RW_DATA:_RW_DATA + size]
+                self._buf = self._spare.pop() if self._spare else bytearray(BUFFER_SIZE)
+                self._view = memoryview(self._buf)
+            self._write(unique, nodeid - 1, offset, data, owned)
+        else:
+            try:
+                self._other(opcode, unique, nodeid, view[_HDR:n])
+            except FsError as exc:
+                self.reply_err(unique, exc.errno)
+            except Exception:
+                log.exception("fuse request failed", opcode=opcode)
+                self.reply_err(unique, errno.EIO)
+
+    def _other(self, opcode: int, unique: int, nodeid: int, arg: memoryview) -> None:
+        if opcode == FSYNC:
+            self.spawn(unique, self.files.fsync(unique, nodeid - 1))
+        elif opcode == FALLOCATE:
+            _, offset, length, mode, _ = FALLOCATE_IN.unpack_from(arg)
+            self.spawn(unique, self.files.fallocate(unique, nodeid - 1, offset, length, mode))
+        elif opcode in (FORGET, BATCH_FORGET):
+            pass  # no reply
+        elif opcode == INTERRUPT:
+            # The caller got a signal. Once we have read its request the kernel waits for our
+            # answer even through SIGKILL, and a command the controller holds while it
+            # reconnects may take until ctrl_loss_tmo: answer EINTR now. A coroutine is
+            # cancelled (it answers); a callback request is answered here and its completion,
+            # finding it gone from ``inflight``, answers nothing.
+            target = INTERRUPT_IN.unpack_from(arg)[0]
+            task = self.tasks.get(target)
+            if task is not None:
+                task.cancel()
+            elif self.inflight.pop(target, False):
+                self.reply_err(target, errno.EINTR)
+        elif opcode == INIT:
+            self._init(unique, arg)
+        elif opcode == DESTROY:
+            self.reply(unique)
+        else:
+            self.directory.serve(opcode, unique, nodeid, arg)
+
+    def _init(self, unique: int, arg: memoryview) -> None:
+        major, minor, max_readahead, flags = INIT_IN.unpack_from(arg)
+        if major != FUSE_KERNEL_VERSION or minor < FUSE_MIN_MINOR:
+            log.error("unsupported FUSE protocol", major=major, minor=minor)
+            raise FsError(errno.EPROTO)
+        self.reply(unique, INIT_OUT.pack(
+            FUSE_KERNEL_VERSION, FUSE_KERNEL_MINOR, max_readahead, flags & WANTED_FLAGS,
+            MAX_BACKGROUND, MAX_BACKGROUND * 3 // 4, MAX_WRITE, 1, MAX_PAGES, 0, 0, *(0,) * 7))
+        log.info("fuse session ready", mountpoint=self.mountpoint, proto=f"{major}.{minor}")
+        if self.ready is not None and not self.ready.done():
+            self.ready.set_result(None)
+
+    def spawn(self, unique: int, coro: Coroutine[Any, Any, None]) -> None:
+        """Serve request ``unique`` by a coroutine (interruptible; it replies itself)."""
+        task = self.tasks[unique] = self._loop.create_task(coro)
+        task.add_done_callback(lambda _: self.tasks.pop(unique, None))
+
+    def recycle(self, buf: bytearray) -> None:
+        """A big write's request buffer back to the pool. Only after the write succeeded: a failed
+        write's data may still sit in a closing transport's buffer and must not be overwritten by
+        the next request."""
+        if len(self._spare) < SPARE_BUFFERS:
+            self._spare.append(buf)
+
+    # -- replies ------------------------------------------------------------------------------------
+
+    def send(self, parts: list[Any]) -> None:
+        try:
+            os.writev(self.fd, parts)
+        except OSError as exc:
+            # ENOENT: the request was interrupted and is gone; ENODEV/EBADF: unmounted meanwhile
+            if exc.errno not in (errno.ENOENT, errno.ENODEV, errno.EBADF):
+                raise
+
+    def reply(self, unique: int, payload: bytes | bytearray | memoryview = b"") -> None:
+        self.send([_pack_out(16 + len(payload), 0, unique), payload])
+
+    def reply_err(self, unique: int, err: int) -> None:
+        self.send([_pack_out(16, -err, unique)])
+
+    def fail(self, unique: int, exc: BaseException, what: str) -> None:
+        """Answer request ``unique`` with the errno of ``exc``. I/O errors are counted and
+        logged at most once a second (a dead connection fails every request)."""
+        if not isinstance(exc, (Exception, asyncio.CancelledError)):  # KeyboardInterrupt, SystemExit
+            self.reply_err(unique, errno.EIO)
+            raise exc
+        err = errno_for(exc)
+        if err is None:
+            log.exception("fuse request failed", op=what, exc_info=exc)
+            err = errno.EIO
+        if err == errno.EIO:
+            self.stats["errors"] += 1
+            now = time.monotonic()
+            if now - self._last_error_log >= 1.0:
+                log.warning("I/O error returned to the caller", mountpoint=self.mountpoint, op=what,
+                            error=str(exc) or type(exc).__name__, suppressed=self._suppressed)
+                self._last_error_log = now
+                self._suppressed = 0
+            else:
+                self._suppressed += 1
+        self.reply_err(unique, err)
