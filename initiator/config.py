@@ -18,7 +18,7 @@ Example::
     # hdr_digest = false
     # data_digest = false
 
-    # FUSE mounts, as `blockctl mount vol1 /mnt/vol1` (initiator/fuse.py): made once the
+    # FUSE mounts, as `blockctl mount vol1 /mnt/vol1` (initiator/fuse/): made once the
     # connection is up; the mount point must be an existing directory
     [[mount]]
     connection = "vol1"

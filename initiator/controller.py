@@ -592,24 +592,13 @@ class Controller:
         data = b"".join(DSM_RANGE_FAST.pack(0, nlb, slba) for slba, nlb in ranges)
         await self.io_command(dsm_command(nsid, len(ranges) - 1, DSM_ATTR_DEALLOCATE), data_out=data)
 
-    def submit_read(self, nsid: int, slba: int, buf: memoryview, done: IoDone) -> None:
-        """Old name of ``transfer(False, ...)`` at a block address, for the FUSE mount until it
-        calls :meth:`transfer`."""
-        self.transfer(False, nsid, slba * self.namespace(nsid).block_size, buf, done)
-
-    def submit_write(self, nsid: int, slba: int, data: bytes | memoryview, done: IoDone) -> None:
-        """Old name of ``transfer(True, ...)`` at a block address (see :meth:`submit_read`)."""
-        self.transfer(True, nsid, slba * self.namespace(nsid).block_size, memoryview(data), done)
-
-    def hold_sends(self) -> list[QueueConnection]:
+    def hold_sends(self) -> None:
         """Hold the I/O queues' sends until :meth:`release_sends` (see ``QueueConnection.hold``):
         a caller about to submit several commands (the FUSE mount draining its requests) lets
-        them leave together. Not nested. Returns the held connections for the FUSE mount of
-        today, which releases them itself, until it calls :meth:`release_sends`."""
+        them leave together. Not nested."""
         self._held = list(self.io)
         for conn in self._held:
             conn.hold()
-        return self._held
 
     def release_sends(self) -> None:
         held, self._held = self._held, []

@@ -12,7 +12,6 @@ import math
 import struct
 from typing import Callable
 
-from initiator.errors import NvmeError, QueueLost  # noqa: F401  (old import path, kept for fuse.py)
 from protocol.commands import SQE_CID_OFFSET
 from protocol.nvme import SQE_FAST
 

@@ -11,8 +11,6 @@ A backend may wrap another (:class:`target.filter.BackendFilter`).
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import errno
 import fcntl
 import os
@@ -20,17 +18,12 @@ import stat
 import struct
 from typing import Protocol
 
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
-_FALLOC_FL_ZERO_RANGE = 0x10
+from blockd.linux_files import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE, fallocate
+
 _BLKGETSIZE64 = 0x80081272
 _BLKDISCARD = 0x1277
 _BLKZEROOUT = 0x127F
 _ZERO_CHUNK = bytes(1 << 20)
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-
 
 class Backend(Protocol):
     """What a namespace needs from its storage."""
@@ -67,12 +60,6 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release the storage; further calls are errors."""
-
-
-def _fallocate(fd: int, mode: int, offset: int, length: int) -> None:
-    if _libc.fallocate(fd, mode, offset, length) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
 
 
 class FileBackend:
@@ -130,14 +117,14 @@ class FileBackend:
         if self.is_block_device:
             fcntl.ioctl(self.fd, _BLKDISCARD, struct.pack("<QQ", offset, length))
             return
-        _fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length)
+        fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)
 
     async def write_zeroes(self, offset: int, length: int) -> None:
         if self.is_block_device:
             fcntl.ioctl(self.fd, _BLKZEROOUT, struct.pack("<QQ", offset, length))
             return
         try:
-            _fallocate(self.fd, _FALLOC_FL_ZERO_RANGE | _FALLOC_FL_KEEP_SIZE, offset, length)
+            fallocate(self.fd, FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE, offset, length)
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
                 raise
