@@ -171,7 +171,7 @@ async def bad_pdo(conn: TargetConnection, cmd: IoCommand) -> None:
 
 
 async def plen_inside_header(conn: TargetConnection, cmd: IoCommand) -> None:
-    conn.send(pdu_bytes(PduType.CAPSULE_RESP, cqe(cmd.cid), plen=DATA_HLEN - 4))
+    conn.send(pdu_bytes(PduType.C2H_DATA, data_header_rest(cmd.cid, 0, 0, 0), plen=DATA_HLEN - 4))
 
 
 async def completion_for_unknown_cid(conn: TargetConnection, cmd: IoCommand) -> None:
@@ -314,6 +314,12 @@ def test_write_meets_a_fatal_error(name: str) -> None:
 
 # -- data digest: the command fails, the connection lives ---------------------------------------------
 
+def with_bad_data_digest(bufs: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """A data PDU's buffers (header, data, digest) with the digest made wrong."""
+    digest = int.from_bytes(bufs[-1], "little") ^ 0xFFFFFFFF
+    return [*bufs[:-1], digest.to_bytes(DIGEST_SIZE, "little")]
+
+
 @pytest.mark.parametrize("pieces", [1, 2])
 @pytest.mark.parametrize("success_flag", [False, True], ids=["with CapsuleResp", "SUCCESS flag"])
 def test_bad_c2h_data_digest_fails_only_the_read(pieces: int, success_flag: bool) -> None:
@@ -333,11 +339,7 @@ def test_bad_c2h_data_digest_fails_only_the_read(pieces: int, success_flag: bool
             last = i == pieces - 1
             flags = (PduFlags.LAST_PDU | (PduFlags.SUCCESS if success_flag else 0)) if last else 0
             bufs = conn.framing.data_pdu(PduType.C2H_DATA, cmd.cid, 0, i * step, bytes(step), flags)
-            if i == 0:
-                bad = bytearray(bufs[-1])
-                bad[0] ^= 0xFF
-                bufs[-1] = bytes(bad)
-            conn.send(bufs)
+            conn.send(with_bad_data_digest(bufs) if i == 0 else bufs)
         if not success_flag:
             conn.respond(cmd.cid)
 
@@ -422,3 +424,24 @@ def test_digest_sizes_in_the_claims_stay_bounded() -> None:
         conn.send(bytes(raw))
 
     check_terminated_and_retried(False, 4096, attack, INVALID_FIELD, FEI_PLEN, hdr_digest=True, data_digest=True)
+
+
+def test_data_digest_error_then_lost_connection_retries_clean() -> None:
+    """A read whose first PDU had a bad digest, then the connection drops before it completed:
+    sent again on the new association, its bad digest is history and it succeeds once."""
+    first = True
+
+    async def script(conn: TargetConnection, cmd: IoCommand) -> None:
+        nonlocal first
+        if not first:
+            await conn.execute(cmd)
+            return
+        first = False
+        conn.send(with_bad_data_digest(conn.framing.data_pdu(PduType.C2H_DATA, cmd.cid, 0, 0, bytes(BS))))
+        await asyncio.sleep(0.05)  # the host has seen the bad digest
+        conn.close()
+
+    target, done, buf = one_command(script, False, 4096, data_digest=True)
+    assert target.connects == [0, 1, 0, 1]
+    assert done.calls == [None]
+    assert bytes(target.disk[SLBA * BS:SLBA * BS + 4096]) == buf
