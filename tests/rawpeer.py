@@ -175,15 +175,22 @@ class TargetConnection(PeerConnection):
         return self.ttag
 
     async def h2c_data(self, cid: int, length: int) -> bytes:
-        """The ``length`` bytes the host sends for an R2T, checked for order and LAST_PDU."""
+        """The ``length`` bytes the host sends for an R2T, checked for order and LAST_PDU.
+        Capsules the host sent meanwhile are kept, in order, for the serving loop."""
         got = bytearray()
+        later: list[RawPdu] = []
         while len(got) < length:
             pdu = await self.recv()
-            assert pdu is not None and pdu.ptype == PduType.H2C_DATA, pdu
+            assert pdu is not None, "connection closed before the data"
+            if pdu.ptype == PduType.CAPSULE_CMD:
+                later.append(pdu)
+                continue
+            assert pdu.ptype == PduType.H2C_DATA, pdu
             head = pdu.fields(DATA_PDU_HEADER_FAST)
             assert head["cccid"] == cid and head["datao"] == len(got), head
             got += pdu.data
             assert bool(pdu.flags & PduFlags.LAST_PDU) == (len(got) == length), head
+        self._inbox.extendleft(reversed(later))
         return bytes(got)
 
     async def execute(self, cmd: IoCommand) -> None:

@@ -27,7 +27,8 @@ from protocol.tcp import (
 )
 from tests.rawpeer import TERM_REQ_FAST, IoCommand, RawPdu, ScriptedTarget, TargetConnection, data_header_rest, pdu_bytes
 
-from .conftest import HOSTNQN, run
+from .conftest import HOSTNQN, run, until
+from .test_host_controller import Done
 
 NSID = 1
 BS = 512
@@ -53,24 +54,6 @@ def params(port: int, **kw: Any) -> ConnectParams:
     kw = {"nr_io_queues": 1, "queue_size": 16, "keep_alive_tmo": 0, "reconnect_delay": 0.01, "ctrl_loss_tmo": 5,
           "connect_timeout": 3, "command_timeout": 5, "hostnqn": HOSTNQN, **kw}
     return ConnectParams(traddr="127.0.0.1", subnqn="nqn.2026-11.io.blockd:scripted", trsvcid=port, **kw)
-
-
-class Done:
-    """An ``IoDone`` recording every call (a command must complete exactly once)."""
-
-    def __init__(self) -> None:
-        self.calls: list[BaseException | None] = []
-
-    def __call__(self, exc: BaseException | None) -> None:
-        self.calls.append(exc)
-
-
-async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "condition not reached"
-        await asyncio.sleep(0.005)
 
 
 class FirstCommandMeets:
