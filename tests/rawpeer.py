@@ -29,7 +29,7 @@ from protocol.constants import (
 from protocol.fabrics import CONNECT_COMMAND, FABRICS_COMMAND, PROPERTY_COMMAND
 from protocol.identify import ACTIVE_NS_LIST, IDENTIFY_CONTROLLER, IDENTIFY_NAMESPACE, IDENTIFY_SIZE
 from protocol.layout import FixedLayout, fixed_layout
-from protocol.nvme import CQE_FAST, IDENTIFY_COMMAND, IO_COMMAND_FAST, SQE_FAST
+from protocol.nvme import CQE_FAST, GET_LOG_PAGE_COMMAND, IDENTIFY_COMMAND, IO_COMMAND_FAST, SQE_FAST
 from protocol.status import Status, to_wire
 from protocol.tcp import (
     COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_PDU_HEADER_FAST, IC_REQ, IC_RESP, TERM_REQ_HEADER, PduFlags,
@@ -46,6 +46,7 @@ _FABRICS = fixed_layout(FABRICS_COMMAND)
 _PROPERTY = fixed_layout(PROPERTY_COMMAND)
 _IDENTIFY = fixed_layout(IDENTIFY_COMMAND)
 _SET_FEATURES = fixed_layout(SET_FEATURES_COMMAND)
+_GET_LOG_PAGE = fixed_layout(GET_LOG_PAGE_COMMAND)
 
 
 @dataclass(frozen=True)
@@ -262,6 +263,12 @@ class TargetConnection(PeerConnection):
             self.respond(cid)
         elif opcode == AdminOpcode.SET_FEATURES and _SET_FEATURES.as_dict(sqe)["fid"] == FeatureId.NUMBER_OF_QUEUES:
             self.respond(cid, dw0=_SET_FEATURES.as_dict(sqe)["cdw11"])  # all asked for
+        elif opcode == AdminOpcode.GET_LOG_PAGE:
+            f = _GET_LOG_PAGE.as_dict(sqe)
+            length = (((f["numdu"] << 16) | f["numdl"]) + 1) * 4
+            page = target.log_pages.get(f["lid"], b"")[f["lpo"]:f["lpo"] + length]
+            self.c2h_data(cid, 0, page.ljust(length, b"\0"))
+            self.respond(cid)
         elif opcode == AdminOpcode.KEEP_ALIVE:
             self.respond(cid)
         else:
@@ -285,6 +292,8 @@ class ScriptedTarget:
         self.maxh2cdata = maxh2cdata
         self.script: IoScript = script or TargetConnection.execute
         self.cc = 0
+        self.log_pages: dict[int, bytes] = {}
+        """Get Log Page answers by log page id (what the page holds from offset 0)."""
         self.connections: list[TargetConnection] = []
         self.connects: list[int] = []
         self.unexpected: list[RawPdu] = []

@@ -5,8 +5,9 @@ except for the first I/O command, which meets one protocol violation. For each g
 checks what the host answers (the H2CTermReq's FES and FEI, quoting the bad header), that it
 then closes the connection, that the controller reconnects, and that the command, sent again,
 completes exactly once with the right data. A bad data digest instead fails only its command
-and the connection lives, as the Linux host does. Whatever a target claims in a header, the host
-allocates nothing beyond the command's own buffer and a bounded staging buffer (measured).
+and the connection lives, as the Linux host does. Whatever a target claims in a header (or a
+discovery log in its NUMREC), the host allocates nothing beyond the command's own buffer and a
+bounded staging buffer (measured with tracemalloc).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import Any, Awaitable, Callable
 
 import pytest
 
-from initiator.controller import ConnectParams, Controller, NvmeError
+from initiator.controller import ConnectError, ConnectParams, Controller, NvmeError, discover
 from protocol.commands import CQE_CID_OFFSET, field_offset
+from protocol.constants import LogPageId, TransportType
+from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_HEADER
 from protocol.nvme import CQE_FAST
 from protocol.status import Status, to_wire
 from protocol.tcp import (
@@ -428,3 +431,37 @@ def test_data_digest_error_then_lost_connection_retries_clean() -> None:
     assert target.connects == [0, 1, 0, 1]
     assert done.calls == [None]
     assert bytes(target.disk[SLBA * BS:SLBA * BS + 4096]) == buf
+
+
+def discovery_log(numrec: int, entries: int) -> bytes:
+    header = DISCOVERY_HEADER.build(dict(genctr=1, numrec=numrec, recfmt=0))
+    entry = DISCOVERY_ENTRY.build(dict(trtype=TransportType.TCP, adrfam=1, subtype=2, treq=0, portid=1, cntlid=0xFFFF,
+                                       asqsz=32, eflags=0, trsvcid="4420", subnqn="nqn.2026-11.io.blockd:x",
+                                       traddr="127.0.0.1", tsas=bytes(256)))
+    return header + entry * entries
+
+
+@pytest.mark.parametrize("numrec", [2, 1 << 16])
+def test_discovery_log_claiming_countless_entries_is_refused(numrec: int) -> None:
+    """A discovery controller answers any host; its log header's 64-bit NUMREC must not size
+    what the host allocates. Two entries are read; 65536 (64 MiB) are refused up front."""
+    target = ScriptedTarget()
+    target.log_pages[LogPageId.DISCOVERY] = discovery_log(numrec, min(numrec, 2))
+
+    async def main() -> None:
+        async with target:
+            tracemalloc.start()
+            try:
+                if numrec == 2:
+                    entries = await discover("127.0.0.1", target.port, timeout=3)
+                    assert [(e.traddr, e.trsvcid) for e in entries] == [("127.0.0.1", "4420")] * 2
+                else:
+                    with pytest.raises(ConnectError, match=f"claims {numrec} entries"):
+                        await discover("127.0.0.1", target.port, timeout=3)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert peak < 2 * STAGING_BOUND, peak
+        assert not target.errors, target.errors
+
+    run(main(), timeout=30)
