@@ -60,12 +60,13 @@ def params(port: int, **kw: Any) -> ConnectParams:
 
 
 class FirstCommandMeets:
-    """A script: the first I/O command meets ``attack``, and the host's answer (its
-    termination request, None if it sent none) and whether it then closed are kept; every
-    later command is served correctly."""
+    """A script: the first I/O command meets ``attack``, and (unless ``answered`` is False:
+    an attack the host survives) the host's answer (its termination request, None if it sent
+    none) and whether it then closed are kept; every later command is served correctly."""
 
-    def __init__(self, attack: Attack, trace_memory: bool = False) -> None:
+    def __init__(self, attack: Attack, trace_memory: bool = False, answered: bool = True) -> None:
         self.attack = attack
+        self.answered = answered
         self.attacked = False
         self.reply: RawPdu | None = None
         self.closed = False
@@ -79,6 +80,9 @@ class FirstCommandMeets:
             await conn.execute(cmd)
             return
         self.attacked = True
+        if not self.answered:
+            await self.attack(conn, cmd)
+            return
         if self.trace_memory:
             tracemalloc.start()
             before = tracemalloc.get_traced_memory()[0]
@@ -312,14 +316,7 @@ def test_bad_c2h_data_digest_fails_only_the_read(pieces: int, success_flag: bool
     """The first of ``pieces`` C2HData PDUs has a bad data digest: the read fails with Data
     Transfer Error once, the rest of its data still lands in order (no framing error), and the
     next read on the same connection succeeds."""
-    first = True
-
-    async def script(conn: TargetConnection, cmd: IoCommand) -> None:
-        nonlocal first
-        if not first:
-            await conn.execute(cmd)
-            return
-        first = False
+    async def attack(conn: TargetConnection, cmd: IoCommand) -> None:
         step = cmd.length // pieces
         for i in range(pieces):
             last = i == pieces - 1
@@ -329,7 +326,7 @@ def test_bad_c2h_data_digest_fails_only_the_read(pieces: int, success_flag: bool
         if not success_flag:
             conn.respond(cmd.cid)
 
-    target = ScriptedTarget(size=SIZE, script=script)
+    target = ScriptedTarget(size=SIZE, script=FirstCommandMeets(attack, answered=False))
     target.disk[:] = random.Random(5).randbytes(SIZE)
     done = Done()
 
@@ -415,19 +412,12 @@ def test_digest_sizes_in_the_claims_stay_bounded() -> None:
 def test_data_digest_error_then_lost_connection_retries_clean() -> None:
     """A read whose first PDU had a bad digest, then the connection drops before it completed:
     sent again on the new association, its bad digest is history and it succeeds once."""
-    first = True
-
-    async def script(conn: TargetConnection, cmd: IoCommand) -> None:
-        nonlocal first
-        if not first:
-            await conn.execute(cmd)
-            return
-        first = False
+    async def attack(conn: TargetConnection, cmd: IoCommand) -> None:
         conn.send(with_bad_data_digest(conn.framing.data_pdu(PduType.C2H_DATA, cmd.cid, 0, 0, bytes(BS))))
         await asyncio.sleep(0.05)  # the host has seen the bad digest
         conn.close()
 
-    target, done, buf = one_command(script, False, 4096, data_digest=True)
+    target, done, buf = one_command(FirstCommandMeets(attack, answered=False), False, 4096, data_digest=True)
     assert target.connects == [0, 1, 0, 1]
     assert done.calls == [None]
     assert bytes(target.disk[SLBA * BS:SLBA * BS + 4096]) == buf
