@@ -304,9 +304,6 @@ class ScriptedTarget:
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def io_connections(self) -> list[TargetConnection]:
-        return [c for c in self.connections if c.qid > 0]
-
     async def __aenter__(self) -> ScriptedTarget:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
@@ -325,10 +322,6 @@ class ScriptedTarget:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-
-    async def restart(self) -> None:
-        """Come back on the same port (call after :meth:`stop`)."""
-        await self.__aenter__()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = TargetConnection(self, reader, writer)

@@ -104,8 +104,7 @@ class DropAfter:
             return
         for held in self.held[:self.answer]:
             await self.run(conn, held)
-        await asyncio.sleep(0.05)  # the host has taken the answers
-        self.dropped = True
+        self.dropped = True  # the answers leave before the close: the host reads them first
         conn.target.queue_depth = self.depth_after
         conn.close()
 

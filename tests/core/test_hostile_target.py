@@ -414,8 +414,7 @@ def test_data_digest_error_then_lost_connection_retries_clean() -> None:
     sent again on the new association, its bad digest is history and it succeeds once."""
     async def attack(conn: TargetConnection, cmd: IoCommand) -> None:
         conn.send(with_bad_data_digest(conn.framing.data_pdu(PduType.C2H_DATA, cmd.cid, 0, 0, bytes(BS))))
-        await asyncio.sleep(0.05)  # the host has seen the bad digest
-        conn.close()
+        conn.close()  # after the PDU has left: the host reads it, then the end of the stream
 
     target, done, buf = one_command(FirstCommandMeets(attack, answered=False), False, 4096, data_digest=True)
     assert target.connects == [0, 1, 0, 1]
