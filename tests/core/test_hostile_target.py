@@ -28,7 +28,9 @@ from protocol.status import Status, to_wire
 from protocol.tcp import (
     COMMON_HEADER, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_PDU_HEADER, DATA_HLEN, DIGEST_SIZE, PduFlags, PduType, TermReqFes,
 )
-from tests.rawpeer import TERM_REQ_FAST, IoCommand, RawPdu, ScriptedTarget, TargetConnection, data_header_rest, pdu_bytes
+from tests.rawpeer import (
+    TERM_REQ_FAST, IoCommand, IoScript, RawPdu, ScriptedTarget, TargetConnection, data_header_rest, pdu_bytes,
+)
 
 from .conftest import HOSTNQN, run, until
 from .test_host_controller import Done
@@ -72,8 +74,8 @@ class FirstCommandMeets:
         self.closed = False
         self.trace_memory = trace_memory
         self.peak = -1
-        """With ``trace_memory``: the most Python allocated at once (tracemalloc) from the attack
-        to the host's answer, over what it held before."""
+        """With ``trace_memory``: the most memory Python allocations held at once (tracemalloc,
+        which counts only what is allocated once started) from the attack to the host's answer."""
 
     async def __call__(self, conn: TargetConnection, cmd: IoCommand) -> None:
         if self.attacked:
@@ -85,19 +87,18 @@ class FirstCommandMeets:
             return
         if self.trace_memory:
             tracemalloc.start()
-            before = tracemalloc.get_traced_memory()[0]
         try:
             await self.attack(conn, cmd)
             self.reply = await conn.recv()
             if self.trace_memory:
-                self.peak = tracemalloc.get_traced_memory()[1] - before
+                self.peak = tracemalloc.get_traced_memory()[1]
         finally:
             if self.trace_memory:
                 tracemalloc.stop()
         self.closed = self.reply is None or await conn.closed()
 
 
-def one_command(script: Any, write: bool, length: int, **kw: Any) -> tuple[ScriptedTarget, Done, bytes]:
+def one_command(script: IoScript, write: bool, length: int, **kw: Any) -> tuple[ScriptedTarget, Done, bytes]:
     """Connect to a scripted target, run one read or write of ``length`` bytes, and return the
     target, the command's ``done`` record and what the read returned (or the write sent)."""
     target = ScriptedTarget(size=SIZE, inline=INLINE, script=script)
