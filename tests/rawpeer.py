@@ -122,6 +122,16 @@ class PeerConnection:
                 self._inbox.append(RawPdu(pdu.pdu_type, pdu.flags, bytes(pdu.header), data))
         return self._inbox.popleft()
 
+    async def answered(self, timeout: float) -> bool:
+        """Whether the peer sent a PDU, or closed, within ``timeout``; a PDU stays to be received."""
+        try:
+            pdu = await self.recv(timeout)
+        except asyncio.TimeoutError:
+            return False
+        if pdu is not None:
+            self._inbox.appendleft(pdu)
+        return True  # after the close, ``recv`` keeps answering None
+
     async def closed(self, timeout: float = 5.0) -> bool:
         """True once the peer has closed its side, with no PDU sent before that."""
         return await self.recv(timeout) is None
