@@ -61,6 +61,10 @@ AER_TIMEOUT = 365 * 86400.0
 TIMEOUT_SWEEP = 0.5
 """Seconds between checks for commands past their deadline. One periodic sweep (as the Linux
 block layer's request timer) instead of a timer armed and cancelled for every command."""
+MAX_DISCOVERY_RECORDS = ((1 << 20) - DISCOVERY_HEADER_SIZE) // DISCOVERY_ENTRY_SIZE
+"""Most discovery log entries read: header and entries in one 1 MiB read. NUMREC is 64 bits
+wide and the log is read into one buffer of its size, so a discovery controller (which
+answers any host) could otherwise have us allocate whatever it claims."""
 CONNECT_IATTR_SUBNQN = IATTR_DATA | 256
 """Connect's Invalid Parameters pointing at SUBNQN in the Connect data: no such subsystem."""
 
@@ -480,6 +484,9 @@ class Controller:
 
     async def discovery_log(self) -> list[DiscoveryEntry]:
         header = DISCOVERY_HEADER.parse(await self.get_log_page(LogPageId.DISCOVERY, DISCOVERY_HEADER_SIZE, rae=True))
+        if header.numrec > MAX_DISCOVERY_RECORDS:
+            raise ConnectError(f"discovery log at {self.params.traddr}:{self.params.trsvcid} claims "
+                               f"{header.numrec} entries; at most {MAX_DISCOVERY_RECORDS} are read")
         total = DISCOVERY_HEADER_SIZE + header.numrec * DISCOVERY_ENTRY_SIZE
         page = await self.get_log_page(LogPageId.DISCOVERY, total)
         entries = []

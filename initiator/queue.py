@@ -30,7 +30,7 @@ class HostCommand:
     stores in a hand-written ``__init__`` cost less than a dataclass's instance dict.
     """
 
-    __slots__ = ("sqe", "data_out", "data_in", "cid", "received", "status", "dw0", "dw1", "on_done",
+    __slots__ = ("sqe", "data_out", "data_in", "cid", "transferred", "status", "dw0", "dw1", "on_done",
                  "deadline", "attempts")
 
     def __init__(self, sqe: bytearray, data_out: bytes | memoryview | None = None,
@@ -41,7 +41,9 @@ class HostCommand:
         self.data_out = data_out
         self.data_in = data_in
         self.cid = -1
-        self.received = 0
+        self.transferred = 0
+        """Bytes of data moved so far: received (C2HData) for a read; asked for by R2T, and so
+        sent, for a write. The transport's bound on what a target may send or ask for."""
         self.status = 0
         self.dw0 = 0
         self.dw1 = 0
@@ -97,7 +99,8 @@ class HostQueue:
         cid = self._free.popleft()
         cmd.cid = cid
         _pack_cid_into(cmd.sqe, SQE_CID_OFFSET, cid)
-        cmd.received = 0
+        cmd.transferred = 0
+        cmd.status = 0  # a transport may mark a failure (a read's bad data digest) before the completion
         self.pending[cid] = cmd
 
     def finish(self, cid: int) -> HostCommand | None:

@@ -41,6 +41,7 @@ _CAPSULE_CMD = int(PduType.CAPSULE_CMD)
 _CAPSULE_RESP = int(PduType.CAPSULE_RESP)
 _C2H_DATA = int(PduType.C2H_DATA)
 _R2T = int(PduType.R2T)
+_H2C_DATA = int(PduType.H2C_DATA)
 _IN_CAPSULE = int(SglId.DATA_BLOCK_OFFSET)
 _TRANSPORT = int(SglId.TRANSPORT_DATA_BLOCK)
 _SUCCESS = PduFlags.SUCCESS
@@ -48,6 +49,7 @@ _INVALID_FIELD = int(TermReqFes.INVALID_HEADER_FIELD)
 _PDU_SEQUENCE_ERROR = int(TermReqFes.PDU_SEQUENCE_ERROR)
 _OUT_OF_RANGE = int(TermReqFes.DATA_OUT_OF_RANGE)
 _LAST_PDU = PduFlags.LAST_PDU
+_DATA_TRANSFER_ERROR = int(Status.DATA_TRANSFER_ERROR)
 
 
 class TcpHostConnection(PduProtocol):
@@ -134,38 +136,49 @@ class TcpHostConnection(PduProtocol):
         self.on_lost(self, self.error or exc)
 
     def _receive(self, nbytes: int) -> None:
-        try:
-            for pdu in self.reader.buffer_updated(nbytes):
-                ptype = pdu.pdu_type
-                if ptype == _C2H_DATA and pdu.placed:
-                    self._c2h_data(pdu.header, pdu.flags)
-                elif ptype == _CAPSULE_RESP:
-                    self._response(pdu.header)
-                elif ptype == _R2T:
-                    self._r2t(pdu.header)
-                elif ptype == PduType.IC_RESP and self._icresp is not None and not self._icresp.done():
-                    self._icresp.set_result(bytes(pdu.header))
-                elif ptype == PduType.C2H_TERM_REQ:
-                    fes = _unpack_term_req(pdu.header)[_FES]
-                    name = TermReqFes(fes).name if fes in TermReqFes._value2member_map_ else f"{fes:#x}"
-                    self._fail(ConnectionError(f"target terminated the connection (FES {name})"))
-                    return
-                else:
-                    raise FramingError(_PDU_SEQUENCE_ERROR, 0, f"unexpected PDU type {ptype:#x}", bytes(pdu.header))
-        except FramingError as exc:
-            self.out.send([term_req(PduType.H2C_TERM_REQ, exc.fes, exc.fei, exc.header)])
-            self._fail(ConnectionError(f"protocol error from target: {exc}"))
-        except DataDigestError:
-            self._fail(ConnectionError("data digest error from target"))
+        bad_data: bytes | None = None
+        while True:
+            try:
+                if bad_data is not None:
+                    header, bad_data = bad_data, None
+                    self._c2h_data(header, _DATA_TRANSFER_ERROR)
+                for pdu in self.reader.buffer_updated(nbytes):
+                    ptype = pdu.pdu_type
+                    if ptype == _C2H_DATA and pdu.placed:
+                        self._c2h_data(pdu.header)
+                    elif ptype == _CAPSULE_RESP:
+                        self._response(pdu.header)
+                    elif ptype == _R2T:
+                        self._r2t(pdu.header)
+                    elif ptype == PduType.IC_RESP and self._icresp is not None and not self._icresp.done():
+                        self._icresp.set_result(bytes(pdu.header))
+                    elif ptype == PduType.C2H_TERM_REQ:
+                        fes = _unpack_term_req(pdu.header)[_FES]
+                        name = TermReqFes(fes).name if fes in TermReqFes._value2member_map_ else f"{fes:#x}"
+                        self._fail(ConnectionError(f"target terminated the connection (FES {name})"))
+                        return
+                    else:
+                        raise FramingError(_PDU_SEQUENCE_ERROR, 0, f"unexpected PDU type {ptype:#x}",
+                                           bytes(pdu.header))
+                return
+            except FramingError as exc:
+                self.out.send([term_req(PduType.H2C_TERM_REQ, exc.fes, exc.fei, exc.header)])
+                self._fail(ConnectionError(f"protocol error from target: {exc}"))
+                return
+            except DataDigestError as exc:
+                # As the Linux host: the command fails with Data Transfer Error and the stream,
+                # intact after the bad PDU, goes on (the PDUs already received come next).
+                bad_data = exc.header
+                nbytes = 0
 
     def _response(self, header: memoryview) -> None:
         dw0, dw1, _, _, cid, status = _unpack_cqe(header, 8)
         cmd = self.queue.finish(cid)
         if cmd is None:
             raise FramingError(_INVALID_FIELD, _FEI_RESP_CID, f"completion for unknown command id {cid}", bytes(header))
-        status = from_wire(status)
-        if status == 0 and cmd.data_in is not None and cmd.received != len(cmd.data_in):
-            status = Status.DATA_TRANSFER_ERROR
+        status = from_wire(status) or cmd.status  # a read's data digest error stands
+        if status == 0 and cmd.data_in is not None and cmd.transferred != len(cmd.data_in):
+            status = _DATA_TRANSFER_ERROR
         cmd.status = status
         cmd.dw0 = dw0
         cmd.dw1 = dw1
@@ -181,38 +194,49 @@ class TcpHostConnection(PduProtocol):
         if dest is None:
             raise FramingError(_INVALID_FIELD, _FEI_CCCID, f"C2HData for unknown command id {cid}", bytes(header))
         size = len(dest)
-        if datao != cmd.received or datao + datal > size or datal != length:
+        if datao != cmd.transferred or datao + datal > size or datal != length:
             raise FramingError(_OUT_OF_RANGE, _FEI_DATAO, "C2HData outside the command's buffer", bytes(header))
         return dest if datal == size else dest[datao:datao + datal]  # one PDU: no new view
 
-    def _c2h_data(self, header: memoryview, flags: int) -> None:
-        """C2HData whose data ``_place`` already put in the command's buffer."""
-        _, _, _, _, _, cid, _, _, datal = _unpack_data_header(header)
+    def _c2h_data(self, header: memoryview | bytes, status: int = 0) -> None:
+        """C2HData whose data ``_place`` already put in the command's buffer; ``status`` is
+        Data Transfer Error when its data digest was wrong (the command fails, later PDUs of
+        it still land where they belong)."""
+        _, flags, _, _, _, cid, _, _, datal = _unpack_data_header(header)
         queue = self.queue
         cmd = queue.pending[cid]
-        cmd.received += datal
+        cmd.transferred += datal
+        if status:
+            cmd.status = status
         if flags & _SUCCESS:
             if not flags & _LAST_PDU:
                 raise FramingError(_INVALID_FIELD, _FEI_FLAGS, "SUCCESS without LAST_PDU", bytes(header))
             queue.finish(cid)
-            cmd.status = 0 if cmd.received == len(cmd.data_in) else Status.DATA_TRANSFER_ERROR
+            if cmd.transferred != len(cmd.data_in):
+                cmd.status = _DATA_TRANSFER_ERROR
             cmd.complete()
 
     def _r2t(self, header: memoryview) -> None:
+        """Send the data an R2T asks for. Only data not yet asked for: each byte of a write
+        leaves at most once (as the Linux host checks), so a target repeating R2Ts cannot make
+        us send, or buffer in the transport, more than the command's own data."""
         _, _, _, _, _, cid, ttag, offset, length = _unpack_data_header(header)
         cmd = self.queue.pending.get(cid)
-        if cmd is None or cmd.data_out is None:
-            raise FramingError(_INVALID_FIELD, _FEI_CCCID, f"R2T for unknown command id {cid}", bytes(header))
-        out = memoryview(cmd.data_out)
-        if length == 0 or offset + length > len(out):
-            raise FramingError(_OUT_OF_RANGE, _FEI_DATAO, "R2T outside the command's data", bytes(header))
+        out = None if cmd is None else cmd.data_out
+        if out is None or len(out) <= self.inline_limit:  # a read, or its data went in the capsule
+            raise FramingError(_INVALID_FIELD, _FEI_CCCID, f"R2T for command id {cid}, which has no data to ask for",
+                               bytes(header))
         end = offset + length
+        if length == 0 or offset < cmd.transferred or end > len(out):
+            raise FramingError(_OUT_OF_RANGE, _FEI_DATAO, "R2T outside the command's data not yet sent",
+                               bytes(header))
+        cmd.transferred = end
+        out = memoryview(out)
         chunk = self.maxh2cdata
         while offset < end:
             n = min(chunk, end - offset)
-            last = PduFlags.LAST_PDU if offset + n == end else 0
-            self.out.send(self.writer.data_pdu(
-                PduType.H2C_DATA, cid, ttag, offset, out[offset:offset + n], last))
+            last = _LAST_PDU if offset + n == end else 0
+            self.out.send(self.writer.data_pdu(_H2C_DATA, cid, ttag, offset, out[offset:offset + n], last))
             offset += n
 
     def _fail(self, exc: Exception) -> None:
