@@ -13,8 +13,9 @@ import socket
 import structlog
 
 from blockd import eager
+from blockd.tcp_asyncio import OutputBatcher, PduProtocol
 from blockd.tcp_pdu import (
-    DataDigestError, FramingError, OutputBatcher, PduProtocol, PduReader, PduWriter, term_req,
+    DataDigestError, FramingError, PduReader, PduWriter, term_req,
 )
 from protocol.tcp import (
     IC_RESP, DATA_PDU_HEADER_FAST, PduFlags, PduType, TermReqFes,

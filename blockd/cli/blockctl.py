@@ -2,6 +2,9 @@
 
 Connection flags follow nvme-cli (-t/-a/-s/-n/-q/-i/-Q/-k). Every user mistake ends in one line
 on stderr and a non-zero exit status, never a traceback.
+
+An entry point on top of the layers: like ``blockd.cli.daemon`` it may import ``initiator/``,
+which the shared modules of ``blockd/`` may not (``tests/test_layers.py``); nothing imports it.
 """
 
 from __future__ import annotations
