@@ -79,17 +79,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError("guest tests without a host twin (they would never run): " + ", ".join(orphans))
 
 
-def _needs_a_peer(item: pytest.Item) -> bool:
-    path = Path(str(item.fspath))
-    return item.get_closest_marker("vm") is not None or any(path.is_relative_to(g) for g in PEER_GROUPS)
+def _in_peer_group(node: pytest.Item | pytest.Collector) -> bool:
+    path = Path(str(node.fspath))
+    return any(path.is_relative_to(g) for g in PEER_GROUPS)
+
+
+def _fail_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
+    longrepr = report.longrepr
+    reason = longrepr[2].removeprefix("Skipped: ") if isinstance(longrepr, tuple) else str(longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"skipped under CI=true, where every test runs with its real peer: {reason}"
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()
-    if IN_CI and report.skipped and not hasattr(report, "wasxfail") and _needs_a_peer(item):
-        longrepr = report.longrepr
-        reason = longrepr[2].removeprefix("Skipped: ") if isinstance(longrepr, tuple) else str(longrepr)
-        report.outcome = "failed"
-        report.longrepr = f"skipped under CI=true, where every test runs with its real peer: {reason}"
+    if (IN_CI and report.skipped and not hasattr(report, "wasxfail")
+            and (item.get_closest_marker("vm") is not None or _in_peer_group(item))):
+        _fail_skip(report)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    """A whole module that skips while being collected (``pytest.importorskip`` of pyverbs, say)."""
+    outcome = yield
+    report = outcome.get_result()
+    if IN_CI and report.skipped and _in_peer_group(collector):
+        _fail_skip(report)
