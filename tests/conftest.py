@@ -44,8 +44,8 @@ def _guest_tests_of(host_module: Path) -> list[Path]:
     return []
 
 
-def _host_modules() -> Iterator[Path]:
-    return iter(sorted((TESTS / "vm").glob("test_*.py")))
+def _host_modules() -> list[Path]:
+    return sorted((TESTS / "vm").glob("test_*.py"))
 
 
 def _test_functions(path: Path) -> set[str]:
@@ -66,7 +66,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Every guest test of a collected VM group has a host test of the same name."""
     if IN_GUEST:
         return
-    groups = {Path(str(item.fspath)) for item in items if Path(str(item.fspath)).parent == TESTS / "vm"}
+    groups = {item.path for item in items if item.path.parent == TESTS / "vm"}
     orphans = []
     for host in sorted(groups):
         twins = _test_functions(host)
@@ -80,8 +80,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _in_peer_group(node: pytest.Item | pytest.Collector) -> bool:
-    path = Path(str(node.fspath))
-    return any(path.is_relative_to(g) for g in PEER_GROUPS)
+    return any(node.path.is_relative_to(g) for g in PEER_GROUPS)
 
 
 def _fail_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
