@@ -3,11 +3,14 @@
 The reader takes whatever bytes the socket delivered and yields whole PDUs after checking the
 common header (type, HLEN, PDO, PLEN bounds) and the negotiated digests. A violation raises
 :class:`FramingError`, whose FES/FEI go into the termination request that ends the connection.
+
+Nothing here touches an event loop or a socket (``tests/test_layers.py`` holds it to that):
+the asyncio protocol that feeds the reader and the output batching live in
+:mod:`blockd.tcp_asyncio`.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Callable, Iterator, NamedTuple
 
 from protocol.tcp import (
@@ -331,69 +334,3 @@ def term_req(ptype: int, fes: int, fei: int, offending: bytes) -> bytes:
     copy = offending[:MAX_TERM_COPY]
     rest = fes.to_bytes(2, "little") + fei.to_bytes(4, "little") + bytes(10)
     return _pack_common(ptype, 0, TERM_HLEN, 0, TERM_HLEN + len(copy)) + rest + copy
-
-
-class OutputBatcher:
-    """Coalesces the PDUs produced while handling input into a single socket write.
-
-    Every completion used to cost its own ``send`` (two for a read: C2HData, then the
-    CapsuleResp), and on loopback the syscall dominated the per-I/O cost. Between ``hold()``
-    and ``release()`` (a receive callback, say; holds nest) buffers only queue, and ``release`` sends them
-    together; sends outside a hold go out once the loop has run everything that was ready.
-    Order is kept either way.
-    """
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
-        self._bufs: list[bytes | memoryview] = []
-        self._held = 0
-        self._scheduled = False
-        self._loop = asyncio.get_running_loop()
-
-    def hold(self) -> None:
-        self._held += 1
-
-    def release(self) -> None:
-        self._held -= 1
-        if not self._held and self._bufs:
-            self.flush()
-
-    def send(self, bufs: list[bytes | memoryview]) -> None:
-        self._bufs.extend(bufs)
-        if not self._held and not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self.flush)
-
-    def flush(self) -> None:
-        self._scheduled = False
-        bufs, self._bufs = self._bufs, []
-        if not bufs or self.transport.is_closing():
-            return
-        if len(bufs) == 1:
-            self.transport.write(bufs[0])
-        elif sum(map(len, bufs)) <= 65536:
-            self.transport.write(b"".join(bufs))
-        else:
-            self.transport.writelines(bufs)
-
-
-class PduProtocol(asyncio.BufferedProtocol):
-    """The receive side both NVMe/TCP ends share: bytes go where ``reader`` says, and whatever
-    handling them produces (replies, R2T answers, new capsules) leaves in one send at the end."""
-
-    reader: PduReader
-    out: OutputBatcher
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.reader.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.out.hold()
-        try:
-            self._receive(nbytes)
-        finally:
-            self.out.release()
-
-    def _receive(self, nbytes: int) -> None:
-        """Handle the PDUs ``nbytes`` more bytes completed (``reader.buffer_updated``)."""
-        raise NotImplementedError

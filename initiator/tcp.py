@@ -6,8 +6,9 @@ import asyncio
 import socket
 from typing import Callable
 
+from blockd.tcp_asyncio import OutputBatcher, PduProtocol
 from blockd.tcp_pdu import (
-    DataDigestError, FramingError, OutputBatcher, PduProtocol, PduReader, PduWriter, term_req,
+    DataDigestError, FramingError, PduReader, PduWriter, term_req,
 )
 from initiator.errors import ConnectError, QueueLost
 from initiator.params import ConnectParams

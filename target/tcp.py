@@ -13,8 +13,9 @@ import socket
 
 import structlog
 
+from blockd.tcp_asyncio import OutputBatcher, PduProtocol
 from blockd.tcp_pdu import (
-    DataDigestError, FramingError, OutputBatcher, PduProtocol, PduReader, PduWriter, term_req,
+    DataDigestError, FramingError, PduReader, PduWriter, term_req,
 )
 from protocol.constants import SglId, TransportType
 from protocol.nvme import SQE_SIZE

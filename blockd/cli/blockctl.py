@@ -3,6 +3,9 @@
 Connection flags follow nvme-cli (-t/-a/-s/-n/-q/-i/-Q/-k/-l/-g/-G) and come from the one
 declaration of the connect parameters, ``initiator.params.ConnectParams``. Every user mistake ends in one line
 on stderr and a non-zero exit status, never a traceback.
+
+An entry point on top of the layers: like ``blockd.cli.daemon`` it may import ``initiator/``,
+which the shared modules of ``blockd/`` may not (``tests/test_layers.py``); nothing imports it.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 Signals: SIGTERM/SIGINT drain in-flight I/O, flush and exit 0; SIGHUP reloads the target's
 configuration (a bad new file is logged and the old configuration stays).
+
+An entry point on top of the layers: only ``blockd/cli/`` may import ``target/`` and
+``initiator/`` from ``blockd/`` (``tests/test_layers.py``), and nothing imports it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Raw C pointers out of pyverbs 44 objects, and a small ctypes binding to librdmacm.
 
 pyverbs 44 (Debian python3-pyverbs 44.0) lacks several things an asyncio NVMe-oF transport
-needs (shared/docs/nvmeof-wire-facts.md 8.7): no fd for ``CMEventChannel``/``CompChannel``, no
-``id``/``listen_id``/``status``/``responder_resources``/``initiator_depth`` on ``CMEvent``, no
-``rdma_migrate_id``/``rdma_notify``.  Cython lays out these extension types as PyObject header
+needs (docs/wire-facts.md, "RDMA provider quirks"): no fd for ``CMEventChannel`` /
+``CompChannel``, no ``id``/``listen_id``/``status``/``responder_resources``/``initiator_depth``
+on ``CMEvent``, no ``rdma_migrate_id``/``rdma_notify``.  Cython lays out these extension types as PyObject header
 (16) + ``__weakref__`` (8) + ``logger`` (8) + vtable (8), so the class's first C field, the
-wrapped C pointer, sits at ``id(obj) + 40`` (fact 8.8).  That only holds for this build, so the
+wrapped C pointer, sits at ``id(obj) + 40`` (same section).  That only holds for this build, so the
 module checks ``__basicsize__`` of every class it reads at import time and refuses to load on
 any other layout (:class:`LayoutError`) rather than reading garbage.
 

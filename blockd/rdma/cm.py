@@ -22,9 +22,9 @@ Model
 * :class:`RdmaConnection` -- both sides' established connection: ``disconnect()``, ``closed``
   future set on DISCONNECTED (QP moved to ERR so its WRs flush), ``close()``.
 
-QPs are "external" (:class:`blockd.rdma.verbs.QueuePair` on our own Context/PD/CQ, wire facts
-8.2/8.3): rdma_cm only sees their number and hands out the attributes via
-``rdma_init_qp_attr``.  ConnParam is always explicit (pyverbs' defaults are 1/1/5/5/no flow
+QPs are "external" (:class:`blockd.rdma.verbs.QueuePair` on our own Context/PD/CQ,
+docs/wire-facts.md, "RDMA provider quirks"): rdma_cm only sees their number and hands out the
+attributes via ``rdma_init_qp_attr``.  ConnParam is always explicit (pyverbs' defaults are 1/1/5/5/no flow
 control).
 
 pyverbs 44 gaps closed here (see :mod:`blockd.rdma._raw`): channel fd (raw pointer), event

@@ -4,8 +4,8 @@ Everything here is transport independent (no NVMe).  The NVMe-oF RDMA target and
 
 * :func:`list_devices` / :func:`open_device` -- one shared :class:`Device` (own ``Context`` + ``PD``)
   per RDMA device.  It is *not* the CM id's context/PD: pyverbs 44 NULLs those shared wrappers
-  when a child CM id is closed (wire facts 8.3); QPs are "external" QPs that rdma_cm only
-  references by number (see :mod:`blockd.rdma.cm`).
+  when a child CM id is closed (docs/wire-facts.md, "RDMA provider quirks"); QPs are
+  "external" QPs that rdma_cm only references by number (see :mod:`blockd.rdma.cm`).
 * :class:`CompletionQueue` -- a CQ with its own ``CompChannel``; :attr:`CompletionQueue.fd` is
   non-blocking and can be given to ``loop.add_reader``; :meth:`CompletionQueue.drain` collects
   events, acks them, re-arms and polls until empty, returning the work completions (as

@@ -1,4 +1,4 @@
-"""Hostile bytes over real sockets (issue 2, item 6).
+"""Hostile bytes over real sockets: what a malicious or broken host may send the target.
 
 Every case runs against a fresh target whose namespace file is full of a known pattern, with a
 well-behaved host connected. Afterwards that host must still read and write, and the file must

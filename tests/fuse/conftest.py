@@ -1,4 +1,8 @@
-"""FUSE mount tests: real target and initiator processes, a real FUSE mount (needs root)."""
+"""FUSE mount tests: real target and initiator processes, a real FUSE mount (needs root).
+
+Without root or ``/dev/fuse`` they skip with the reason; under ``CI=true`` that skip is a failure
+(``tests/conftest.py``).
+"""
 
 from __future__ import annotations
 

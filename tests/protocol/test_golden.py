@@ -2,8 +2,7 @@
 
 Each expected byte string is built by placing values at the offsets that NVMe Base 2.0,
 NVMe-oF 1.1, NVMe TCP Transport 1.0 and the NVMe RDMA Transport spec give (tabulated in
-shared/docs/nvmeof-wire-facts.md sections 1-7) -- never by asking protocol/ where a field
-lives.  Each test then checks both directions: the construct definition (and, where one
+docs/wire-facts.md) -- never by asking protocol/ where a field lives.  Each test then checks both directions: the construct definition (and, where one
 exists, the derived fast layout or helper) builds exactly those bytes, and parsing those
 bytes gives back the values.
 """
@@ -58,7 +57,7 @@ NQN_HOST = "nqn.2014-08.org.nvmexpress:uuid:8e2a0ad4-6f1c-4c2e-9b1a-43c4f8f1d2a0
 HOSTID = uuid.UUID("8e2a0ad4-6f1c-4c2e-9b1a-43c4f8f1d2a0").bytes
 
 # --------------------------------------------------------------------------------------------
-# section 1: SQE / CQE / status word
+# docs/wire-facts.md, "Commands and completions": SQE / CQE / status word
 
 
 def test_sqe_generic():
@@ -107,7 +106,7 @@ def test_cqe_with_lba_out_of_range():
     assert status.from_wire(0x8100) == Status.LBA_RANGE
 
 
-# (name, SCT, SC, DNR, wire word) from the wire-facts table (section 1.3)
+# (name, SCT, SC, DNR, wire word): docs/wire-facts.md, "Status word"
 STATUS_TABLE = [
     ("SUCCESS", 0, 0x00, 0, 0x0000),
     ("INVALID_OPCODE", 0, 0x01, 1, 0x8002),
@@ -149,7 +148,7 @@ def test_status_word(name, sct, sc, dnr, wire):
 
 
 # --------------------------------------------------------------------------------------------
-# section 2: SGL descriptors
+# docs/wire-facts.md, "SGL descriptors per transport"
 
 
 @pytest.mark.parametrize("sgl_id", [0x40, 0x4F])
@@ -192,7 +191,7 @@ def test_sgl_data_block(sgl_id, address, length):
 
 
 # --------------------------------------------------------------------------------------------
-# section 5: NVM I/O commands
+# docs/wire-facts.md, "NVM I/O commands"
 
 
 def test_rw_command_with_fua():
@@ -271,7 +270,7 @@ def test_identify_command():
 
 
 # --------------------------------------------------------------------------------------------
-# section 3: Fabrics commands
+# docs/wire-facts.md, "Fabrics commands"
 
 
 def test_connect_command():
@@ -344,7 +343,7 @@ def test_property_set_8_byte_value():
 
 
 # --------------------------------------------------------------------------------------------
-# section 4.2 / 4.3: Identify
+# docs/wire-facts.md, "Identify"
 
 
 def test_identify_controller():
@@ -500,7 +499,7 @@ def test_ns_descriptor_list():
 
 
 # --------------------------------------------------------------------------------------------
-# section 4.7: log pages
+# docs/wire-facts.md, "Log pages and the discovery log"
 
 
 def test_discovery_header():
@@ -570,7 +569,7 @@ def test_error_log_entry():
 
 
 # --------------------------------------------------------------------------------------------
-# section 7: NVMe/TCP
+# docs/wire-facts.md, "NVMe/TCP"
 
 
 def common(ptype: int, flags: int, hlen: int, pdo: int, plen: int) -> bytearray:
@@ -720,7 +719,7 @@ def test_reader_accepts_golden_bytes():
 
 
 # --------------------------------------------------------------------------------------------
-# section 6.1: RDMA CM private data
+# docs/wire-facts.md, "RDMA CM private data"
 
 
 def test_rdma_cm_private_data():

@@ -11,7 +11,9 @@ passes, fails or skips on its own.
 Results of a group stay in ``results/vm/<group>/`` (``$BLOCKD_VM_RESULTS_ROOT`` overrides
 ``results/vm``): ``console.log`` (the VM console), ``junit.xml``, daemon logs.
 ``timings.json``.  ``BLOCKD_VM_ECHO=1`` streams the VM console to the terminal (use -s).
-Tests marked ``vm`` are skipped, with the reason, where qemu and friends are missing.
+Tests marked ``vm`` are skipped, with the reason, where qemu and friends are missing
+(``$BLOCKD_VM_QEMU`` names the qemu binary); under ``CI=true`` that skip is a failure
+(``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -30,9 +32,7 @@ import pytest
 from . import harness
 
 IN_VM = os.environ.get("BLOCKD_VM") == "1"
-
-# the guest files are collected only inside the VM
-collect_ignore = [] if IN_VM else ["guest_tests"]
+# The guest files are collected only inside the VM (tests/conftest.py keeps them out on the host).
 
 _TIMINGS: list[str] = []
 
