@@ -6,7 +6,7 @@ with ``blockd.tcp_pdu`` (so what it receives is checked as our ends check it) an
 bytes a test builds, valid or not. :class:`ScriptedTarget` plays a controller well enough for
 ``initiator.controller.Controller`` to connect (admin queue, Identify, one namespace in memory)
 and hands every I/O command to a test's script, which may answer it correctly (``execute``),
-answer it wrongly, or drop the connection. A hostile *host* (issue 12) is a ``PeerConnection``
+answer it wrongly, or drop the connection. A hostile *host* is a ``PeerConnection``
 with ``receives=HOST_RECEIVES`` opened with :meth:`PeerConnection.open`.
 
 Every field is read and written through the ``protocol/`` layouts, never by byte index.

@@ -1,5 +1,5 @@
-"""Commands in flight when the connection goes (issue 17: "Retry of in-flight commands after a
-reconnect", the promise of docs/systemd.md).
+"""Commands in flight when the connection goes (the retry-after-reconnect promise
+of docs/systemd.md).
 
 Against a real ``blockd target`` stopped and started again on the same port and file, and
 against a :class:`~tests.rawpeer.ScriptedTarget` that drops the connection at a chosen moment:

@@ -1,4 +1,5 @@
-"""Our host against a hostile target (issue 17; issue 12's host-side audit).
+"""Our host against a hostile target (its guards, and that a target cannot make
+it allocate without bound).
 
 A :class:`~tests.rawpeer.ScriptedTarget` serves ``initiator.controller.Controller`` correctly
 except for the first I/O command, which meets one protocol violation. For each guard the test

@@ -1,7 +1,7 @@
 """Golden bytes for every command builder in protocol/commands.py.
 
 As in test_golden.py, each expected SQE is written by hand from the spec's offsets (NVMe Base
-2.0 sections 5 and 7, NVMe-oF 1.1 section 3; tabulated in shared/docs/nvmeof-wire-facts.md),
+2.0 sections 5 and 7, NVMe-oF 1.1 section 3; tabulated in docs/wire-facts.md),
 never by asking protocol/ where a field lives. Every builder leaves CID 0 and SGL1 zero, with
 FLAGS = 0x40 (PSDT: SGL), and returns a mutable 64-byte bytearray.
 """
