@@ -1,0 +1,188 @@
+"""A reload (SIGHUP) while hosts are connected and have commands in flight.
+
+The reload path is ``TargetService.reload``; the backend of the namespace it touches is wrapped in
+a :class:`GatedBackend` after start, so writes are provably still running on it when the reload
+lands. What must hold: those writes complete with success and their data is in the file (the old
+backend stays open until the last one is done, as nvmet's ``nvmet_ns_disable`` waits for the
+namespace's references), nothing reaches the backend after its close, a command sent afterwards
+gets the precise status, and the host learns of the change through the Namespace Attribute
+Changed event and re-reads its namespace list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from initiator.errors import NvmeError
+from protocol.commands import read_command
+from protocol.status import Status
+from target.backend import Backend
+from target.filter import BackendFilter
+from target.service import TargetService
+
+from .conftest import HOSTNQN, NQN, config, connect, fill_file, free_port, ns, run, serving, sub, until
+
+SIZE = 4 << 20
+HOSTNQN2 = "nqn.2014-08.org.nvmexpress:uuid:99999999-8888-7777-6666-555555555555"
+IN_FLIGHT = 4
+
+
+class GatedBackend(BackendFilter):
+    """Writes wait at a gate before reaching the inner backend; any call after ``close`` is
+    recorded (a closed file descriptor would be an EBADF, or worse, another file's number)."""
+
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner)
+        self.gate = asyncio.Event()
+        self.waiting = 0
+        self.closed = False
+        self.after_close: list[str] = []
+
+    def _touch(self, what: str) -> None:
+        if self.closed:
+            self.after_close.append(what)
+
+    async def read_into(self, offset: int, buf: memoryview) -> None:
+        self._touch("read")
+        await super().read_into(offset, buf)
+
+    async def write(self, offset: int, data: memoryview | bytes, fua: bool = False) -> None:
+        self.waiting += 1
+        await self.gate.wait()
+        self.waiting -= 1
+        self._touch("write")
+        await super().write(offset, data, fua)
+
+    async def flush(self) -> None:
+        self._touch("flush")
+        await super().flush()
+
+    def close(self) -> None:
+        self._touch("close")
+        self.closed = True
+        super().close()
+
+
+def gate(service: TargetService, nsid: int) -> GatedBackend:
+    """Put a gate in front of namespace ``nsid``'s backend (the controller reads it per command)."""
+    namespace = service.target.subsystems[NQN].namespaces[nsid]
+    gated = GatedBackend(namespace.backend)
+    namespace.backend = gated
+    return gated
+
+
+async def writes_held(host: Any, gated: GatedBackend, nsid: int, pattern: bytes) -> list[asyncio.Task[None]]:
+    """``IN_FLIGHT`` 4 KiB writes to ``nsid`` (blocks 0, 8, 16…), all waiting at the gate."""
+    tasks = [asyncio.create_task(host.write(nsid, i * 8, pattern * 4096)) for i in range(IN_FLIGHT)]
+    await until(lambda: gated.waiting == IN_FLIGHT)
+    return tasks
+
+
+async def release(gated: GatedBackend, tasks: list[asyncio.Task[None]]) -> None:
+    """Open the gate: every held write completes with success; then the old backend closes."""
+    assert not gated.closed, "the backend closed with commands still running on it"
+    gated.gate.set()
+    await asyncio.gather(*tasks)
+    await until(lambda: gated.closed)
+    assert gated.after_close == []
+
+
+def test_remove_namespace_with_writes_in_flight(tmp_path: Path) -> None:
+    port = free_port()
+    paths = [tmp_path / "one.img", tmp_path / "two.img"]
+    fill_file(paths[0], SIZE)
+    before = config([port], [sub(namespaces=[ns(paths[0], 1, SIZE), ns(paths[1], 2, SIZE)])])
+    after = config([port], [sub(namespaces=[ns(paths[1], 2, SIZE)])])
+
+    async def main() -> None:
+        async with serving(before) as service:
+            host = await connect(port, nr_io_queues=1)
+            try:
+                changed = asyncio.Event()
+                host.namespace_listeners.append(changed.set)
+                gated = gate(service, 1)
+                tasks = await writes_held(host, gated, 1, b"\x5a")
+                await service.reload(after)
+                assert 1 not in service.target.subsystems[NQN].namespaces
+                await asyncio.wait_for(changed.wait(), 5)
+                assert sorted(host.namespaces) == [2]
+                # a command for the removed namespace: Invalid Namespace, not a touch of its file
+                with pytest.raises(NvmeError) as err:
+                    await host.io_command(read_command(1, 0, 0), data_in=memoryview(bytearray(512)))
+                assert err.value.status == Status.INVALID_NS
+                await release(gated, tasks)
+                assert service.target.draining == []
+                await host.write(2, 0, b"\x77" * 512)  # the other namespace carries on
+                assert await host.read(2, 0, 1) == b"\x77" * 512
+            finally:
+                await host.close()
+
+    run(main(), timeout=30)
+    data = paths[0].read_bytes()
+    for i in range(IN_FLIGHT):
+        assert data[i * 4096:(i + 1) * 4096] == b"\x5a" * 4096
+
+
+def test_resize_namespace_with_writes_in_flight(tmp_path: Path) -> None:
+    port = free_port()
+    path = tmp_path / "vol.img"
+    fill_file(path, SIZE)
+    before = config([port], [sub(namespaces=[ns(path, 1, SIZE)])])
+    after = config([port], [sub(namespaces=[ns(path, 1, 2 * SIZE)])])
+
+    async def main() -> None:
+        async with serving(before) as service:
+            host = await connect(port, nr_io_queues=1)
+            try:
+                changed = asyncio.Event()
+                host.namespace_listeners.append(changed.set)
+                gated = gate(service, 1)
+                tasks = await writes_held(host, gated, 1, b"\xc3")
+                await service.reload(after)
+                await asyncio.wait_for(changed.wait(), 5)
+                assert host.namespaces[1].blocks == 2 * SIZE // 512
+                await release(gated, tasks)
+                # the grown namespace: its new end is writable, the held writes read back
+                await host.write(1, 2 * SIZE // 512 - 1, b"\x11" * 512)
+                assert await host.read(1, 2 * SIZE // 512 - 1, 1) == b"\x11" * 512
+                assert await host.read(1, 0, 8) == b"\xc3" * 4096
+            finally:
+                await host.close()
+
+    run(main(), timeout=30)
+    assert path.stat().st_size == 2 * SIZE
+
+
+def test_removing_a_host_from_hosts_drops_only_its_controllers(tmp_path: Path) -> None:
+    port = free_port()
+    path = tmp_path / "vol.img"
+    fill_file(path, SIZE)
+    both = config([port], [sub(namespaces=[ns(path, 1, SIZE)], hosts=[HOSTNQN, HOSTNQN2])])
+    second_only = config([port], [sub(namespaces=[ns(path, 1, SIZE)], hosts=[HOSTNQN2])])
+
+    async def main() -> None:
+        async with serving(both) as service:
+            gone = await connect(port, nr_io_queues=1, ctrl_loss_tmo=1.0, reconnect_delay=0.2)
+            stays = await connect(port, nr_io_queues=1, hostnqn=HOSTNQN2)
+            try:
+                await gone.write(1, 0, b"\x01" * 512)
+                await service.reload(second_only)
+                await until(lambda: gone.cntlid not in service.target.controllers)
+                assert service.target.controllers[stays.cntlid].hostnqn == HOSTNQN2
+                for lba in range(16):  # the other host's association is untouched and busy
+                    await stays.write(1, lba, bytes([lba]) * 512)
+                    assert await stays.read(1, lba, 1) == bytes([lba]) * 512
+                assert stays.state == "live"
+                # the removed host may not come back: its reconnects are refused until it gives up
+                await until(lambda: gone.state == "failed", timeout=10)
+                assert all(c.hostnqn == HOSTNQN2 for c in service.target.controllers.values()
+                           if not c.is_discovery)
+            finally:
+                await gone.close()
+                await stays.close()
+
+    run(main(), timeout=40)
