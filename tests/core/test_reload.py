@@ -101,10 +101,12 @@ def test_remove_namespace_with_writes_in_flight(tmp_path: Path) -> None:
     async def main() -> None:
         async with serving(before) as service:
             host = await connect(port, nr_io_queues=1)
+            held: list[GatedBackend] = []
             try:
                 changed = asyncio.Event()
                 host.namespace_listeners.append(changed.set)
                 gated = gate(service, 1)
+                held.append(gated)
                 tasks = await writes_held(host, gated, 1, b"\x5a")
                 await service.reload(after)
                 assert 1 not in service.target.subsystems[NQN].namespaces
@@ -119,6 +121,8 @@ def test_remove_namespace_with_writes_in_flight(tmp_path: Path) -> None:
                 await host.write(2, 0, b"\x77" * 512)  # the other namespace carries on
                 assert await host.read(2, 0, 1) == b"\x77" * 512
             finally:
+                for g in held:  # a failed assertion must not leave writes held through the drain
+                    g.gate.set()
                 await host.close()
 
     run(main(), timeout=30)
@@ -137,10 +141,12 @@ def test_resize_namespace_with_writes_in_flight(tmp_path: Path) -> None:
     async def main() -> None:
         async with serving(before) as service:
             host = await connect(port, nr_io_queues=1)
+            held: list[GatedBackend] = []
             try:
                 changed = asyncio.Event()
                 host.namespace_listeners.append(changed.set)
                 gated = gate(service, 1)
+                held.append(gated)
                 tasks = await writes_held(host, gated, 1, b"\xc3")
                 await service.reload(after)
                 await asyncio.wait_for(changed.wait(), 5)
@@ -151,6 +157,8 @@ def test_resize_namespace_with_writes_in_flight(tmp_path: Path) -> None:
                 assert await host.read(1, 2 * SIZE // 512 - 1, 1) == b"\x11" * 512
                 assert await host.read(1, 0, 8) == b"\xc3" * 4096
             finally:
+                for g in held:  # a failed assertion must not leave writes held through the drain
+                    g.gate.set()
                 await host.close()
 
     run(main(), timeout=30)
