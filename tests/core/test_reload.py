@@ -19,12 +19,17 @@ import pytest
 
 from initiator.errors import NvmeError
 from protocol.commands import read_command
+from protocol.constants import IoOpcode
+from protocol.nvme import build_sqe
 from protocol.status import Status
+from protocol.tcp import PduType
 from target.backend import Backend
 from target.filter import BackendFilter
 from target.service import TargetService
 
-from .conftest import HOSTNQN, NQN, config, connect, fill_file, free_port, ns, run, serving, sub, until
+from .conftest import (
+    HOSTNQN, NQN, capsule, config, connect, fill_file, free_port, ns, raw_io, run, serving, sub, transport_sgl, until,
+)
 
 SIZE = 4 << 20
 HOSTNQN2 = "nqn.2014-08.org.nvmexpress:uuid:99999999-8888-7777-6666-555555555555"
@@ -194,3 +199,60 @@ def test_removing_a_host_from_hosts_drops_only_its_controllers(tmp_path: Path) -
                 await stays.close()
 
     run(main(), timeout=40)
+
+
+def test_write_waiting_for_its_data_holds_a_removed_namespace_until_its_connection_goes(tmp_path: Path) -> None:
+    """A write parsed against the namespace, its R2T answered by nothing: the backend stays open
+    (the data could still come), and closes when the host's connection ends the write."""
+    port = free_port()
+    paths = [tmp_path / "one.img", tmp_path / "two.img"]
+    before = config([port], [sub(namespaces=[ns(paths[0], 1, SIZE), ns(paths[1], 2, SIZE)])])
+    after = config([port], [sub(namespaces=[ns(paths[1], 2, SIZE)])])
+
+    async def main() -> None:
+        async with serving(before) as service:
+            gated = gate(service, 1)
+            admin, io = await raw_io(port)
+            length = 192 << 10  # beyond the in-capsule size: the target asks for it with R2T
+            io.send(capsule(build_sqe(IoOpcode.WRITE, 5, nsid=1, dptr=transport_sgl(length),
+                                      cdw12=length // 512 - 1)))
+            r2t = await io.recv()
+            assert r2t is not None and r2t.ptype == PduType.R2T
+            await service.reload(after)
+            assert not gated.closed
+            await io.close()
+            await until(lambda: gated.closed)
+            assert gated.after_close == [] and service.target.draining == []
+            await admin.close()
+
+    run(main(), timeout=30)
+
+
+def test_remove_subsystem_with_writes_in_flight(tmp_path: Path) -> None:
+    """The subsystem goes with its controllers, but the writes already running on its namespace
+    finish on an open file before it closes."""
+    port = free_port()
+    path = tmp_path / "vol.img"
+    before = config([port], [sub(namespaces=[ns(path, 1, SIZE)])])
+    after = config([port], [])
+
+    async def main() -> None:
+        async with serving(before) as service:
+            host = await connect(port, nr_io_queues=1, ctrl_loss_tmo=0.5, reconnect_delay=0.1)
+            gated = gate(service, 1)
+            try:
+                tasks = await writes_held(host, gated, 1, b"\x3c")
+                await service.reload(after)
+                assert NQN not in service.target.subsystems and not gated.closed
+                gated.gate.set()
+                await asyncio.gather(*tasks, return_exceptions=True)  # their connections are gone
+                await until(lambda: gated.closed)
+                assert gated.after_close == []
+            finally:
+                gated.gate.set()
+                await host.close()
+
+    run(main(), timeout=30)
+    data = path.read_bytes()
+    for i in range(IN_FLIGHT):  # written before the close, though no completion could reach the host
+        assert data[i * 4096:(i + 1) * 4096] == b"\x3c" * 4096
