@@ -20,7 +20,7 @@ import pytest
 from initiator.errors import NvmeError
 from protocol.commands import read_command
 from protocol.constants import IoOpcode
-from protocol.nvme import build_sqe
+from protocol.nvme import NSID_ALL, build_sqe
 from protocol.status import Status
 from protocol.tcp import PduType
 from target.backend import Backend
@@ -37,47 +37,51 @@ IN_FLIGHT = 4
 
 
 class GatedBackend(BackendFilter):
-    """Writes wait at a gate before reaching the inner backend; any call after ``close`` is
-    recorded (a closed file descriptor would be an EBADF, or worse, another file's number)."""
+    """Writes (or flushes, with ``gated="flush"``) wait at a gate before reaching the inner
+    backend; any call after ``close`` is recorded (a closed file descriptor would be an EBADF,
+    or worse, another file's number)."""
 
-    def __init__(self, inner: Backend) -> None:
+    def __init__(self, inner: Backend, gated: str = "write") -> None:
         super().__init__(inner)
+        self.gated = gated
         self.gate = asyncio.Event()
         self.waiting = 0
         self.closed = False
         self.after_close: list[str] = []
 
-    def _touch(self, what: str) -> None:
+    async def _touch(self, what: str) -> None:
+        if what == self.gated:
+            self.waiting += 1
+            await self.gate.wait()
+            self.waiting -= 1
         if self.closed:
             self.after_close.append(what)
 
     async def read_into(self, offset: int, buf: memoryview) -> None:
-        self._touch("read")
+        await self._touch("read")
         await super().read_into(offset, buf)
 
     async def write(self, offset: int, data: memoryview | bytes, fua: bool = False) -> None:
-        self.waiting += 1
-        await self.gate.wait()
-        self.waiting -= 1
-        self._touch("write")
+        await self._touch("write")
         await super().write(offset, data, fua)
 
     async def flush(self) -> None:
-        self._touch("flush")
+        await self._touch("flush")
         await super().flush()
 
     def close(self) -> None:
-        self._touch("close")
+        if self.closed:
+            self.after_close.append("close")
         self.closed = True
         super().close()
 
 
-def gate(service: TargetService, nsid: int) -> GatedBackend:
+def gate(service: TargetService, nsid: int, gated: str = "write") -> GatedBackend:
     """Put a gate in front of namespace ``nsid``'s backend (the controller reads it per command)."""
     namespace = service.target.subsystems[NQN].namespaces[nsid]
-    gated = GatedBackend(namespace.backend)
-    namespace.backend = gated
-    return gated
+    backend = GatedBackend(namespace.backend, gated)
+    namespace.backend = backend
+    return backend
 
 
 async def writes_held(host: Any, gated: GatedBackend, nsid: int, pattern: bytes) -> list[asyncio.Task[None]]:
@@ -256,3 +260,31 @@ def test_remove_subsystem_with_writes_in_flight(tmp_path: Path) -> None:
     data = path.read_bytes()
     for i in range(IN_FLIGHT):  # written before the close, though no completion could reach the host
         assert data[i * 4096:(i + 1) * 4096] == b"\x3c" * 4096
+
+
+def test_flush_of_every_namespace_holds_each_while_it_flushes(tmp_path: Path) -> None:
+    """Flush with NSID_ALL names no namespace at parsing: it holds each one while flushing it,
+    so a reload removing that namespace meanwhile closes the file only after the flush."""
+    port = free_port()
+    paths = [tmp_path / "one.img", tmp_path / "two.img"]
+    before = config([port], [sub(namespaces=[ns(paths[0], 1, SIZE), ns(paths[1], 2, SIZE)])])
+    after = config([port], [sub(namespaces=[ns(paths[1], 2, SIZE)])])
+
+    async def main() -> None:
+        async with serving(before) as service:
+            host = await connect(port, nr_io_queues=1)
+            gated = gate(service, 1, "flush")
+            try:
+                flush = asyncio.create_task(host.flush(NSID_ALL))
+                await until(lambda: gated.waiting == 1)
+                await service.reload(after)
+                assert not gated.closed
+                gated.gate.set()
+                await flush
+                await until(lambda: gated.closed)
+                assert gated.after_close == []
+            finally:
+                gated.gate.set()
+                await host.close()
+
+    run(main(), timeout=30)
