@@ -8,17 +8,20 @@ Flush durable with it) and look at the commands as the target core gets them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import pytest
 
+from initiator.controller import Controller
 from protocol.constants import IoOpcode
 from protocol.nvme import IO_COMMAND_FAST, IO_CONTROL, IO_NSID, IO_OPCODE, NSID_ALL, RW_CONTROL_FUA
 from target.filter import BackendFilter
 from target.queue import TargetQueue
+from target.service import TargetService
 
 from .conftest import NQN, config, connect, free_port, ns, run, serving, sub
 
@@ -45,26 +48,30 @@ class SyncCounter:
         return self.calls.get(fd, 0)
 
 
-def two_namespaces(tmp_path: Path, port: int) -> Any:
-    return config([port], [sub(namespaces=[ns(tmp_path / "a.img", 1, SIZE), ns(tmp_path / "b.img", 2, SIZE)])])
+@contextlib.asynccontextmanager
+async def two_namespaces(tmp_path: Path) -> AsyncIterator[tuple[TargetService, Controller]]:
+    """A target exporting namespaces 1 and 2 (files), and our host connected to it."""
+    port = free_port()
+    cfg = config([port], [sub(namespaces=[ns(tmp_path / "a.img", 1, SIZE), ns(tmp_path / "b.img", 2, SIZE)])])
+    async with serving(cfg) as service:
+        host = await connect(port, nr_io_queues=1)
+        try:
+            yield service, host
+        finally:
+            await host.close()
 
 
 def test_fua_write_is_synced_before_its_completion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    port = free_port()
     syncs = SyncCounter(monkeypatch)
 
     async def main() -> None:
-        async with serving(two_namespaces(tmp_path, port)) as service:
-            host = await connect(port, nr_io_queues=1)
-            try:
-                await host.write(1, 0, b"\x01" * 4096)
-                assert syncs.of(service, 1) == 0  # a plain write stays in the cache
-                await host.write(1, 8, b"\x02" * 4096, fua=True)
-                # the completion reached the host, so the sync ran before the target sent it
-                assert syncs.of(service, 1) == 1
-                assert syncs.of(service, 2) == 0
-            finally:
-                await host.close()
+        async with two_namespaces(tmp_path) as (service, host):
+            await host.write(1, 0, b"\x01" * 4096)
+            assert syncs.of(service, 1) == 0  # a plain write stays in the cache
+            await host.write(1, 8, b"\x02" * 4096, fua=True)
+            # the completion reached the host, so the sync ran before the target sent it
+            assert syncs.of(service, 1) == 1
+            assert syncs.of(service, 2) == 0
 
     run(main())
 
@@ -88,36 +95,25 @@ class NoNativeFua(BackendFilter):
 
 
 def test_fua_without_native_fua_flushes_before_completion(tmp_path: Path) -> None:
-    port = free_port()
-
     async def main() -> None:
-        async with serving(two_namespaces(tmp_path, port)) as service:
+        async with two_namespaces(tmp_path) as (service, host):
             namespace = service.target.subsystems[NQN].namespaces[1]
             backend = namespace.backend = NoNativeFua(namespace.backend)
-            host = await connect(port, nr_io_queues=1)
-            try:
-                await host.write(1, 0, b"\x03" * 4096, fua=True)
-                assert backend.events == ["write", "flush"]
-            finally:
-                await host.close()
+            await host.write(1, 0, b"\x03" * 4096, fua=True)
+            assert backend.events == ["write", "flush"]
 
     run(main())
 
 
 def test_flush_syncs_its_namespace_and_nsid_all_syncs_every_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    port = free_port()
     syncs = SyncCounter(monkeypatch)
 
     async def main() -> None:
-        async with serving(two_namespaces(tmp_path, port)) as service:
-            host = await connect(port, nr_io_queues=1)
-            try:
-                await host.flush(2)
-                assert (syncs.of(service, 1), syncs.of(service, 2)) == (0, 1)
-                await host.flush(NSID_ALL)
-                assert (syncs.of(service, 1), syncs.of(service, 2)) == (1, 2)
-            finally:
-                await host.close()
+        async with two_namespaces(tmp_path) as (service, host):
+            await host.flush(2)
+            assert (syncs.of(service, 1), syncs.of(service, 2)) == (0, 1)
+            await host.flush(NSID_ALL)
+            assert (syncs.of(service, 1), syncs.of(service, 2)) == (1, 2)
 
     run(main())
 
@@ -125,7 +121,6 @@ def test_flush_syncs_its_namespace_and_nsid_all_syncs_every_one(tmp_path: Path, 
 def test_host_sets_fua_on_the_wire(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``write(fua=True)`` and ``write_bytes(fua=True)`` (split at max_transfer: every piece)
     send FUA; without it they do not."""
-    port = free_port()
     writes: list[tuple[int, bool]] = []
     real_submit = TargetQueue.submit
 
@@ -137,18 +132,14 @@ def test_host_sets_fua_on_the_wire(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(TargetQueue, "submit", recording)
 
     async def main() -> None:
-        async with serving(two_namespaces(tmp_path, port)) as service:
-            host = await connect(port, nr_io_queues=1)
-            try:
-                await host.write(1, 0, b"\x04" * 512, fua=True)
-                await host.write(1, 0, b"\x05" * 512)
-                assert writes == [(1, True), (1, False)]
-                writes.clear()
-                length = host.max_transfer + 4096  # two commands
-                await host.write_bytes(2, 0, b"\x06" * length, fua=True)
-                await host.write_bytes(2, 0, b"\x07" * length)
-                assert writes == [(2, True), (2, True), (2, False), (2, False)]
-            finally:
-                await host.close()
+        async with two_namespaces(tmp_path) as (_, host):
+            await host.write(1, 0, b"\x04" * 512, fua=True)
+            await host.write(1, 0, b"\x05" * 512)
+            assert writes == [(1, True), (1, False)]
+            writes.clear()
+            length = host.max_transfer + 4096  # two commands
+            await host.write_bytes(2, 0, b"\x06" * length, fua=True)
+            await host.write_bytes(2, 0, b"\x07" * length)
+            assert writes == [(2, True), (2, True), (2, False), (2, False)]
 
     run(main())
