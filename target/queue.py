@@ -246,6 +246,11 @@ class TargetQueue:
             self.sqhd = (self.sqhd + 1) % (self.sqsize + 1)
         req.set_state(_COMPLETING)
         self.in_flight -= 1
+        ns = req.ns
+        if ns is not None:
+            ns.in_flight -= 1
+            if ns.removed:
+                self.target.namespace_released(ns)
         req.cqe = _pack_cqe(req.dw0, req.dw1, self.sqhd, self.qid or 0, req.cid, to_wire(status))
         self._queue_response(req)
 

@@ -55,6 +55,9 @@ class Target:
         self.tasks: set[asyncio.Task[None]] = set()
         """Commands that wait (an fsync, a slow backend, an AER), on every queue: drained at
         shutdown."""
+        self.draining: list[Namespace] = []
+        """Removed namespaces whose backend still serves commands in flight (closed by
+        :meth:`namespace_released` after the last, or at :meth:`close`)."""
 
     # -- configuration ----------------------------------------------------------------------------
 
@@ -77,7 +80,7 @@ class Target:
         for ctrl in [c for c in self.controllers.values() if c.subsystem is sub]:
             ctrl.shutdown("subsystem removed")
         for ns in sub.namespaces.values():
-            ns.backend.close()
+            self._retire(ns)  # its controllers' commands still waiting on the backend finish first
         self._discovery_changed()
 
     def add_namespace(self, sub: Subsystem, ns: Namespace) -> None:
@@ -85,9 +88,25 @@ class Target:
         self._ns_changed(sub, ns.nsid)
 
     def remove_namespace(self, sub: Subsystem, nsid: int) -> None:
+        """New commands for ``nsid`` fail with Invalid Namespace from now on; those already
+        parsed against it run to their end on the backend, which closes after the last."""
         ns = sub.namespaces.pop(nsid)
-        ns.backend.close()
+        self._retire(ns)
         self._ns_changed(sub, nsid)
+
+    def _retire(self, ns: Namespace) -> None:
+        ns.removed = True
+        if ns.in_flight:
+            self.draining.append(ns)
+        else:
+            ns.backend.close()
+
+    def namespace_released(self, ns: Namespace) -> None:
+        """A command let go of a removed namespace: close its backend if it was the last (the
+        core calls this only for removed namespaces, so the per-I/O cost is one flag test)."""
+        if not ns.in_flight:
+            self.draining.remove(ns)
+            ns.backend.close()
 
     def update_access(self, sub: Subsystem, allow_any_host: bool, hosts: set[str]) -> None:
         """Change who may connect; controllers of hosts no longer allowed are torn down."""
@@ -227,3 +246,6 @@ class Target:
                     await ns.backend.flush()
                 finally:
                     ns.backend.close()
+        for ns in self.draining:  # a command that never completed (its connection died) held it
+            ns.backend.close()
+        self.draining.clear()

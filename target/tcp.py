@@ -94,9 +94,14 @@ class TcpTargetConnection(PduProtocol):
                                  local_address=self.local_address)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # writes still waiting for their H2CData end here (no response goes out on a closed
+        # transport), so they let go of their namespace: a removed one may then close
+        pending = [req for req, _ in self.r2t_pending.values()]
+        self.r2t_pending.clear()
+        for req in pending:
+            self.queue.data_failed(req)
         if self.queue is not None:
             self.queue.close()
-        self.r2t_pending.clear()
 
     def _receive(self, nbytes: int) -> None:
         while True:
