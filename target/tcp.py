@@ -150,7 +150,12 @@ class TcpTargetConnection(PduProtocol):
         self.paused = False
         if not self.transport.is_closing():
             self.transport.resume_reading()
-            asyncio.get_running_loop().call_soon(self.buffer_updated, 0)
+            asyncio.get_running_loop().call_soon(self._take_waiting)
+
+    def _take_waiting(self) -> None:
+        """The commands the reader kept while paused (none run once the connection closes)."""
+        if not self.transport.is_closing() and not self.paused:
+            self.buffer_updated(0)
 
     # -- timeouts ---------------------------------------------------------------------------------
 
