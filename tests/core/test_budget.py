@@ -26,12 +26,13 @@ from protocol.tcp import PduType
 
 from .conftest import (
     NQN, RawConn, capsule, config, connect, connect_data, connect_sqe, fill_file, free_port, h2c_data,
-    ns, prop_sqe, raw_admin, raw_io, run, serving, sub, transport_sgl,
+    incapsule_sgl, ns, prop_sqe, raw_admin, raw_io, run, serving, sub, transport_sgl,
 )
 from .test_cli import wait_port
 from .test_hostile import expect_termination
 
 MiB = 1 << 20
+BS = 512
 SIZE = 64 * MiB
 MAX_UNSENT = 4 * MiB
 SLACK = 12 * MiB
@@ -240,6 +241,34 @@ def test_writes_whose_data_never_comes_hold_only_the_r2t_budget(tmp_path: Path) 
 
 # -- in process: the protocol side of each limit ------------------------------------------------------
 
+@pytest.mark.parametrize("queue", ["before-connect", "io"])
+def test_in_capsule_data_over_the_queue_size_refused_at_the_header(tmp_path: Path, queue: str) -> None:
+    """Only the CapsuleCmd header is sent, announcing more in-capsule data than the queue takes
+    (8 KiB before an I/O Connect, 128 KiB on an I/O queue): a framing error at once, where the
+    target used to allocate the buffer and wait for the data."""
+    port, cfg = _serve(tmp_path)
+
+    async def main() -> None:
+        async with serving(cfg):
+            others: list[RawConn] = []
+            if queue == "io":
+                admin, conn = await raw_io(port)
+                others.append(admin)
+                length = (128 << 10) + BS
+            else:
+                conn = await RawConn.open(port)
+                await conn.initialize()
+                length = (8 << 10) + BS
+            sqe = build_sqe(0x01, 1, nsid=1, dptr=incapsule_sgl(length), cdw12=length // BS - 1)
+            conn.send(struct.pack("<BBBBI", PduType.CAPSULE_CMD, 0, 72, 72, 72 + length) + sqe)
+            await expect_termination(conn, 4, 4)
+            for c in others:
+                await c.close()
+
+    run(main())
+
+
+
 def _serve(tmp_path: Path, **limits: object) -> tuple[int, object]:
     port = free_port()
     path = tmp_path / "vol.img"
@@ -428,3 +457,51 @@ def test_connect_nqns_end_at_the_first_nul(tmp_path: Path, field: str) -> None:
             await conn.close()
 
     run(main())
+
+
+# -- sans I/O: a command's slot comes back only when its response has left ----------------------------
+
+def test_command_slot_returns_only_once_the_response_has_left() -> None:
+    """Responses built but not yet sent keep their slots: past twice the queue size, commands
+    fail with Command Sequence Error; once the responses leave, the queue takes commands again."""
+    from protocol.nvme import CQE_FAST
+
+    from .test_sans_io import FakeTransport, admin_and_io, rw_sqe
+    from .test_sans_io import run as run_sans_io
+
+    class Unsent(FakeTransport):
+        """Keeps every response instead of sending it, until ``send_all``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.unsent: list = []
+
+        def queue_response(self, req) -> None:
+            _, _, _, _, cid, status = CQE_FAST.unpack_from(req.cqe)
+            self.responses.append((cid, status, 0, None))
+            self.unsent.append(req)
+
+        def send_all(self) -> None:
+            unsent, self.unsent = self.unsent, []
+            for req in unsent:
+                self.queue.response_sent(req)
+
+    def body():
+        from target.queue import TargetQueue
+        target, _, admin, io = admin_and_io()  # I/O queue 1: SQSIZE 127, a pool of 256
+        io.close()
+        transport = Unsent()
+        transport.queue = queue = TargetQueue(target, transport, 1)
+        queue.submit(connect_sqe(qid=1, sqsize=127), memoryview(connect_data(cntlid=admin.controller.cntlid)))
+        assert transport.responses[-1][1] == 0
+        sgl = transport_sgl(512)
+        for cid in range(1, 301):
+            queue.submit(rw_sqe(0x02, cid, 0, 1, sgl))
+        statuses = [status for _, status, _, _ in transport.responses[1:]]
+        assert statuses == [0] * 255 + [0x8018] * 45  # 256 slots, the Connect's among them
+        transport.send_all()
+        queue.submit(rw_sqe(0x02, 301, 0, 1, sgl))
+        assert transport.responses[-1][:2] == (301, 0)
+        return target
+
+    run_sans_io(body)
