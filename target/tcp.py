@@ -20,7 +20,7 @@ from blockd.tcp_pdu import (
 from protocol.constants import SglId, TransportType
 from protocol.nvme import SQE_SIZE
 from protocol.tcp import (
-    CAPSULE_RESP_HLEN, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_PDU_HEADER, DATA_PDU_HEADER_FAST,
+    CAPSULE_RESP_HLEN, COMMON_HEADER, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_PDU_HEADER, DATA_PDU_HEADER_FAST,
     IC_REQ, IC_REQ_FAST, IC_RESP, PduFlags, PduType, TermReqFes, fei_of,
 )
 from target.queue import TargetQueue
@@ -55,7 +55,7 @@ _IC_PFV, _IC_HPDA, _IC_DGST = (IC_REQ_FAST.index(n) for n in ("pfv", "hpda", "dg
 _FEI_PFV, _FEI_HPDA = fei_of(IC_REQ, "pfv"), fei_of(IC_REQ, "hpda")
 _FEI_FLAGS, _FEI_TTAG, _FEI_DATAO, _FEI_DATAL = (
     fei_of(DATA_PDU_HEADER, n) for n in ("flags", "ttag", "datao", "datal"))
-_FEI_PLEN = fei_of(DATA_PDU_HEADER, "plen")
+_FEI_PLEN = fei_of(COMMON_HEADER, "plen")
 
 
 class TcpTargetConnection(PduProtocol):
@@ -98,7 +98,7 @@ class TcpTargetConnection(PduProtocol):
         """Bytes of write buffers this queue holds (for R2Ts sent)."""
         self._timer: asyncio.TimerHandle | None = None
         self._seen = -1
-        """``reader.completed`` at the last PDU-timeout tick."""
+        """``reader.completed`` at the last PDU-timeout tick if a PDU was in progress, else -1."""
 
     # -- asyncio callbacks ----------------------------------------------------------------------
 
@@ -160,7 +160,8 @@ class TcpTargetConnection(PduProtocol):
     # -- timeouts ---------------------------------------------------------------------------------
 
     def _hello_expired(self) -> None:
-        """ICReq and Connect did not both succeed in time; from now on watch for stuck PDUs."""
+        """The hello deadline: a connection not yet connected (ICReq and Connect) is closed; a
+        connected one is watched for stuck PDUs from now on."""
         if self.queue.controller is None:
             log.warning("closing a connection that did not connect in time", peer=self.queue.peer,
                         timeout=self.limits.hello_timeout)
@@ -172,12 +173,13 @@ class TcpTargetConnection(PduProtocol):
         """Close the connection when the same PDU has been arriving for a whole period (a host
         that stopped mid-PDU, or sends a byte now and then); not while we stopped reading."""
         completed = self.reader.completed
-        if completed == self._seen and not self.paused and self.reader.in_pdu():
+        in_pdu = not self.paused and self.reader.in_pdu()
+        if in_pdu and completed == self._seen:  # mid-PDU at the last tick too, none completed since
             log.warning("closing a connection stuck in the middle of a PDU", peer=self.queue.peer,
                         timeout=self.limits.pdu_timeout)
             self.close()
             return
-        self._seen = completed
+        self._seen = completed if in_pdu else -1
         self._timer = asyncio.get_running_loop().call_later(self.limits.pdu_timeout, self._pdu_tick)
 
     def _receive(self, nbytes: int) -> None:
