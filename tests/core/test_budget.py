@@ -505,3 +505,20 @@ def test_command_slot_returns_only_once_the_response_has_left() -> None:
         return target
 
     run_sans_io(body)
+
+
+# -- the limits as configuration -----------------------------------------------------------------------
+
+def test_limits_from_the_config_file() -> None:
+    from blockd.config import ConfigError, Limits, parse
+
+    assert parse({}).limits == Limits()
+    got = parse({"target": {"max_unsent": "8MiB", "r2t_budget": "2MiB", "r2t_budget_total": "1GiB",
+                            "hello_timeout": 2, "pdu_timeout": 0.5, "max_connections": 10,
+                            "max_connections_per_host": 3}}).limits
+    assert got == Limits(8 * MiB, 2 * MiB, 1 << 30, 2.0, 0.5, 10, 3)
+    for bad, needle in [({"r2t_budget": "512KiB"}, "largest write"), ({"hello_timeout": 0}, "hello_timeout"),
+                        ({"pdu_timeout": "1"}, "pdu_timeout"), ({"max_connections": 0}, "max_connections"),
+                        ({"max_unsent": "lots"}, "max_unsent"), ({"max_inflight": 1}, "unknown")]:
+        with pytest.raises(ConfigError, match=needle):
+            parse({"target": bad})
