@@ -230,8 +230,8 @@ class TargetQueue:
 
     def response_sent(self, req: Request) -> None:
         """The transport sent the response (and the data before it): the request is over, and
-        only now is its slot free (a host that does not read its replies cannot have more
-        than the queue's depth of them made; as nvmet-tcp returns a command to its pool)."""
+        only now is its slot free (a host that does not read its replies cannot have more than
+        ``pool`` of them made; as nvmet-tcp returns a command to its pool)."""
         req.set_state(_DONE)
         self.in_flight -= 1
 
