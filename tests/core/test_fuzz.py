@@ -1,7 +1,8 @@
 """A structure-aware fuzzer against an in-process target on loopback (issue 12).
 
 Valid I/O conversations (Read, Write in-capsule and through R2T, Write Zeroes, Flush) mutated
-field by field, framing mutations of their PDUs, connection storms and slow peers. A model of
+field by field, framing mutations of their PDUs, read-only admin commands and Connects mutated,
+connection storms and slow peers. A model of
 the backing file follows every command: an acknowledged write changes its blocks, a failed one
 must change nothing, one whose completion never came (the connection died) may or may not have
 happened. Every successful read is checked against the model, and the file itself every few
@@ -26,7 +27,8 @@ from protocol.status import Status, to_wire
 from protocol.tcp import PduType
 
 from .conftest import (
-    RawConn, capsule, config, fill_file, free_port, h2c_data, ns, raw_admin, run, serving, sub,
+    RawConn, capsule, config, connect_data, connect_sqe, fill_file, free_port, h2c_data, ns, prop_sqe,
+    raw_admin, run, serving, sub,
 )
 from .test_budget import rss
 
@@ -189,11 +191,17 @@ class Fuzzer:
         sqe, data = self._valid()
         incapsule = data if sqe[39] == _INCAPSULE else b""
         roll = rng.random()
+        if roll < 0.05:
+            await self.admin_case()
+            return
+        if roll > 0.995:
+            await self.connect_case()
+            return
         if roll < 0.5:
             sqe, data, incapsule = self._mutate(sqe, data)
-        if roll > 0.98:
+        if roll > 0.985:
             await self._framing(sqe, data, incapsule)
-        elif roll > 0.975:
+        elif roll > 0.98:
             await self._slow(sqe, data, incapsule)
         else:
             self.io.send(capsule(sqe, incapsule))
@@ -285,6 +293,85 @@ class Fuzzer:
             self.io.send(raw[i:i + step])
             await asyncio.sleep(0.002)
         await self._outcome(sqe, data, incapsule, timeout=2.0)
+
+    async def admin_case(self) -> None:
+        """A read-only admin or fabrics command with mutated fields (Identify, Get Log Page, Get
+        Features, Property Get): never an internal error, no data with a failure, and exactly
+        the buffer's length with a success that returns data."""
+        rng = self.rng
+        self.cid = cid = (self.cid + 1) & 0xFFFF
+        kind = rng.randrange(4)
+        length = rng.choice([0, 512, 4096, 4096, 8192])
+        returns_data = kind < 2
+        if kind == 0:
+            sqe = build_sqe(0x06, cid, nsid=rng.choice([0, 1, 2, 0xFFFFFFFF, rng.randrange(1 << 32)]),
+                            dptr=build_sgl_data_block(_TRANSPORT, 0, length),
+                            cdw10=rng.choice([0, 1, 2, 3, rng.randrange(256)]))
+        elif kind == 1:
+            numd = rng.choice([length // 4 - 1 if length else 0, 127, 1023, rng.randrange(1 << 32)])
+            lpo = rng.choice([0, 0, 4, 1024, 1 << 20, rng.randrange(1 << 64)])
+            sqe = build_sqe(0x02, cid, nsid=rng.choice([0, 1, 0xFFFFFFFF]),
+                            dptr=build_sgl_data_block(_TRANSPORT, 0, length),
+                            cdw10=rng.choice([0x01, 0x02, 0x03, 0x70, 0x80, rng.randrange(256)]) | (numd & 0xFFFF) << 16,
+                            cdw11=numd >> 16, cdw12=lpo & 0xFFFFFFFF, cdw13=lpo >> 32)
+        elif kind == 2:
+            sqe = build_sqe(0x0A, cid, nsid=rng.choice([0, 1]), dptr=build_sgl_data_block(_TRANSPORT, 0, length),
+                            cdw10=rng.randrange(256) | rng.randrange(8) << 8)
+        else:
+            sqe = prop_sqe(cid, True, rng.choice([0, 8, 0x14, 0x1C, 0x20, rng.randrange(1 << 32)]),
+                           size8=rng.random() < 0.5)
+        try:
+            status, _, r_cid, got = await self.admin.command(sqe, timeout=2.0)
+        except (AssertionError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            self.report.problems.append(f"admin command without a completion: {sqe.hex()}")
+            return
+        if r_cid != cid:
+            self.report.problems.append(f"admin completion for cid {r_cid}, sent {cid}")
+        if status == _INTERNAL_ERROR:
+            self.report.problems.append(f"internal error for admin {sqe.hex()}")
+        elif status and got:
+            self.report.problems.append(f"a failed admin command sent data: {sqe.hex()}")
+        elif not status and returns_data and len(got) != length:
+            self.report.problems.append(f"admin command returned {len(got)} bytes for {length}: {sqe.hex()}")
+        if status:
+            self.report.errors += 1
+        else:
+            self.report.completions += 1
+
+    async def connect_case(self) -> None:
+        """A fresh connection whose Connect has one field mutated: a completion, never an
+        internal error; whatever it made is then dropped."""
+        rng = self.rng
+        sqe = bytearray(connect_sqe(qid=rng.choice([0, 1, 2]), sqsize=rng.choice([31, 127])))
+        data = bytearray(connect_data(cntlid=rng.choice([0xFFFF, self.cntlid])))
+        which = rng.randrange(6)
+        if which == 0:
+            sqe[rng.choice([40, 41, 42, 43, 44, 45, 46, 48, 49])] = rng.randrange(256)  # RECFMT..KATO
+        elif which == 1:
+            struct.pack_into("<I", sqe, 32, rng.choice([0, 512, 1023, 1025, 4096]))  # SGL length
+        elif which == 2:
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        elif which == 3:
+            start = rng.choice([256, 512])
+            data[start:start + 256] = rng.randbytes(256)
+        elif which == 4:
+            data = data[:rng.randrange(len(data))]
+        else:
+            sqe[rng.randrange(64)] = rng.randrange(256)
+        conn = await RawConn.open(self.port)
+        try:
+            await conn.initialize()
+            conn.send(capsule(bytes(sqe), bytes(data)))
+            pdu = await conn.recv(2.0)
+            if pdu is not None and pdu.ptype == PduType.CAPSULE_RESP:
+                if struct.unpack_from("<H", pdu.header, 22)[0] == _INTERNAL_ERROR:
+                    self.report.problems.append(f"internal error for Connect {bytes(sqe).hex()}")
+            elif pdu is None or pdu.ptype != PduType.C2H_TERM_REQ:
+                self.report.problems.append(f"Connect answered with {pdu}")
+        except asyncio.TimeoutError:
+            self.report.problems.append(f"Connect without an answer: {bytes(sqe).hex()}")
+        finally:
+            await conn.close()
 
     async def storm(self, n: int) -> None:
         """``n`` connections opened at once, some sending ICReq or garbage, all dropped."""
