@@ -17,14 +17,15 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol.constants import SglId
-from protocol.nvme import build_sgl_data_block, build_sqe
+from protocol.fabrics import CONNECT_COMMAND, CONNECT_DATA, NQN_FIELD
+from protocol.layout import field_offset
+from protocol.nvme import CQE_FAST, IO_COMMAND, SGL1_OFFSET, SGL_SIZE, SQE_SIZE, build_sgl_data_block, build_sqe
 from protocol.status import Status, to_wire
-from protocol.tcp import PduType
+from protocol.tcp import COMMON_HEADER_SIZE, DATA_PDU_HEADER, PduType
 
 from .conftest import (
     RawConn, capsule, config, connect_data, connect_sqe, fill_file, free_port, h2c_data, ns, prop_sqe,
@@ -41,6 +42,7 @@ INLINE = 128 << 10
 RSS_BUDGET = 96 << 20
 """Growth of this process (fuzzer and target together) allowed over the run."""
 FD_BUDGET = 64
+_SGL1 = slice(SGL1_OFFSET, SGL1_OFFSET + SGL_SIZE)
 _INTERNAL_ERROR = to_wire(Status.INTERNAL_ERROR)
 _INCAPSULE, _TRANSPORT = SglId.DATA_BLOCK_OFFSET, SglId.TRANSPORT_DATA_BLOCK
 _READ, _WRITE, _ZEROES, _FLUSH = 0x02, 0x01, 0x08, 0x00
@@ -149,47 +151,40 @@ class Fuzzer:
     def _mutate(self, sqe: bytes, data: bytes) -> tuple[bytes, bytes, bytes]:
         """One field of the command changed: (sqe, data for R2Ts, in-capsule data)."""
         rng = self.rng
-        opcode, flags, cid, nsid = struct.unpack_from("<BBHI", sqe)
-        slba = struct.unpack_from("<Q", sqe, 40)[0]
-        nlb, control = struct.unpack_from("<HH", sqe, 48)
-        address, length, sgl_id = struct.unpack_from("<QI3xB", sqe, 24)
-        incapsule = data if sgl_id == _INCAPSULE else b""
+        f = IO_COMMAND.parse(sqe)  # the fields our commands use; build_sqe left the rest zero
+        incapsule = data if f.sgl_id == _INCAPSULE else b""
         which = rng.randrange(10)
         if which == 0:
-            opcode = rng.choice(_OPCODES)
+            f.opcode = rng.choice(_OPCODES)
         elif which == 1:
-            flags = rng.randrange(256)
+            f.flags = rng.randrange(256)
         elif which == 2:
-            nsid = rng.choice([0, 2, 0xFFFFFFFF, rng.randrange(1 << 32)])
+            f.nsid = rng.choice([0, 2, 0xFFFFFFFF, rng.randrange(1 << 32)])
         elif which == 3:
-            slba = rng.choice([BLOCKS - 1, BLOCKS, BLOCKS + 1, (1 << 64) - 1, (1 << 64) - nlb - 1, 1 << 32,
-                               rng.randrange(1 << 64)])
+            f.slba = rng.choice([BLOCKS - 1, BLOCKS, BLOCKS + 1, (1 << 64) - 1, (1 << 64) - f.nlb - 1, 1 << 32,
+                                 rng.randrange(1 << 64)])
         elif which == 4:
-            nlb = rng.choice([0, 1, 7, 255, 2047, 2048, 0xFFFF, rng.randrange(1 << 16)])
+            f.nlb = rng.choice([0, 1, 7, 255, 2047, 2048, 0xFFFF, rng.randrange(1 << 16)])
         elif which == 5:
-            sgl_id = rng.choice([0x00, 0x01, 0x0F, 0x20, 0x30, 0x40, _TRANSPORT, _TRANSPORT, rng.randrange(256)])
-            if sgl_id == _INCAPSULE and not incapsule:
+            f.sgl_id = rng.choice([0x00, 0x01, 0x0F, 0x20, 0x30, 0x40, _TRANSPORT, _TRANSPORT, rng.randrange(256)])
+            if f.sgl_id == _INCAPSULE and not incapsule:
                 incapsule = data[:INLINE] or rng.randbytes(BS)
         elif which == 6:
-            length = rng.choice([0, 1, BS - 1, length + BS, length - 1 if length else 0, INLINE + BS,
-                                 (1 << 20) + 1, (1 << 32) - 1])
+            length = f.sgl_length
+            f.sgl_length = rng.choice([0, 1, BS - 1, length + BS, length - 1 if length else 0, INLINE + BS,
+                                       (1 << 20) + 1, (1 << 32) - 1])
         elif which == 7:
-            address = rng.choice([1, 64, 1 << 20, rng.randrange(1 << 64)])
+            f.sgl_address = rng.choice([1, 64, 1 << 20, rng.randrange(1 << 64)])
         elif which == 8:
-            control = rng.randrange(1 << 16)  # FUA, PRINFO, limited retry...
+            f.control = rng.randrange(1 << 16)  # FUA, PRINFO, limited retry...
         else:
             incapsule = incapsule[:rng.randrange(len(incapsule) + 1)] if incapsule else rng.randbytes(BS)
-        new = bytearray(sqe)
-        struct.pack_into("<BBHI", new, 0, opcode, flags, cid, nsid)
-        struct.pack_into("<QI", new, 24, address, length)
-        new[39] = sgl_id
-        struct.pack_into("<QHH", new, 40, slba, nlb, control)
-        return bytes(new), data, incapsule
+        return IO_COMMAND.build(f), data, incapsule
 
     async def case(self) -> None:
         rng = self.rng
         sqe, data = self._valid()
-        incapsule = data if sqe[39] == _INCAPSULE else b""
+        incapsule = data if IO_COMMAND.parse(sqe).sgl_id == _INCAPSULE else b""
         roll = rng.random()
         if roll < 0.05:
             await self.admin_case()
@@ -209,9 +204,8 @@ class Fuzzer:
 
     async def _outcome(self, sqe: bytes, data: bytes, incapsule: bytes, timeout: float) -> None:
         """Answer R2Ts, take the completion, and tell the model."""
-        opcode, _, cid = struct.unpack_from("<BBH", sqe)
-        slba = struct.unpack_from("<Q", sqe, 40)[0]
-        nblocks = struct.unpack_from("<H", sqe, 48)[0] + 1
+        f = IO_COMMAND.parse(sqe)
+        opcode, cid, slba, nblocks = f.opcode, f.cid, f.slba, f.nlb + 1
         sent = incapsule
         got = b""
         status = None
@@ -223,14 +217,15 @@ class Fuzzer:
             if pdu is None or pdu.ptype == PduType.C2H_TERM_REQ:
                 break
             if pdu.ptype == PduType.R2T:
-                r_cid, ttag, offset, length = struct.unpack_from("<HHII", pdu.header, 8)
+                r2t = DATA_PDU_HEADER.parse(pdu.header)
+                r_cid, ttag, offset, length = r2t.cccid, r2t.ttag, r2t.datao, r2t.datal
                 chunk = (data + bytes(offset + length))[offset:offset + length]
                 sent = (sent + bytes(offset))[:offset] + chunk
                 self.io.send(h2c_data(r_cid, ttag, offset, chunk))
             elif pdu.ptype == PduType.C2H_DATA:
                 got += pdu.data
             elif pdu.ptype == PduType.CAPSULE_RESP:
-                r_cid, status = struct.unpack_from("<HH", pdu.header, 20)
+                *_, r_cid, status = CQE_FAST.unpack_from(pdu.header, COMMON_HEADER_SIZE)
                 if r_cid != cid:
                     self.report.problems.append(f"completion for cid {r_cid}, sent {cid}")
             else:
@@ -342,29 +337,33 @@ class Fuzzer:
         """A fresh connection whose Connect has one field mutated: a completion, never an
         internal error; whatever it made is then dropped."""
         rng = self.rng
-        sqe = bytearray(connect_sqe(qid=rng.choice([0, 1, 2]), sqsize=rng.choice([31, 127])))
+        f = CONNECT_COMMAND.parse(connect_sqe(qid=rng.choice([0, 1, 2]), sqsize=rng.choice([31, 127])))
+        sgl = IO_COMMAND.parse(connect_sqe())
         data = bytearray(connect_data(cntlid=rng.choice([0xFFFF, self.cntlid])))
         which = rng.randrange(6)
         if which == 0:
-            sqe[rng.choice([40, 41, 42, 43, 44, 45, 46, 48, 49])] = rng.randrange(256)  # RECFMT..KATO
+            name = rng.choice(["recfmt", "qid", "sqsize", "cattr", "kato"])
+            f[name] = rng.randrange(1 << (8 if name == "cattr" else 16))
         elif which == 1:
-            struct.pack_into("<I", sqe, 32, rng.choice([0, 512, 1023, 1025, 4096]))  # SGL length
+            sgl.sgl_length = rng.choice([0, 512, 1023, 1025, 4096])
         elif which == 2:
             data[rng.randrange(len(data))] = rng.randrange(256)
         elif which == 3:
-            start = rng.choice([256, 512])
-            data[start:start + 256] = rng.randbytes(256)
+            start = field_offset(CONNECT_DATA, rng.choice(["subnqn", "hostnqn"]))
+            data[start:start + NQN_FIELD] = rng.randbytes(NQN_FIELD)
         elif which == 4:
             data = data[:rng.randrange(len(data))]
-        else:
-            sqe[rng.randrange(64)] = rng.randrange(256)
+        sqe = bytearray(CONNECT_COMMAND.build(f))
+        sqe[_SGL1] = IO_COMMAND.build(sgl)[_SGL1]
+        if which == 5:
+            sqe[rng.randrange(SQE_SIZE)] = rng.randrange(256)  # any byte at all
         conn = await RawConn.open(self.port)
         try:
             await conn.initialize()
             conn.send(capsule(bytes(sqe), bytes(data)))
             pdu = await conn.recv(2.0)
             if pdu is not None and pdu.ptype == PduType.CAPSULE_RESP:
-                if struct.unpack_from("<H", pdu.header, 22)[0] == _INTERNAL_ERROR:
+                if CQE_FAST.unpack_from(pdu.header, COMMON_HEADER_SIZE)[-1] == _INTERNAL_ERROR:
                     self.report.problems.append(f"internal error for Connect {bytes(sqe).hex()}")
             elif pdu is None or pdu.ptype != PduType.C2H_TERM_REQ:
                 self.report.problems.append(f"Connect answered with {pdu}")
