@@ -21,8 +21,8 @@ import pytest
 from protocol.constants import DISCOVERY_NQN
 from protocol.fabrics import CONNECT_DATA
 from protocol.layout import field_offset
-from protocol.nvme import build_sqe
-from protocol.tcp import PduType
+from protocol.nvme import CQE_FAST, build_sqe
+from protocol.tcp import COMMON_HEADER_SIZE, DATA_PDU_HEADER, PduType
 
 from .conftest import (
     NQN, RawConn, capsule, config, connect, connect_data, connect_sqe, fill_file, free_port, h2c_data,
@@ -291,8 +291,8 @@ async def _r2ts(conn: RawConn, timeout: float = 0.5) -> list[tuple[int, int, int
         except asyncio.TimeoutError:
             return got
         assert pdu is not None and pdu.ptype == PduType.R2T, pdu
-        cid, ttag, _offset, length = struct.unpack_from("<HHII", pdu.header, 8)
-        got.append((cid, ttag, length))
+        r2t = DATA_PDU_HEADER.parse(pdu.header)
+        got.append((r2t.cccid, r2t.ttag, r2t.datal))
 
 
 def test_r2t_per_queue_budget_holds_back_writes_until_data_arrives(tmp_path: Path) -> None:
@@ -308,9 +308,10 @@ def test_r2t_per_queue_budget_holds_back_writes_until_data_arrives(tmp_path: Pat
             io.send(h2c_data(cid, ttag, 0, b"\x11" * length))
             # the freed buffer goes to the next write (its R2T leaves before the completion)
             r2t = await io.recv()
-            assert r2t.ptype == PduType.R2T and struct.unpack_from("<H", r2t.header, 8)[0] == 2
+            assert r2t.ptype == PduType.R2T and DATA_PDU_HEADER.parse(r2t.header).cccid == 2
             resp = await io.recv()
-            assert resp.ptype == PduType.CAPSULE_RESP and struct.unpack_from("<HH", resp.header, 20) == (0, 0)
+            assert resp.ptype == PduType.CAPSULE_RESP
+            assert CQE_FAST.unpack_from(resp.header, COMMON_HEADER_SIZE)[-2:] == (0, 0)  # cid 0, success
             assert await _r2ts(io) == []
             await io.close()
             await admin.close()
@@ -464,8 +465,6 @@ def test_connect_nqns_end_at_the_first_nul(tmp_path: Path, field: str) -> None:
 def test_command_slot_returns_only_once_the_response_has_left() -> None:
     """Responses built but not yet sent keep their slots: past twice the queue size, commands
     fail with Command Sequence Error; once the responses leave, the queue takes commands again."""
-    from protocol.nvme import CQE_FAST
-
     from .test_sans_io import FakeTransport, admin_and_io, rw_sqe
     from .test_sans_io import run as run_sans_io
 
