@@ -30,7 +30,7 @@ from blockd import eager
 from protocol.constants import PSDT_SGL, AdminOpcode, FabricsType, SglId
 from protocol.fabrics import (
     CATTR_DISABLE_SQFLOW, CONNECT_COMMAND, CONNECT_DATA, CONNECT_DATA_SIZE, FABRICS_COMMAND,
-    IPO_CONNECT_SQSIZE, IPO_CONNECT_SUBNQN,
+    IPO_CONNECT_SQSIZE, IPO_CONNECT_SUBNQN, NQN_FIELD,
 )
 from protocol.layout import field_offset
 from protocol.nvme import (
@@ -59,6 +59,8 @@ _FABRICS = int(AdminOpcode.FABRICS)
 _FCTYPE = field_offset(FABRICS_COMMAND, "fctype")
 _CONNECT, _PROPERTY_GET, _PROPERTY_SET = (
     int(FabricsType.CONNECT), int(FabricsType.PROPERTY_GET), int(FabricsType.PROPERTY_SET))
+_CONNECT_NQNS = tuple(slice(field_offset(CONNECT_DATA, name), field_offset(CONNECT_DATA, name) + NQN_FIELD)
+                      for name in ("subnqn", "hostnqn"))
 _unpack_command = IO_COMMAND_FAST.unpack_from
 _pack_cqe = CQE_FAST.pack
 _IN_CAPSULE = int(SglId.DATA_BLOCK_OFFSET)
@@ -73,6 +75,17 @@ _DIRECTIONS = (_NONE, _TO_CONTROLLER, _TO_HOST, None)
 _SUCCESS, _INVALID_FIELD, _INVALID_OPCODE = Status.SUCCESS, Status.INVALID_FIELD, Status.INVALID_OPCODE
 _SEQUENCE_ERROR, _BAD_LENGTH = Status.COMMAND_SEQUENCE_ERROR, Status.SGL_INVALID_DATA_LENGTH
 _INTERNAL_ERROR = Status.INTERNAL_ERROR
+
+
+def _nqns_to_nul(data: bytes | bytearray | memoryview) -> bytes:
+    """Connect data with each NQN field cut at its first NUL, as nvmet compares NQNs up to it
+    (whatever follows the NUL is padding, not part of the name)."""
+    raw = bytearray(data)
+    for field in _CONNECT_NQNS:
+        end = raw.find(0, field.start, field.stop)
+        if end >= 0:
+            raw[end:field.stop] = bytes(field.stop - end)
+    return bytes(raw)
 
 
 class TargetQueue:
@@ -98,6 +111,11 @@ class TargetQueue:
         self.sqhd_disabled = False
         """The host disabled SQ flow control at Connect (CATTR bit 2)."""
         self.in_flight = 0
+        """Commands taken and not yet answered: from ``submit`` to ``response_sent``."""
+        self.pool = 0
+        """Most commands in flight, set at Connect: twice the queue size, as nvmet-tcp's
+        command pool (a command's slot is back only once its response has left, and an RDMA
+        host may send its next command before the SEND completion of the last is seen)."""
         self.tasks: set[asyncio.Task[None]] = set()
         """This queue's commands that wait (a transport tearing down waits for them)."""
         self._data_sgl_ids = info.data_sgl_ids
@@ -138,7 +156,7 @@ class TargetQueue:
         elif ctrl is None:
             self._fail(req, _INVALID_OPCODE)
             return
-        elif not ctrl.ready or self.in_flight > self.sqsize + 1:
+        elif not ctrl.ready or self.in_flight > self.pool:
             self._fail(req, _SEQUENCE_ERROR)
             return
         else:
@@ -211,8 +229,11 @@ class TargetQueue:
         self._fail(req, Status.DATA_TRANSFER_ERROR)
 
     def response_sent(self, req: Request) -> None:
-        """The transport sent the response (and the data before it): the request is over."""
+        """The transport sent the response (and the data before it): the request is over, and
+        only now is its slot free (a host that does not read its replies cannot have more than
+        ``pool`` of them made; as nvmet-tcp returns a command to its pool)."""
         req.set_state(_DONE)
+        self.in_flight -= 1
 
     def _run(self, req: Request) -> None:
         task = eager.start(self._execute(req))
@@ -245,7 +266,6 @@ class TargetQueue:
         if self.sqsize and not self.sqhd_disabled:
             self.sqhd = (self.sqhd + 1) % (self.sqsize + 1)
         req.set_state(_COMPLETING)
-        self.in_flight -= 1
         ns = req.ns
         if ns is not None:
             ns.in_flight -= 1
@@ -289,7 +309,7 @@ class TargetQueue:
             req.status = Status.CONNECT_INCOMPATIBLE_FORMAT
             return
         try:
-            data = CONNECT_DATA.parse(bytes(req.data))
+            data = CONNECT_DATA.parse(_nqns_to_nul(req.data))
         except Exception:
             req.status, req.dw0 = Status.CONNECT_INVALID_PARAMETERS, IPO_CONNECT_SUBNQN
             return
@@ -307,6 +327,7 @@ class TargetQueue:
             self.controller = ctrl
             self.qid = qid
             self.sqsize = sqsize
+            self.pool = 2 * (sqsize + 1)
             self.sqhd_disabled = bool(fields.cattr & CATTR_DISABLE_SQFLOW)
             if qid:  # I/O queues take the transport's (larger) in-capsule data from now on
                 self.inline_size = self.transport.info.io_inline

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from blockd.config import Limits
 from protocol.constants import (
     AEN_DISCOVERY_CHANGED, AEN_NS_ATTR_CHANGED, DISCOVERY_NQN, DYNAMIC_CNTLID, AddressFamily,
     SubsystemType,
@@ -16,6 +17,7 @@ from protocol.fabrics import IPO_CONNECT_CNTLID, IPO_CONNECT_QID, IPO_CONNECT_SQ
 from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_HEADER
 from protocol.status import Status
 from target.controller import MQES, Controller
+from target.limits import ConnectionCount, DataBudget
 from target.queue import TargetQueue
 from target.subsystem import Namespace, Subsystem
 from target.transport import transport_info
@@ -44,11 +46,15 @@ class PortInfo:
 class Target:
     """Everything the transports share; transports call into it, never the reverse."""
 
-    def __init__(self, max_io_queues: int = 16) -> None:
+    def __init__(self, max_io_queues: int = 16, limits: Limits = Limits()) -> None:
         self.subsystems: dict[str, Subsystem] = {DISCOVERY_NQN: Subsystem(DISCOVERY_NQN, serial="discovery", model="blockd discovery")}
         self.controllers: dict[int, Controller] = {}
         self.ports: dict[int, PortInfo] = {}
         self.max_io_queues = max_io_queues
+        self.limits = limits
+        self.connections = ConnectionCount(limits.max_connections, limits.max_connections_per_host)
+        self.r2t_budget = DataBudget(limits.r2t_budget_total)
+        """Write data buffers asked for with R2T, over every queue (see target.limits)."""
         self.genctr = 1
         self._next_cntlid = 1
         self._reaper: asyncio.Task[None] | None = None
