@@ -397,13 +397,15 @@ def test_header_digest_error_terminates(tmp_path: Path) -> None:
 
 
 def test_queue_depth_overflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """More commands than the negotiated SQ size: exactly the excess fail, with Command Sequence
-    Error, and the queue keeps working.
+    """More commands than the queue's command pool: exactly the excess fail, with Command
+    Sequence Error, and the queue keeps working.
 
-    The commands must really be outstanding together, so each is a Flush held at a gate in the
-    file backend until the test has seen every refusal. (The kernel's nvmet-tcp keeps 2 x SQ
-    size command slots and tears the connection down when a capsule finds none free; we refuse
-    the one command, a status the host can act on, and the queue lives.)"""
+    The pool is 2 x the negotiated SQ size, as nvmet-tcp's: a slot comes back only once its
+    response has left, and a host may reuse an SQ entry as soon as it sees the CQE, before our
+    side has seen the send complete. The commands must really be outstanding together, so each
+    is a Flush held at a gate in the file backend until the test has seen every refusal.
+    (nvmet-tcp tears the connection down when a capsule finds no free slot; we refuse the one
+    command, a status the host can act on, and the queue lives.)"""
     gate = asyncio.Event()
     real_flush = FileBackend.flush
 
@@ -412,6 +414,7 @@ def test_queue_depth_overflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         await real_flush(self)
     monkeypatch.setattr(FileBackend, "flush", gated_flush)
     depth, sent = 4, 64
+    pool = 2 * depth
 
     async def attack(port: int) -> None:
         try:
@@ -422,12 +425,12 @@ def test_queue_depth_overflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
             assert status == 0
             io.send(b"".join(capsule(_sqe(IoOpcode.FLUSH, cid)) for cid in range(sent)))
             statuses = {}
-            while len(statuses) < sent - depth:
+            while len(statuses) < sent - pool:
                 pdu = await io.recv()
                 assert pdu is not None and pdu.ptype == PduType.CAPSULE_RESP, pdu
                 _, _, _, _, cid, status = CQE_FAST.unpack_from(pdu.header, COMMON_HEADER_SIZE)
                 statuses[cid] = status
-            assert statuses == {cid: to_wire(Status.COMMAND_SEQUENCE_ERROR) for cid in range(depth, sent)}
+            assert statuses == {cid: to_wire(Status.COMMAND_SEQUENCE_ERROR) for cid in range(pool, sent)}
             gate.set()  # the held ones, and only they, now complete with success
             while len(statuses) < sent:
                 pdu = await io.recv()
