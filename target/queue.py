@@ -37,7 +37,7 @@ from protocol.nvme import (
     CQE_FAST, FLAGS_PSDT_FUSE_MASK, IO_COMMAND_FAST, IO_FLAGS, SGL1_OFFSET, SGL_SIZE, SQE_SIZE,
     parse_sgl_keyed,
 )
-from protocol.status import Status, to_wire
+from protocol.status import MORE, Status, to_wire
 from target.request import Direction, IllegalTransition, Request, RequestState
 
 if TYPE_CHECKING:
@@ -240,8 +240,8 @@ class TargetQueue:
             req.reply = None
         elif req.direction is _TO_HOST and req.reply is None:
             status = req.status = _BAD_LENGTH  # a data buffer on a command that returns none
-        if status and self.controller is not None:
-            self.controller.log_error(self.qid or 0, req)
+        if status and self.controller is not None and self.controller.log_error(self.qid or 0, req):
+            status |= MORE  # as nvmet: the Error Information log has an entry for this command
         if self.sqsize and not self.sqhd_disabled:
             self.sqhd = (self.sqhd + 1) % (self.sqsize + 1)
         req.set_state(_COMPLETING)
