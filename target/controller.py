@@ -117,7 +117,11 @@ class Controller:
         self.async_event_config = 0
         self.error_count = 0
         self.error_log: collections.deque[bytes] = collections.deque(maxlen=ERROR_LOG_ENTRIES)
-        self.last_keep_alive = time.monotonic()
+        self.keep_alive_deadline = 0.0
+        self.traffic_seen = False
+        """A command arrived since the keep-alive period began (set by TargetQueue.submit: an
+        attribute store per command, where a timestamp would be a clock call per command)."""
+        self.restart_keep_alive()
         self.dead = False
         self._namespaces = subsystem.namespaces
         self.admin_commands: CommandTable = {
@@ -150,9 +154,31 @@ class Controller:
     def is_discovery(self) -> bool:
         return self.subsystem.nqn == DISCOVERY_NQN
 
-    def keep_alive_expired(self, now: float) -> bool:
+    def _kato_s(self) -> int:
+        """KATO in whole seconds, rounded up (as nvmet); 0: no keep-alive."""
         kato = self.kato_ms or (DISCOVERY_DEFAULT_KATO_MS if self.is_discovery else 0)
-        return bool(kato) and now - self.last_keep_alive > (kato + 999) // 1000
+        return (kato + 999) // 1000
+
+    def restart_keep_alive(self) -> None:
+        """A Keep Alive (or Connect, CC.EN, a new KATO): a full period from now."""
+        self.keep_alive_deadline = time.monotonic() + self._kato_s()
+
+    def keep_alive_expired(self, now: float) -> bool:
+        """The reaper's look at this controller: True when the host fell silent. A period that
+        ends with traffic seen starts another (traffic-based keep-alive, CTRATT.TBKAS), as
+        nvmet's keep-alive timer does with ``reset_tbkas``: a host is given between one and two
+        KATO after its last command. That second period is needed: a Linux host that sees
+        TBKAS skips its Keep Alive while completions arrive and may then send it a whole KATO
+        after its last command (measured in the VM bed: a 4 KiB-block namespace was torn down
+        11 s after connect with a 5 s KATO when the deadline was one KATO after the last one)."""
+        kato_s = self._kato_s()
+        if not kato_s or now <= self.keep_alive_deadline:
+            return False
+        if self.traffic_seen:
+            self.traffic_seen = False
+            self.keep_alive_deadline = now + kato_s
+            return False
+        return True
 
     def queue_closed(self, queue: TargetQueue) -> None:
         if self.queues.get(queue.qid) is queue:
@@ -250,7 +276,7 @@ class Controller:
                 self.csts = CSTS_CFS
             else:
                 self.csts = CSTS_RDY
-                self.last_keep_alive = time.monotonic()
+                self.restart_keep_alive()
         elif not new & CC_EN and old & CC_EN:
             self.csts = 0
             self.cc = 0
@@ -263,7 +289,7 @@ class Controller:
     async def _keep_alive(self, req: Request) -> None:
         if not self.kato_ms:
             req.status = Status.KEEP_ALIVE_INVALID
-        self.last_keep_alive = time.monotonic()
+        self.restart_keep_alive()
 
     async def _abort(self, req: Request) -> None:
         req.dw0 = 1  # the command was not aborted
@@ -380,7 +406,7 @@ class Controller:
             req.dw0 = n | (n << 16)
         elif fid == FeatureId.KEEP_ALIVE_TIMER:
             self.kato_ms = value
-            self.last_keep_alive = time.monotonic()
+            self.restart_keep_alive()
         elif fid == FeatureId.ASYNC_EVENT_CONFIG:
             self.async_event_config = value
         elif fid == FeatureId.VOLATILE_WRITE_CACHE and not self.is_discovery:

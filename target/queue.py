@@ -21,7 +21,6 @@ command runs inside ``submit`` without an event loop.
 
 from __future__ import annotations
 
-from time import monotonic
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 import structlog
@@ -127,7 +126,7 @@ class TargetQueue:
         if ctrl is not None:
             # Any command proves the host alive (traffic-based keep-alive): a host busy setting
             # up queues or moving data is not torn down for a Keep Alive that queued behind.
-            ctrl.last_keep_alive = monotonic()
+            ctrl.traffic_seen = True
         if opcode == _FABRICS:
             fctype = req.sqe[_FCTYPE]
             if fctype != _CONNECT and ctrl is None:

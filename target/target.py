@@ -153,7 +153,7 @@ class Target:
         if qid in ctrl.queues:
             return Status.COMMAND_SEQUENCE_ERROR, 0, None
         ctrl.queues[qid] = queue
-        ctrl.last_keep_alive = time.monotonic()
+        ctrl.restart_keep_alive()
         return Status.SUCCESS, cntlid, ctrl
 
     def _allocate_cntlid(self) -> int | None:
@@ -211,7 +211,7 @@ class Target:
             self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
     async def _reap(self) -> None:
-        """Tear down controllers whose host stopped sending Keep Alive."""
+        """Tear down controllers whose host fell silent (see Controller.keep_alive_expired)."""
         while self.controllers:
             await asyncio.sleep(0.5)
             now = time.monotonic()

@@ -497,3 +497,22 @@ def test_more_bit_goes_with_an_error_log_entry() -> None:
         assert error_log(admin, 1)[0].error_count == 2
         return target
     run(body)
+
+
+def test_traffic_based_keep_alive_gives_a_second_period() -> None:
+    """With TBKAS any command restarts the keep-alive timer: a period in which commands arrived
+    starts another (as nvmet's reset_tbkas), so a host is torn down only after a whole period
+    without any, between one and two KATO after its last command; a Keep Alive restarts it."""
+    def body() -> Target:
+        target, _, admin, io = admin_and_io()  # KATO 5 s
+        ctrl = admin.controller
+        start = ctrl.keep_alive_deadline - 5
+        assert not ctrl.keep_alive_expired(start + 4.9)
+        assert complete(io, rw_sqe(0x02, 1, 0, 1, transport_sgl(512)))[0] == 0
+        assert not ctrl.keep_alive_expired(start + 5.1)  # traffic in the period: another one
+        assert ctrl.keep_alive_deadline == pytest.approx(start + 10.1)
+        assert ctrl.keep_alive_expired(start + 10.2)  # a silent period: gone
+        assert complete(admin, build_sqe(0x18, 2, dptr=transport_sgl(0)))[0] == 0  # Keep Alive
+        assert not ctrl.keep_alive_expired(ctrl.keep_alive_deadline - 0.1)
+        return target
+    run(body)

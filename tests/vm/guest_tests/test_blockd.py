@@ -432,9 +432,11 @@ def test_discover_treq_as_nvmet(blockd_target, kernel_target):
 
 def test_ctratt_and_error_statuses_as_nvmet(blockd_target, kernel_target):
     """nvme id-ctrl's CTRATT (0x41: 128-bit host id, traffic-based keep-alive), and two failing
-    admin commands, Get Features of an unsupported FID and a vendor-specific opcode: the same
-    status from blockd as from nvmet (with DNR and More: 0x6002, 0x6001), and the same newest
-    error-log entry behind it (status, parameter error location)."""
+    admin commands: the same status from blockd as from nvmet, with DNR and More, and the same
+    newest error-log entry behind it (status without More, parameter error location). Get
+    Features of a FID nvme-cli does not know goes with a data buffer, so both answer SGL Data
+    Block Invalid length at DPTR (0x600F, location 24) before looking at the FID; a vendor
+    opcode is Invalid Opcode at the opcode (0x6001, location 0)."""
     with kernel_host("tcp", 4420, NQN) as ours, kernel_host("tcp", KPORT, KNQN) as nvmet:
         seen = {}
         for name, k in (("blockd", ours), ("nvmet", nvmet)):
@@ -447,4 +449,4 @@ def test_ctratt_and_error_statuses_as_nvmet(blockd_target, kernel_target):
             seen[name] = (ctratt, feature, opcode,
                           *((e["status_field"], e["parm_error_location"]) for e in (feature_entry, opcode_entry)))
         assert seen["blockd"] == seen["nvmet"], seen
-        assert seen["blockd"][:3] == (0x41, 0x6002, 0x6001), seen
+        assert seen["blockd"] == (0x41, 0x600F, 0x6001, (0x400F, 24), (0x4001, 0)), seen
