@@ -117,7 +117,6 @@ class Controller:
         self.async_event_config = 0
         self.error_count = 0
         self.error_log: collections.deque[bytes] = collections.deque(maxlen=ERROR_LOG_ENTRIES)
-        self.keep_alive_deadline = 0.0
         self.traffic_seen = False
         """A command arrived since the keep-alive period began (set by TargetQueue.submit: an
         attribute store per command, where a timestamp would be a clock call per command)."""
