@@ -21,7 +21,6 @@ command runs inside ``submit`` without an event loop.
 
 from __future__ import annotations
 
-from time import monotonic
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 import structlog
@@ -37,7 +36,7 @@ from protocol.nvme import (
     CQE_FAST, FLAGS_PSDT_FUSE_MASK, IO_COMMAND_FAST, IO_FLAGS, SGL1_OFFSET, SGL_SIZE, SQE_SIZE,
     parse_sgl_keyed,
 )
-from protocol.status import Status, to_wire
+from protocol.status import MORE, Status, to_wire
 from target.request import Direction, IllegalTransition, Request, RequestState
 
 if TYPE_CHECKING:
@@ -145,7 +144,7 @@ class TargetQueue:
         if ctrl is not None:
             # Any command proves the host alive (traffic-based keep-alive): a host busy setting
             # up queues or moving data is not torn down for a Keep Alive that queued behind.
-            ctrl.last_keep_alive = monotonic()
+            ctrl.traffic_seen = True
         if opcode == _FABRICS:
             fctype = req.sqe[_FCTYPE]
             if fctype != _CONNECT and ctrl is None:
@@ -261,8 +260,8 @@ class TargetQueue:
             req.reply = None
         elif req.direction is _TO_HOST and req.reply is None:
             status = req.status = _BAD_LENGTH  # a data buffer on a command that returns none
-        if status and self.controller is not None:
-            self.controller.log_error(self.qid or 0, req)
+        if status and self.controller is not None and self.controller.log_error(self.qid or 0, req):
+            status |= MORE  # as nvmet: the Error Information log has an entry for this command
         if self.sqsize and not self.sqhd_disabled:
             self.sqhd = (self.sqhd + 1) % (self.sqsize + 1)
         req.set_state(_COMPLETING)
