@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import struct
 
 from cryptography.hazmat.primitives.asymmetric import dh
@@ -103,3 +104,14 @@ def controller_response(hash_id: int, key: bytes, challenge: bytes, seqnum: int,
 def same(a: bytes, b: bytes) -> bool:
     """Constant-time comparison of a received response with the expected one."""
     return hmac.compare_digest(a, b)
+
+
+_seqnum = int.from_bytes(os.urandom(4), "little")
+
+
+def next_seqnum() -> int:
+    """A fresh sequence number (S1/S2): a counter from a random start that skips 0, which the
+    Reply reserves for "not bidirectional" (as the kernel's ``nvme_auth_get_seqnum``)."""
+    global _seqnum
+    _seqnum = (_seqnum + 1) & 0xFFFFFFFF or 1
+    return _seqnum
