@@ -53,6 +53,14 @@ class Secret:
 
     __str__ = __repr__
 
+    def __eq__(self, other: object) -> bool:
+        """Same key and transform (a reloaded configuration keeps unchanged hosts' secrets)."""
+        if not isinstance(other, Secret):
+            return NotImplemented
+        return self.transform == other.transform and hmac.compare_digest(self.key, other.key)
+
+    __hash__ = None  # type: ignore[assignment]
+
     def transformed(self, nqn: str) -> bytes:
         """The HMAC key this secret gives for ``nqn`` (unchanged when no transform is named)."""
         if not self.transform:

@@ -12,13 +12,12 @@ Negotiate at any time restarts the transaction (re-authentication).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 from blockd.dhchap import (
     DhError, DhExchange, augment, controller_response, dh_value_length, hash_length,
     host_response, next_seqnum, same,
 )
-from blockd.dhchap_secret import Secret
+from blockd.config import HostAuthConfig
 from protocol.auth import (
     SC_C_NONE, AuthMessage, AuthMessageError, AuthType, FailureExplanation, build_challenge,
     build_failure, build_success1, parse_head, parse_negotiate, parse_reply,
@@ -33,16 +32,6 @@ _FAILURE1 = AuthMessage.FAILURE1
 _FAILURE2 = AuthMessage.FAILURE2
 _DONE = -1
 """No message expected: the transaction ended (authenticated, or failed and answered)."""
-
-
-@dataclass(frozen=True)
-class HostAuthConfig:
-    """What the target requires of one host: its secret, the controller's secret when the host
-    may authenticate the controller, and the hashes and DH groups allowed, preferred first."""
-    secret: Secret
-    ctrl_secret: Secret | None
-    hashes: tuple[int, ...]
-    dh_groups: tuple[int, ...]
 
 
 class QueueAuth:

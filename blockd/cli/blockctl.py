@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("discover", help="print a target's discovery log")
-    for key in ("transport", "traddr", "hostnqn"):
+    for key in ("transport", "traddr", "hostnqn", "dhchap_secret", "dhchap_ctrl_secret"):
         _option_flag(d, OPTIONS_BY_KEY[key])
     _option_flag(d, OPTIONS_BY_KEY["trsvcid"], default=None, help="target port (tcp: 8009, rdma: 4420)")
 
@@ -110,7 +110,9 @@ def cmd_discover(args: argparse.Namespace) -> int:
 
     port = args.trsvcid or (DEFAULT_TCP_DISCOVERY_PORT if args.transport == "tcp" else DEFAULT_IO_PORT)
     from blockd import eventloop
-    entries = eventloop.run(discover(args.traddr, port, args.transport, args.hostnqn))
+    entries = eventloop.run(discover(args.traddr, port, args.transport, args.hostnqn,
+                                     dhchap_secret=args.dhchap_secret,
+                                     dhchap_ctrl_secret=args.dhchap_ctrl_secret))
     print(f"Discovery Log Number of Records {len(entries)}")
     for n, e in enumerate(entries):
         kind = {1: "referral", 2: "nvme subsystem", 3: "current discovery subsystem"}.get(e.subtype, str(e.subtype))
