@@ -371,6 +371,13 @@ class Controller:
             if exc.failure2 is not None:
                 await send(exc.failure2)
             raise ConnectError(f"authentication with {p.subnqn} failed: {exc}") from None
+        except ConnectError:
+            raise
+        except ConnectionError as exc:
+            # the kernel's nvmet tears the association down right after its Failure1, so
+            # the connection may close before the Failure1 arrives
+            raise ConnectError(f"authentication with {p.subnqn} failed: "
+                               f"the target closed the connection ({exc})") from None
 
     async def _enable(self) -> None:
         cap = await self.get_property(Property.CAP, 8)
