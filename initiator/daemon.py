@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from typing import Any, Awaitable, Callable
 
 import structlog
 
+from blockd import unix_socket
 from initiator.control import CHUNK, socket_path
 from initiator.controller import Controller
 from initiator.errors import ConnectError, NvmeError, QueueLost
@@ -45,16 +45,7 @@ class InitiatorDaemon:
         }
 
     async def start(self) -> None:
-        directory = os.path.dirname(self.path)
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        if os.path.exists(self.path):
-            os.unlink(self.path)
-        old = os.umask(0o077)
-        try:
-            self.server = await asyncio.start_unix_server(self._client, self.path, limit=CHUNK * 2)
-        finally:
-            os.umask(old)
-        os.chmod(self.path, 0o600)
+        self.server = await unix_socket.listen_private(self.path, self._client, limit=CHUNK * 2)
         log.info("initiator listening", socket=self.path)
 
     async def stop(self) -> None:
@@ -65,8 +56,7 @@ class InitiatorDaemon:
             await ctrl.close()
             log.info("disconnected", name=name)
         self.connections.clear()
-        if os.path.exists(self.path):
-            os.unlink(self.path)
+        unix_socket.remove(self.path)
 
     def find(self, name: str) -> Controller:
         """A connection by its name, or by its subsystem NQN when that is unambiguous."""

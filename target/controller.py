@@ -31,6 +31,7 @@ from protocol.nvme import (
 )
 from protocol.status import Status, to_wire
 from target.request import Direction, Request
+from target.stats import IoCounters
 
 if TYPE_CHECKING:
     from target.queue import CommandTable, TargetQueue
@@ -84,8 +85,12 @@ class Controller:
         self.async_event_config = 0
         self.error_count = 0
         self.error_log: collections.deque[bytes] = collections.deque(maxlen=ERROR_LOG_ENTRIES)
-        self.last_keep_alive = time.monotonic()
+        self.last_keep_alive = time.monotonic_ns()
         self.dead = False
+        self.connected_ns = time.time_ns()
+        """Wall-clock time of the admin Connect (shown as "connected since")."""
+        self.counters = IoCounters()
+        """This host's I/O commands on this controller (every I/O queue adds here)."""
         self._namespaces = subsystem.namespaces
         self.admin_commands: CommandTable = {
             AdminOpcode.KEEP_ALIVE: (_no_data, self._keep_alive),
@@ -117,9 +122,9 @@ class Controller:
     def is_discovery(self) -> bool:
         return self.subsystem.nqn == DISCOVERY_NQN
 
-    def keep_alive_expired(self, now: float) -> bool:
+    def keep_alive_expired(self, now_ns: int) -> bool:
         kato = self.kato_ms or (DISCOVERY_DEFAULT_KATO_MS if self.is_discovery else 0)
-        return bool(kato) and now - self.last_keep_alive > (kato + 999) // 1000
+        return bool(kato) and now_ns - self.last_keep_alive > (kato + 999) // 1000 * 1_000_000_000
 
     def queue_closed(self, queue: TargetQueue) -> None:
         if self.queues.get(queue.qid) is queue:
@@ -210,7 +215,7 @@ class Controller:
                 self.csts = CSTS_CFS
             else:
                 self.csts = CSTS_RDY
-                self.last_keep_alive = time.monotonic()
+                self.last_keep_alive = time.monotonic_ns()
         elif not new & CC_EN and old & CC_EN:
             self.csts = 0
             self.cc = 0
@@ -223,7 +228,7 @@ class Controller:
     async def _keep_alive(self, req: Request) -> None:
         if not self.kato_ms:
             req.status = Status.KEEP_ALIVE_INVALID
-        self.last_keep_alive = time.monotonic()
+        self.last_keep_alive = time.monotonic_ns()
 
     async def _abort(self, req: Request) -> None:
         req.dw0 = 1  # the command was not aborted
@@ -340,7 +345,7 @@ class Controller:
             req.dw0 = n | (n << 16)
         elif fid == FeatureId.KEEP_ALIVE_TIMER:
             self.kato_ms = value
-            self.last_keep_alive = time.monotonic()
+            self.last_keep_alive = time.monotonic_ns()
         elif fid == FeatureId.ASYNC_EVENT_CONFIG:
             self.async_event_config = value
         elif fid == FeatureId.VOLATILE_WRITE_CACHE and not self.is_discovery:
@@ -385,6 +390,7 @@ class Controller:
         ns = self._namespaces.get(req.nsid)
         if ns is None:
             return _INVALID_NS
+        req.ns = ns  # before the checks: a refused command counts on its namespace (target.stats)
         fields = req.fields
         nlb = fields[IO_NLB]
         if fields[IO_SLBA] + nlb + 1 > ns.blocks:
@@ -393,10 +399,7 @@ class Controller:
         if opc != _READ and ns.backend.read_only:  # not ns.read_only: a property call per write
             return _WRITE_PROTECTED
         expected = 0 if opc == _WRITE_ZEROES else (nlb + 1) << ns.lba_shift
-        if req.length != expected:
-            return _BAD_LENGTH
-        req.ns = ns
-        return _SUCCESS
+        return _BAD_LENGTH if req.length != expected else _SUCCESS
 
     def _check_write_zeroes(self, req: Request) -> int:
         status = self._check_rw(req)
@@ -411,14 +414,13 @@ class Controller:
         return _SUCCESS if req.ns is not None else _INVALID_NS
 
     def _check_dsm(self, req: Request) -> int:
-        ns = self._namespaces.get(req.nsid)
+        ns = req.ns = self._namespaces.get(req.nsid)
         if ns is None:
             return _INVALID_NS
         if ns.read_only:
             return _WRITE_PROTECTED
         if req.length < _dsm_ranges(req) * DSM_RANGE_FAST.size or req.direction is not Direction.HOST_TO_CONTROLLER:
             return _BAD_LENGTH
-        req.ns = ns
         return _SUCCESS
 
     async def _read(self, req: Request) -> None:

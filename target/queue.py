@@ -21,7 +21,7 @@ command runs inside ``submit`` without an event loop.
 
 from __future__ import annotations
 
-from time import monotonic
+from time import monotonic_ns
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 import structlog
@@ -39,6 +39,7 @@ from protocol.nvme import (
 )
 from protocol.status import Status, to_wire
 from target.request import Direction, IllegalTransition, Request, RequestState
+from target.stats import KIND_BY_OPCODE, IoCounters
 
 if TYPE_CHECKING:
     import asyncio
@@ -73,6 +74,7 @@ _DIRECTIONS = (_NONE, _TO_CONTROLLER, _TO_HOST, None)
 _SUCCESS, _INVALID_FIELD, _INVALID_OPCODE = Status.SUCCESS, Status.INVALID_FIELD, Status.INVALID_OPCODE
 _SEQUENCE_ERROR, _BAD_LENGTH = Status.COMMAND_SEQUENCE_ERROR, Status.SGL_INVALID_DATA_LENGTH
 _INTERNAL_ERROR = Status.INTERNAL_ERROR
+_KIND_BY_OPCODE = KIND_BY_OPCODE
 
 
 class TargetQueue:
@@ -98,6 +100,9 @@ class TargetQueue:
         self.sqhd_disabled = False
         """The host disabled SQ flow control at Connect (CATTR bit 2)."""
         self.in_flight = 0
+        self.counters: IoCounters | None = None
+        """The host's counters once this is a connected I/O queue (admin commands are not
+        counted: they are the host's housekeeping, not its load)."""
         self.tasks: set[asyncio.Task[None]] = set()
         """This queue's commands that wait (a transport tearing down waits for them)."""
         self._data_sgl_ids = info.data_sgl_ids
@@ -118,6 +123,7 @@ class TargetQueue:
         """Take one command capsule and drive the command as far as it goes now."""
         fields = _unpack_command(sqe)
         req = Request(bytes(sqe[:SQE_SIZE]), fields, transport_ctx)
+        req.start_ns = now = monotonic_ns()
         self.in_flight += 1
         if fields[IO_FLAGS] & FLAGS_PSDT_FUSE_MASK != PSDT_SGL:
             self._fail(req, _INVALID_FIELD)
@@ -127,7 +133,7 @@ class TargetQueue:
         if ctrl is not None:
             # Any command proves the host alive (traffic-based keep-alive): a host busy setting
             # up queues or moving data is not torn down for a Keep Alive that queued behind.
-            ctrl.last_keep_alive = monotonic()
+            ctrl.last_keep_alive = now
         if opcode == _FABRICS:
             fctype = req.sqe[_FCTYPE]
             if fctype != _CONNECT and ctrl is None:
@@ -246,8 +252,33 @@ class TargetQueue:
             self.sqhd = (self.sqhd + 1) % (self.sqsize + 1)
         req.set_state(_COMPLETING)
         self.in_flight -= 1
+        counters = self.counters
+        if counters is not None:
+            # Integer adds into lists that exist already; one bit_length picks the bucket.
+            elapsed = monotonic_ns() - req.start_ns
+            kind = _KIND_BY_OPCODE[req.opcode]
+            length = req.length
+            bucket = (elapsed >> 10).bit_length()
+            counters.ops[kind] += 1
+            counters.bytes[kind] += length
+            counters.latency_ns += elapsed
+            counters.buckets[bucket] += 1
+            ns = req.ns
+            if ns is not None:
+                counters = ns.counters
+                counters.ops[kind] += 1
+                counters.bytes[kind] += length
+                counters.latency_ns += elapsed
+                counters.buckets[bucket] += 1
+            if status:
+                self._count_error(req, status)
         req.cqe = _pack_cqe(req.dw0, req.dw1, self.sqhd, self.qid or 0, req.cid, to_wire(status))
         self._queue_response(req)
+
+    def _count_error(self, req: Request, status: int) -> None:
+        self.counters.add_error(status)
+        if req.ns is not None:
+            req.ns.counters.add_error(status)
 
     def close(self) -> None:
         """The connection is gone: detach from the controller."""
@@ -305,5 +336,6 @@ class TargetQueue:
             self.sqhd_disabled = bool(fields.cattr & CATTR_DISABLE_SQFLOW)
             if qid:  # I/O queues take the transport's (larger) in-capsule data from now on
                 self.inline_size = self.transport.info.io_inline
+                self.counters = ctrl.counters
             log.info("queue connected", subnqn=data.subnqn, hostnqn=data.hostnqn,
                      cntlid=ctrl.cntlid, qid=qid, sqsize=sqsize + 1, peer=self.peer)

@@ -12,6 +12,8 @@ import structlog
 
 from blockd.config import NamespaceConfig, PortConfig, SubsystemConfig, TargetConfig
 from target.backend import FileBackend
+from target.control import ControlServer
+from target.metrics import MetricsServer
 from target.subsystem import Namespace, Subsystem
 from target.target import PortInfo, Target
 from target.transport import Listener, listen
@@ -45,9 +47,21 @@ class TargetService:
         self.config = config
         self.target = Target(max_io_queues=config.max_io_queues)
         self.listeners: dict[int, Listener] = {}
+        self.control: ControlServer | None = (
+            ControlServer(self, config.control_socket) if config.control_socket else None)
+        """The control socket (``blockctl target ...``); its path is not reloadable."""
+        self.metrics: MetricsServer | None = (
+            MetricsServer(self.target, config.metrics.address, config.metrics.port)
+            if config.metrics is not None else None)
+        """The Prometheus endpoint; its address is not reloadable."""
 
     async def start(self) -> None:
-        """Open every namespace, then listen on every port (the service is then ready)."""
+        """Open every namespace, then listen on every port (the service is then ready); the
+        control socket and the metrics endpoint open first, so a failing port can be looked at."""
+        if self.control is not None:
+            await self.control.start()
+        if self.metrics is not None:
+            await self.metrics.start()
         for sc in self.config.subsystems:
             self._add_subsystem(sc)
         for pc in self.config.ports:
@@ -106,6 +120,8 @@ class TargetService:
         for pid, pc in new_ports.items():
             if old_ports.get(pid) != pc:
                 await self._add_port(pc)
+        if (new.control_socket, new.metrics) != (old.control_socket, old.metrics):
+            log.warning("[control] and [metrics] changes take effect at the next start")
         self.config = new
         log.info("configuration reloaded", status=self.describe())
 
@@ -139,4 +155,8 @@ class TargetService:
             if not_done:
                 log.warning("commands still running after the drain timeout", count=len(not_done))
         await self.target.close()
+        if self.metrics is not None:
+            await self.metrics.stop()
+        if self.control is not None:
+            await self.control.stop()
         log.info("target stopped")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from protocol.constants import DISCOVERY_NQN
 from target.backend import Backend
+from target.stats import IoCounters
 
 _ID_NAMESPACE = uuid.UUID("6d1c7a43-3b64-4a63-9c55-0b7c0d0ad0b1")
 
@@ -24,6 +25,8 @@ class Namespace:
     block_size: int = 512
     subsystem_nqn: str = ""
     path: str = ""
+    counters: IoCounters = field(default_factory=IoCounters, compare=False, repr=False)
+    """Every host's I/O commands on this namespace."""
 
     def __post_init__(self) -> None:
         if self.block_size not in (512, 4096):

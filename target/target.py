@@ -52,6 +52,8 @@ class Target:
         self.genctr = 1
         self._next_cntlid = 1
         self._reaper: asyncio.Task[None] | None = None
+        self.keep_alive_expiries = 0
+        """Controllers torn down because their host went silent (a metric)."""
         self.tasks: set[asyncio.Task[None]] = set()
         """Commands that wait (an fsync, a slow backend, an AER), on every queue: drained at
         shutdown."""
@@ -150,7 +152,7 @@ class Target:
         if qid in ctrl.queues:
             return Status.COMMAND_SEQUENCE_ERROR, 0, None
         ctrl.queues[qid] = queue
-        ctrl.last_keep_alive = time.monotonic()
+        ctrl.last_keep_alive = time.monotonic_ns()
         return Status.SUCCESS, cntlid, ctrl
 
     def _allocate_cntlid(self) -> int | None:
@@ -210,9 +212,10 @@ class Target:
         """Tear down controllers whose host stopped sending Keep Alive."""
         while self.controllers:
             await asyncio.sleep(0.5)
-            now = time.monotonic()
+            now = time.monotonic_ns()
             for ctrl in list(self.controllers.values()):
                 if ctrl.keep_alive_expired(now):
+                    self.keep_alive_expiries += 1
                     ctrl.shutdown("keep-alive timeout")
 
     async def close(self) -> None:
