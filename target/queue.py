@@ -122,8 +122,8 @@ class TargetQueue:
                transport_ctx: object = None) -> None:
         """Take one command capsule and drive the command as far as it goes now."""
         fields = _unpack_command(sqe)
-        req = Request(bytes(sqe[:SQE_SIZE]), fields, transport_ctx)
-        req.start_ns = now = monotonic_ns()
+        now = monotonic_ns()
+        req = Request(bytes(sqe[:SQE_SIZE]), fields, transport_ctx, now)
         self.in_flight += 1
         if fields[IO_FLAGS] & FLAGS_PSDT_FUSE_MASK != PSDT_SGL:
             self._fail(req, _INVALID_FIELD)
@@ -212,7 +212,7 @@ class TargetQueue:
     def capsule_data_failed(self, sqe: bytes | memoryview, transport_ctx: object = None) -> None:
         """A command arrived with corrupt in-capsule data (data digest): it fails with Data
         Transfer Error (NVMe/TCP 7.4.6) and the queue carries on."""
-        req = Request(bytes(sqe[:SQE_SIZE]), _unpack_command(sqe), transport_ctx)
+        req = Request(bytes(sqe[:SQE_SIZE]), _unpack_command(sqe), transport_ctx, monotonic_ns())
         self.in_flight += 1
         self._fail(req, Status.DATA_TRANSFER_ERROR)
 
