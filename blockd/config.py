@@ -6,6 +6,16 @@ Example::
     format = "console"        # or "json"
     level = "info"
 
+    [target]
+    max_io_queues = 16
+    max_unsent = "4MiB"       # limits against a hostile host: see docs/security.md
+    r2t_budget = "16MiB"
+    r2t_budget_total = "256MiB"
+    hello_timeout = 5.0
+    pdu_timeout = 30.0
+    max_connections = 1024
+    max_connections_per_host = 128
+
     [control]
     socket = "/run/blockd/target.sock"   # root-only; "" turns the control socket off
 
@@ -47,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.constants import DEFAULT_IO_PORT, DISCOVERY_NQN
+from target.transport import DEFAULT_MAX_TRANSFER
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
@@ -96,12 +107,62 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """What one host may make the target hold; docs/security.md says why each default."""
+
+    max_unsent: int = 4 << 20
+    """Replies a queue may have waiting to be sent (bytes) before it stops reading commands."""
+    r2t_budget: int = 16 << 20
+    """Write data buffers (asked for with R2T) one queue may hold; later writes wait."""
+    r2t_budget_total: int = 256 << 20
+    """The same over all queues of the daemon."""
+    hello_timeout: float = 5.0
+    """Seconds from accept until ICReq and Connect must have succeeded."""
+    pdu_timeout: float = 30.0
+    """Seconds one PDU may take to arrive once its first byte has."""
+    max_connections: int = 1024
+    """Connections open at once, over all ports; more are closed at accept."""
+    max_connections_per_host: int = 128
+    """Connections open at once from one source address."""
+
+
+_LIMIT_KINDS = {"max_unsent": "size", "r2t_budget": "size", "r2t_budget_total": "size",
+                "hello_timeout": "seconds", "pdu_timeout": "seconds",
+                "max_connections": "count", "max_connections_per_host": "count"}
+
+
+def _limits(table: dict[str, Any], where: str) -> Limits:
+    values: dict[str, Any] = {}
+    for key, kind in _LIMIT_KINDS.items():
+        if key not in table:
+            continue
+        if kind == "size":
+            values[key] = parse_size(table[key], f"{where} {key}")
+        elif kind == "seconds":
+            value = _take(table, key, (int, float), where)
+            if not 0 < value <= 3600:
+                raise ConfigError(f"{where}: {key} must be more than 0 and at most 3600 seconds")
+            values[key] = float(value)
+        else:
+            value = _take(table, key, int, where)
+            if value < 1:
+                raise ConfigError(f"{where}: {key} must be at least 1")
+            values[key] = value
+    # a budget smaller than the largest write could never let such a write through
+    if min(values.get("r2t_budget", Limits.r2t_budget),
+           values.get("r2t_budget_total", Limits.r2t_budget_total)) < DEFAULT_MAX_TRANSFER:
+        raise ConfigError(f"{where}: r2t_budget and r2t_budget_total must hold one largest write (1MiB)")
+    return Limits(**values)
+
+
+@dataclass(frozen=True)
 class TargetConfig:
     ports: tuple[PortConfig, ...]
     subsystems: tuple[SubsystemConfig, ...]
     log_format: str = "console"
     log_level: str = "info"
     max_io_queues: int = 16
+    limits: Limits = Limits()
     control_socket: str = DEFAULT_CONTROL_SOCKET
     """The control socket's path; empty: none."""
     metrics: MetricsConfig | None = None
@@ -165,10 +226,11 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
     if log_format not in ("console", "json"):
         raise ConfigError(f"{source} [logging]: format must be 'console' or 'json'")
     target_t = _take(raw, "target", dict, source, {})
-    _unknown(target_t, {"max_io_queues"}, f"{source} [target]")
+    _unknown(target_t, {"max_io_queues", *_LIMIT_KINDS}, f"{source} [target]")
     max_io_queues = _take(target_t, "max_io_queues", int, f"{source} [target]", 16)
     if not 1 <= max_io_queues <= 1024:
         raise ConfigError(f"{source} [target]: max_io_queues must be 1..1024")
+    limits = _limits(target_t, f"{source} [target]")
     control_t = _take(raw, "control", dict, source, {})
     _unknown(control_t, {"socket"}, f"{source} [control]")
     control_socket = _take(control_t, "socket", str, f"{source} [control]", DEFAULT_CONTROL_SOCKET)
@@ -238,7 +300,7 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
         raise ConfigError(f"{source}: subsystem NQNs must be unique")
     return TargetConfig(tuple(ports), tuple(subsystems), log_format,
                         _take(logging_t, "level", str, f"{source} [logging]", "info"), max_io_queues,
-                        control_socket, metrics)
+                        limits, control_socket, metrics)
 
 
 def _metrics(table: dict[str, Any], where: str) -> MetricsConfig | None:

@@ -97,7 +97,13 @@ class PduReader:
 
     def __init__(self, accepted: frozenset[int], max_data: int, place: Place | None = None) -> None:
         self.accepted = accepted
+        self.allowed = accepted
+        """The types the connection's state allows now (a subset of ``accepted``): another
+        accepted type is a PDU Sequence Error as soon as its common header is in, before a byte
+        of its data is received or anything allocated for it (as nvmet before ICReq)."""
         self.max_data = max_data
+        self.completed = 0
+        """PDUs yielded so far: a caller watching for a peer stuck mid-PDU compares it over time."""
         self.place = place
         self.hdgst = False
         self.ddgst = False
@@ -146,11 +152,17 @@ class PduReader:
                 pdu = self._finish_placement()
                 if pdu is None:
                     return
+                self.completed += 1
                 yield pdu
             pdu = self._next()
             if pdu is None:
                 return
+            self.completed += 1
             yield pdu
+
+    def in_pdu(self) -> bool:
+        """Part of a PDU has arrived and not the rest (or whole PDUs wait to be taken)."""
+        return self._placing is not None or self._end > self._start
 
     def feed(self, data: bytes | bytearray | memoryview) -> Iterator[Pdu]:
         """Copy ``data`` in and yield every complete PDU (for callers holding bytes)."""
@@ -187,7 +199,9 @@ class PduReader:
             self._need = 8
             return None
         ptype, flags, hlen, pdo, plen = _unpack_common(view, pos)
-        if ptype not in self.accepted:
+        if ptype not in self.allowed:
+            if ptype in self.accepted:
+                raise self._refused(TermReqFes.PDU_SEQUENCE_ERROR, 0, f"PDU type {ptype:#x} out of sequence")
             raise self._refused(TermReqFes.INVALID_HEADER_FIELD, 0, f"unexpected PDU type {ptype:#x}")
         if hlen != HLEN[ptype]:
             raise self._refused(TermReqFes.INVALID_HEADER_FIELD, 2, f"bad HLEN {hlen} for PDU type {ptype:#x}")

@@ -390,7 +390,10 @@ class Controller:
         ns = self._namespaces.get(req.nsid)
         if ns is None:
             return _INVALID_NS
-        req.ns = ns  # before the checks: a refused command counts on its namespace (target.stats)
+        # Held from here, refused or not, until it completes (TargetQueue._complete), so a
+        # refused command also counts on its namespace (target.stats).
+        req.ns = ns
+        ns.in_flight += 1
         fields = req.fields
         nlb = fields[IO_NLB]
         if fields[IO_SLBA] + nlb + 1 > ns.blocks:
@@ -410,13 +413,17 @@ class Controller:
     def _check_flush(self, req: Request) -> int:
         if req.nsid == NSID_ALL:
             return _SUCCESS
-        req.ns = self._namespaces.get(req.nsid)
-        return _SUCCESS if req.ns is not None else _INVALID_NS
+        ns = req.ns = self._namespaces.get(req.nsid)
+        if ns is None:
+            return _INVALID_NS
+        ns.in_flight += 1
+        return _SUCCESS
 
     def _check_dsm(self, req: Request) -> int:
         ns = req.ns = self._namespaces.get(req.nsid)
         if ns is None:
             return _INVALID_NS
+        ns.in_flight += 1  # held until it completes, refused or not (as _check_rw)
         if ns.read_only:
             return _WRITE_PROTECTED
         if req.length < _dsm_ranges(req) * DSM_RANGE_FAST.size or req.direction is not Direction.HOST_TO_CONTROLLER:
@@ -456,14 +463,31 @@ class Controller:
             req.status = Status.WRITE_FAULT
 
     async def _flush(self, req: Request) -> None:
-        for ns in [req.ns] if req.ns is not None else list(self._namespaces.values()):
-            if not ns.backend.can_flush:
-                continue  # every completed write is already durable
+        if req.ns is not None:
+            await self._flush_one(req, req.ns)
+            return
+        # NSID_ALL: each namespace is held while its flush runs, as a command on it would be,
+        # so a reload removing it meanwhile closes its file only afterwards
+        for ns in list(self._namespaces.values()):
+            if ns.removed:
+                continue
+            ns.in_flight += 1
             try:
-                await ns.backend.flush()
-            except OSError as exc:
-                log.error("flush failed", nsid=ns.nsid, error=str(exc))
-                req.status = Status.WRITE_FAULT
+                await self._flush_one(req, ns)
+            finally:
+                ns.in_flight -= 1
+                if ns.removed:
+                    self.target.namespace_released(ns)
+
+    @staticmethod
+    async def _flush_one(req: Request, ns: Namespace) -> None:
+        if not ns.backend.can_flush:
+            return  # every completed write is already durable
+        try:
+            await ns.backend.flush()
+        except OSError as exc:
+            log.error("flush failed", nsid=ns.nsid, error=str(exc))
+            req.status = Status.WRITE_FAULT
 
     async def _write_zeroes(self, req: Request) -> None:
         ns = req.ns

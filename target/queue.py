@@ -30,7 +30,7 @@ from blockd import eager
 from protocol.constants import PSDT_SGL, AdminOpcode, FabricsType, SglId
 from protocol.fabrics import (
     CATTR_DISABLE_SQFLOW, CONNECT_COMMAND, CONNECT_DATA, CONNECT_DATA_SIZE, FABRICS_COMMAND,
-    IPO_CONNECT_SQSIZE, IPO_CONNECT_SUBNQN,
+    IPO_CONNECT_SQSIZE, IPO_CONNECT_SUBNQN, NQN_FIELD,
 )
 from protocol.layout import field_offset
 from protocol.nvme import (
@@ -60,6 +60,8 @@ _FABRICS = int(AdminOpcode.FABRICS)
 _FCTYPE = field_offset(FABRICS_COMMAND, "fctype")
 _CONNECT, _PROPERTY_GET, _PROPERTY_SET = (
     int(FabricsType.CONNECT), int(FabricsType.PROPERTY_GET), int(FabricsType.PROPERTY_SET))
+_CONNECT_NQNS = tuple(slice(field_offset(CONNECT_DATA, name), field_offset(CONNECT_DATA, name) + NQN_FIELD)
+                      for name in ("subnqn", "hostnqn"))
 _unpack_command = IO_COMMAND_FAST.unpack_from
 _pack_cqe = CQE_FAST.pack
 _IN_CAPSULE = int(SglId.DATA_BLOCK_OFFSET)
@@ -75,6 +77,17 @@ _SUCCESS, _INVALID_FIELD, _INVALID_OPCODE = Status.SUCCESS, Status.INVALID_FIELD
 _SEQUENCE_ERROR, _BAD_LENGTH = Status.COMMAND_SEQUENCE_ERROR, Status.SGL_INVALID_DATA_LENGTH
 _INTERNAL_ERROR = Status.INTERNAL_ERROR
 _KIND_BY_OPCODE = KIND_BY_OPCODE
+
+
+def _nqns_to_nul(data: bytes | bytearray | memoryview) -> bytes:
+    """Connect data with each NQN field cut at its first NUL, as nvmet compares NQNs up to it
+    (whatever follows the NUL is padding, not part of the name)."""
+    raw = bytearray(data)
+    for field in _CONNECT_NQNS:
+        end = raw.find(0, field.start, field.stop)
+        if end >= 0:
+            raw[end:field.stop] = bytes(field.stop - end)
+    return bytes(raw)
 
 
 class TargetQueue:
@@ -100,6 +113,11 @@ class TargetQueue:
         self.sqhd_disabled = False
         """The host disabled SQ flow control at Connect (CATTR bit 2)."""
         self.in_flight = 0
+        """Commands taken and not yet answered: from ``submit`` to ``response_sent``."""
+        self.pool = 0
+        """Most commands in flight, set at Connect: twice the queue size, as nvmet-tcp's
+        command pool (a command's slot is back only once its response has left, and an RDMA
+        host may send its next command before the SEND completion of the last is seen)."""
         self.counters: IoCounters | None = None
         """The host's counters once this is a connected I/O queue (admin commands are not
         counted: they are the host's housekeeping, not its load)."""
@@ -144,7 +162,7 @@ class TargetQueue:
         elif ctrl is None:
             self._fail(req, _INVALID_OPCODE)
             return
-        elif not ctrl.ready or self.in_flight > self.sqsize + 1:
+        elif not ctrl.ready or self.in_flight > self.pool:
             self._fail(req, _SEQUENCE_ERROR)
             return
         else:
@@ -217,8 +235,11 @@ class TargetQueue:
         self._fail(req, Status.DATA_TRANSFER_ERROR)
 
     def response_sent(self, req: Request) -> None:
-        """The transport sent the response (and the data before it): the request is over."""
+        """The transport sent the response (and the data before it): the request is over, and
+        only now is its slot free (a host that does not read its replies cannot have more than
+        ``pool`` of them made; as nvmet-tcp returns a command to its pool)."""
         req.set_state(_DONE)
+        self.in_flight -= 1
 
     def _run(self, req: Request) -> None:
         task = eager.start(self._execute(req))
@@ -251,7 +272,7 @@ class TargetQueue:
         if self.sqsize and not self.sqhd_disabled:
             self.sqhd = (self.sqhd + 1) % (self.sqsize + 1)
         req.set_state(_COMPLETING)
-        self.in_flight -= 1
+        ns = req.ns
         counters = self.counters
         if counters is not None:
             # Integer adds into lists that exist already; one bit_length picks the bucket.
@@ -263,7 +284,6 @@ class TargetQueue:
             counters.bytes[kind] += length
             counters.latency_ns += elapsed
             counters.buckets[bucket] += 1
-            ns = req.ns
             if ns is not None:
                 counters = ns.counters
                 counters.ops[kind] += 1
@@ -272,6 +292,10 @@ class TargetQueue:
                 counters.buckets[bucket] += 1
             if status:
                 self._count_error(req, status)
+        if ns is not None:
+            ns.in_flight -= 1
+            if ns.removed:
+                self.target.namespace_released(ns)
         req.cqe = _pack_cqe(req.dw0, req.dw1, self.sqhd, self.qid or 0, req.cid, to_wire(status))
         self._queue_response(req)
 
@@ -315,7 +339,7 @@ class TargetQueue:
             req.status = Status.CONNECT_INCOMPATIBLE_FORMAT
             return
         try:
-            data = CONNECT_DATA.parse(bytes(req.data))
+            data = CONNECT_DATA.parse(_nqns_to_nul(req.data))
         except Exception:
             req.status, req.dw0 = Status.CONNECT_INVALID_PARAMETERS, IPO_CONNECT_SUBNQN
             return
@@ -333,6 +357,7 @@ class TargetQueue:
             self.controller = ctrl
             self.qid = qid
             self.sqsize = sqsize
+            self.pool = 2 * (sqsize + 1)
             self.sqhd_disabled = bool(fields.cattr & CATTR_DISABLE_SQFLOW)
             if qid:  # I/O queues take the transport's (larger) in-capsule data from now on
                 self.inline_size = self.transport.info.io_inline

@@ -45,7 +45,7 @@ class TargetService:
 
     def __init__(self, config: TargetConfig) -> None:
         self.config = config
-        self.target = Target(max_io_queues=config.max_io_queues)
+        self.target = Target(max_io_queues=config.max_io_queues, limits=config.limits)
         self.listeners: dict[int, Listener] = {}
         self.control: ControlServer | None = (
             ControlServer(self, config.control_socket) if config.control_socket else None)

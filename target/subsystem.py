@@ -27,6 +27,12 @@ class Namespace:
     path: str = ""
     counters: IoCounters = field(default_factory=IoCounters, compare=False, repr=False)
     """Every host's I/O commands on this namespace."""
+    in_flight: int = field(default=0, init=False, repr=False, compare=False)
+    """Commands parsed against this namespace and not yet completed: the backend stays open
+    while any holds it (as nvmet's per-namespace ``ns->ref``). The core counts them, not the
+    handlers, so a write still waiting for its R2T data is held too."""
+    removed: bool = field(default=False, init=False, repr=False, compare=False)
+    """Taken out of its subsystem: the backend closes when ``in_flight`` drops to 0."""
 
     def __post_init__(self) -> None:
         if self.block_size not in (512, 4096):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from blockd.config import Limits
 from protocol.constants import (
     AEN_DISCOVERY_CHANGED, AEN_NS_ATTR_CHANGED, DISCOVERY_NQN, DYNAMIC_CNTLID, AddressFamily,
     SubsystemType,
@@ -16,6 +17,7 @@ from protocol.fabrics import IPO_CONNECT_CNTLID, IPO_CONNECT_QID, IPO_CONNECT_SQ
 from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_HEADER
 from protocol.status import Status
 from target.controller import MQES, Controller
+from target.limits import ConnectionCount, DataBudget
 from target.queue import TargetQueue
 from target.subsystem import Namespace, Subsystem
 from target.transport import transport_info
@@ -44,11 +46,15 @@ class PortInfo:
 class Target:
     """Everything the transports share; transports call into it, never the reverse."""
 
-    def __init__(self, max_io_queues: int = 16) -> None:
+    def __init__(self, max_io_queues: int = 16, limits: Limits = Limits()) -> None:
         self.subsystems: dict[str, Subsystem] = {DISCOVERY_NQN: Subsystem(DISCOVERY_NQN, serial="discovery", model="blockd discovery")}
         self.controllers: dict[int, Controller] = {}
         self.ports: dict[int, PortInfo] = {}
         self.max_io_queues = max_io_queues
+        self.limits = limits
+        self.connections = ConnectionCount(limits.max_connections, limits.max_connections_per_host)
+        self.r2t_budget = DataBudget(limits.r2t_budget_total)
+        """Write data buffers asked for with R2T, over every queue (see target.limits)."""
         self.genctr = 1
         self._next_cntlid = 1
         self._reaper: asyncio.Task[None] | None = None
@@ -57,6 +63,9 @@ class Target:
         self.tasks: set[asyncio.Task[None]] = set()
         """Commands that wait (an fsync, a slow backend, an AER), on every queue: drained at
         shutdown."""
+        self.draining: list[Namespace] = []
+        """Removed namespaces whose backend still serves commands in flight (closed by
+        :meth:`namespace_released` after the last, or at :meth:`close`)."""
 
     # -- configuration ----------------------------------------------------------------------------
 
@@ -79,7 +88,7 @@ class Target:
         for ctrl in [c for c in self.controllers.values() if c.subsystem is sub]:
             ctrl.shutdown("subsystem removed")
         for ns in sub.namespaces.values():
-            ns.backend.close()
+            self._retire(ns)  # its controllers' commands still waiting on the backend finish first
         self._discovery_changed()
 
     def add_namespace(self, sub: Subsystem, ns: Namespace) -> None:
@@ -87,9 +96,25 @@ class Target:
         self._ns_changed(sub, ns.nsid)
 
     def remove_namespace(self, sub: Subsystem, nsid: int) -> None:
+        """New commands for ``nsid`` fail with Invalid Namespace from now on; those already
+        parsed against it run to their end on the backend, which closes after the last."""
         ns = sub.namespaces.pop(nsid)
-        ns.backend.close()
+        self._retire(ns)
         self._ns_changed(sub, nsid)
+
+    def _retire(self, ns: Namespace) -> None:
+        ns.removed = True
+        if ns.in_flight:
+            self.draining.append(ns)
+        else:
+            ns.backend.close()
+
+    def namespace_released(self, ns: Namespace) -> None:
+        """A command let go of a removed namespace: close its backend if it was the last (the
+        core calls this only for removed namespaces, so the per-I/O cost is one flag test)."""
+        if not ns.in_flight:
+            self.draining.remove(ns)
+            ns.backend.close()
 
     def update_access(self, sub: Subsystem, allow_any_host: bool, hosts: set[str]) -> None:
         """Change who may connect; controllers of hosts no longer allowed are torn down."""
@@ -230,3 +255,6 @@ class Target:
                     await ns.backend.flush()
                 finally:
                     ns.backend.close()
+        for ns in self.draining:  # a command that never completed (its connection died) held it
+            ns.backend.close()
+        self.draining.clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections import deque
 
 import structlog
 
@@ -20,7 +21,7 @@ from blockd.tcp_pdu import (
 from protocol.constants import SglId, TransportType
 from protocol.nvme import SQE_SIZE
 from protocol.tcp import (
-    CAPSULE_RESP_HLEN, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_PDU_HEADER, DATA_PDU_HEADER_FAST,
+    CAPSULE_RESP_HLEN, COMMON_HEADER, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_PDU_HEADER, DATA_PDU_HEADER_FAST,
     IC_REQ, IC_REQ_FAST, IC_RESP, PduFlags, PduType, TermReqFes, fei_of,
 )
 from target.queue import TargetQueue
@@ -43,6 +44,8 @@ data); TSAS: none, for NVMe/TCP without TLS."""
 MAXH2CDATA = DEFAULT_MAX_TRANSFER
 _CAPSULE_SQE = slice(COMMON_HEADER_SIZE, COMMON_HEADER_SIZE + SQE_SIZE)
 _H2C_TYPES = frozenset({PduType.IC_REQ, PduType.H2C_TERM_REQ, PduType.CAPSULE_CMD, PduType.H2C_DATA})
+_BEFORE_IC = frozenset({PduType.IC_REQ, PduType.H2C_TERM_REQ})
+_AFTER_IC = _H2C_TYPES - {PduType.IC_REQ}
 _unpack_data_header = DATA_PDU_HEADER_FAST.unpack_from
 _CAPSULE_RESP_HEADER = COMMON_HEADER_FAST.pack(PduType.CAPSULE_RESP, 0, CAPSULE_RESP_HLEN, 0, CAPSULE_RESP_HLEN)
 """The CapsuleResp common header without digests: HLEN = PLEN = 24."""
@@ -53,13 +56,19 @@ _IC_PFV, _IC_HPDA, _IC_DGST = (IC_REQ_FAST.index(n) for n in ("pfv", "hpda", "dg
 _FEI_PFV, _FEI_HPDA = fei_of(IC_REQ, "pfv"), fei_of(IC_REQ, "hpda")
 _FEI_FLAGS, _FEI_TTAG, _FEI_DATAO, _FEI_DATAL = (
     fei_of(DATA_PDU_HEADER, n) for n in ("flags", "ttag", "datao", "datal"))
+_FEI_PLEN = fei_of(COMMON_HEADER, "plen")
 
 
 class TcpTargetConnection(PduProtocol):
     """One NVMe/TCP connection; becomes an admin or I/O queue at Connect.
 
     Received data lands where it belongs: in-capsule data in a buffer of the command's own,
-    H2CData in the write's request buffer (see :class:`PduReader`)."""
+    H2CData in the write's request buffer (see :class:`PduReader`).
+
+    What a host can make it hold is bounded (issue 12, limits in :class:`blockd.config.Limits`):
+    nothing but the header staging before ICReq, in-capsule data only up to the queue's size,
+    write buffers only for R2Ts sent within a per-queue and a global budget, and replies the
+    host does not read only up to ``max_unsent``, after which the socket is not read."""
 
     info = INFO
     read_buffer = None
@@ -73,49 +82,131 @@ class TcpTargetConnection(PduProtocol):
         self.transport: asyncio.Transport | None = None
         self.out: OutputBatcher | None = None
         self.queue: TargetQueue | None = None
-        self.initialized = False
         self.r2t_pending: dict[int, tuple[Request, int]] = {}
         self._next_ttag = 0
         self.local_address = ""
+        self.limits = target.limits
+        self.host = ""
+        self.paused = False
+        """Replies the host has not read passed ``max_unsent``: the socket is not read, and
+        commands already received wait in the reader until the replies drain."""
+        self._batched = 0
+        """Read data queued in the output batch since it last went to the socket."""
+        self._flush_at = self.limits.max_unsent // 4
+        self._r2t_waiting: deque[Request] = deque()
+        """Writes whose R2T waits for budget, in arrival order."""
+        self._r2t_held = 0
+        """Bytes of write buffers this queue holds (for R2Ts sent)."""
+        self._timer: asyncio.TimerHandle | None = None
+        self._seen = -1
+        """``reader.completed`` at the last PDU-timeout tick if a PDU was in progress, else -1."""
 
     # -- asyncio callbacks ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        host = peer[0] if peer else ""
+        if not self.target.connections.admit(host):
+            log.warning("connection refused: too many connections", peer=host,
+                        total=self.target.connections.total)
+            transport.close()
+            return
+        self.host = host
         self.out = OutputBatcher(self.transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = transport.get_extra_info("peername")
+        # pause_writing once this much waits to be sent; resume_writing once below a quarter of it
+        self.transport.set_write_buffer_limits(high=self.limits.max_unsent)
+        self.reader.allowed = _BEFORE_IC
         local = transport.get_extra_info("sockname")
         self.local_address = local[0] if local else ""
         self.queue = TargetQueue(self.target, self, self.port.port_id,
                                  peer=f"{peer[0]}:{peer[1]}" if peer else "",
                                  local_address=self.local_address)
+        self._timer = asyncio.get_running_loop().call_later(self.limits.hello_timeout, self._hello_expired)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.queue is not None:
-            self.queue.close()
+        if self.queue is None:  # refused at accept
+            return
+        self.target.connections.release(self.host)
+        self._timer.cancel()
+        # writes still waiting for their H2CData end here (no response goes out on a closed
+        # transport), so they let go of their namespace: a removed one may then close
+        pending = [req for req, _ in self.r2t_pending.values()]
+        pending += self._r2t_waiting
         self.r2t_pending.clear()
+        self._r2t_waiting.clear()
+        for req in pending:
+            self.queue.data_failed(req)
+        self.queue.close()
+        budget = self.target.r2t_budget
+        budget.forget(self._send_r2ts)
+        if self._r2t_held:
+            budget.give(self._r2t_held)
+            self._r2t_held = 0
+
+    def pause_writing(self) -> None:
+        """The host does not read its replies fast enough: read no more commands from it."""
+        self.paused = True
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        """The replies drained: take the commands that waited in the reader, then read again."""
+        self.paused = False
+        if not self.transport.is_closing():
+            self.transport.resume_reading()
+            asyncio.get_running_loop().call_soon(self._take_waiting)
+
+    def _take_waiting(self) -> None:
+        """The commands the reader kept while paused (none run once the connection closes)."""
+        if not self.transport.is_closing() and not self.paused:
+            self.buffer_updated(0)
+
+    # -- timeouts ---------------------------------------------------------------------------------
+
+    def _hello_expired(self) -> None:
+        """The hello deadline: a connection not yet connected (ICReq and Connect) is closed; a
+        connected one is watched for stuck PDUs from now on."""
+        if self.queue.controller is None:
+            log.warning("closing a connection that did not connect in time", peer=self.queue.peer,
+                        timeout=self.limits.hello_timeout)
+            self.close()
+            return
+        self._pdu_tick()
+
+    def _pdu_tick(self) -> None:
+        """Close the connection when the same PDU has been arriving for a whole period (a host
+        that stopped mid-PDU, or sends a byte now and then); not while we stopped reading."""
+        completed = self.reader.completed
+        in_pdu = not self.paused and self.reader.in_pdu()
+        if in_pdu and completed == self._seen:  # mid-PDU at the last tick too, none completed since
+            log.warning("closing a connection stuck in the middle of a PDU", peer=self.queue.peer,
+                        timeout=self.limits.pdu_timeout)
+            self.close()
+            return
+        self._seen = completed if in_pdu else -1
+        self._timer = asyncio.get_running_loop().call_later(self.limits.pdu_timeout, self._pdu_tick)
 
     def _receive(self, nbytes: int) -> None:
         while True:
             try:
                 for pdu in self.reader.buffer_updated(nbytes):
                     ptype = pdu.pdu_type
-                    if ptype == _CAPSULE_CMD and self.initialized:
+                    # the reader lets through only the types the state allows (reader.allowed)
+                    if ptype == _CAPSULE_CMD:
                         self.queue.submit(pdu.header[_CAPSULE_SQE], pdu.data)
-                    elif ptype == _H2C_DATA and self.initialized and pdu.placed:
+                        if self.paused:  # the rest stays in the reader until resume_writing
+                            return
+                    elif ptype == _H2C_DATA:
                         self._h2c_data(pdu.header, pdu.flags)
-                    elif ptype == PduType.IC_REQ and not self.initialized:
+                    elif ptype == PduType.IC_REQ:
                         self._icreq(pdu.header)
-                    elif ptype == PduType.H2C_TERM_REQ:
+                    else:
                         log.info("host terminated the connection", peer=self.queue.peer)
                         self.close()
                         return
-                    else:
-                        raise FramingError(TermReqFes.PDU_SEQUENCE_ERROR, 0,
-                                           f"PDU type {ptype:#x} out of sequence", bytes(pdu.header))
                 return
             except FramingError as exc:
                 self._terminate(exc)
@@ -138,26 +229,46 @@ class TcpTargetConnection(PduProtocol):
             raise FramingError(TermReqFes.INVALID_HEADER_FIELD, _FEI_HPDA, f"unsupported HPDA {hpda}", icreq)
         self.reader.hdgst = self.writer.hdgst = bool(dgst & 1)
         self.reader.ddgst = self.writer.ddgst = bool(dgst & 2)
-        self.initialized = True
+        self.reader.allowed = _AFTER_IC
         self.transport.write(IC_RESP.build(dict(
             pdu_type=PduType.IC_RESP, flags=0, hlen=128, pdo=0, plen=128, pfv=0, cpda=0,
             dgst=dgst & 3, maxh2cdata=MAXH2CDATA)))
 
     def fetch_data(self, req: Request) -> None:
-        """Ask for the write's data with one R2T; ``_place`` puts the H2CData in ``req.data``."""
-        ttag = self._next_ttag
-        self._next_ttag = (ttag + 1) & 0xFFFF
-        self.r2t_pending[ttag] = (req, 0)
-        req.data = bytearray(req.length)
-        self.out.send(self.writer.r2t(req.cid, ttag, 0, req.length))
+        """Ask for the write's data with one R2T once the budgets have room for its buffer;
+        ``_place`` puts the H2CData in ``req.data``."""
+        self._r2t_waiting.append(req)
+        self._send_r2ts()
 
-    def _place(self, ptype: int, header: memoryview, length: int) -> memoryview | None:
-        """Where a PDU's data goes: a new buffer for in-capsule data, the request's own buffer
-        (at the offset the host says, checked against what the R2T asked for) for H2CData."""
+    def _send_r2ts(self) -> None:
+        """Send the R2Ts of waiting writes, oldest first, while this queue's budget and the
+        daemon's have room for their buffers (called again when either frees some)."""
+        waiting = self._r2t_waiting
+        per_queue = self.limits.r2t_budget
+        while waiting and not self.transport.is_closing():
+            req = waiting[0]
+            length = req.length
+            if self._r2t_held + length > per_queue or not self.target.r2t_budget.take(length, self._send_r2ts):
+                return
+            waiting.popleft()
+            self._r2t_held += length
+            req.transport_ctx = length  # given back in queue_response
+            ttag = self._next_ttag
+            self._next_ttag = (ttag + 1) & 0xFFFF
+            self.r2t_pending[ttag] = (req, 0)
+            req.data = bytearray(length)
+            self.out.send(self.writer.r2t(req.cid, ttag, 0, length))
+
+    def _place(self, ptype: int, header: memoryview, length: int) -> memoryview:
+        """Where a PDU's data goes: a new buffer for in-capsule data (no more than the queue
+        takes), the request's own buffer (at the offset the host says, checked against what the
+        R2T asked for) for H2CData. Checked once the header is in, before anything is allocated."""
         if ptype == _CAPSULE_CMD:
+            if length > self.queue.inline_size:
+                raise FramingError(TermReqFes.DATA_OUT_OF_RANGE, _FEI_PLEN,
+                                   f"{length} bytes of in-capsule data, more than {self.queue.inline_size}",
+                                   bytes(header))
             return memoryview(bytearray(length))
-        if ptype != _H2C_DATA or not self.initialized:
-            return None
         _, _, _, _, _, cccid, ttag, datao, datal = _unpack_data_header(header)
         entry = self.r2t_pending.get(ttag)
         if entry is None or entry[0].cid != cccid:
@@ -200,12 +311,24 @@ class TcpTargetConnection(PduProtocol):
     def queue_response(self, req: Request) -> None:
         """C2HData with the read's data if any, then the CapsuleResp."""
         if self.transport.is_closing():
-            return
+            return  # connection_lost gives back any write buffer
+        held = req.transport_ctx
+        if held:  # a write's buffer is free again
+            self._r2t_held -= held
+            self.target.r2t_budget.give(held)
+            if self._r2t_waiting:
+                self._send_r2ts()
         queue = self.queue
         if req.reply is not None:
             # without SQ flow control the data PDU completes the command (as Linux's nvmet-tcp)
             success = PduFlags.SUCCESS if queue.sqhd_disabled else 0
             self.out.send(self.writer.data_pdu(_C2H_DATA, req.cid, 0, 0, req.reply, PduFlags.LAST_PDU | success))
+            self._batched += req.length
+            if self._batched > self._flush_at:
+                # to the socket now, so that a host not reading shows (pause_writing) before
+                # the rest of this receive's commands pile up more replies
+                self._batched = 0
+                self.out.flush()
             if success:
                 queue.response_sent(req)
                 return

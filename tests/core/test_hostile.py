@@ -7,15 +7,18 @@ hold exactly the pattern plus what the good host wrote: same size, no stray byte
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from pathlib import Path
 from typing import Awaitable, Callable
 
 import pytest
 
-from protocol.constants import SglId
-from protocol.nvme import build_sgl_data_block, build_sqe
-from protocol.tcp import PduType
+from protocol.constants import IoOpcode, SglId
+from protocol.nvme import CQE_FAST, build_sgl_data_block, build_sqe
+from protocol.status import Status, to_wire
+from protocol.tcp import COMMON_HEADER_SIZE, PduType
+from target.backend import FileBackend
 
 from .conftest import (
     NQN, RawConn, capsule, config, connect, connect_data, connect_sqe, fill_file, free_port, h2c_data,
@@ -393,28 +396,50 @@ def test_header_digest_error_terminates(tmp_path: Path) -> None:
     check_survives(tmp_path, attack)
 
 
-def test_queue_depth_overflow(tmp_path: Path) -> None:
-    """More commands than the negotiated SQ size: the excess fail, the queue keeps working."""
+def test_queue_depth_overflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More commands than the negotiated SQ size: exactly the excess fail, with Command Sequence
+    Error, and the queue keeps working.
+
+    The commands must really be outstanding together, so each is a Flush held at a gate in the
+    file backend until the test has seen every refusal. (The kernel's nvmet-tcp keeps 2 x SQ
+    size command slots and tears the connection down when a capsule finds none free; we refuse
+    the one command, a status the host can act on, and the queue lives.)"""
+    gate = asyncio.Event()
+    real_flush = FileBackend.flush
+
+    async def gated_flush(self: FileBackend) -> None:
+        await gate.wait()
+        await real_flush(self)
+    monkeypatch.setattr(FileBackend, "flush", gated_flush)
+    depth, sent = 4, 64
+
     async def attack(port: int) -> None:
-        admin, cntlid = await raw_admin(port)
-        io = await RawConn.open(port)
-        await io.initialize()
-        status, *_ = await io.command(connect_sqe(qid=1, sqsize=3), connect_data(cntlid=cntlid))
-        assert status == 0
-        # 64 reads in one TCP write on a 4-entry queue: each completes, successfully or with
-        # Command Sequence Error, and nothing else happens.
-        io.send(b"".join(capsule(build_sqe(0x02, cid, nsid=1, dptr=transport_sgl(512))) for cid in range(64)))
-        statuses = {}
-        while len(statuses) < 64:
-            pdu = await io.recv()
-            assert pdu is not None
-            if pdu.ptype == PduType.CAPSULE_RESP:
-                cid, status = struct.unpack_from("<HH", pdu.header, 20)
+        try:
+            admin, cntlid = await raw_admin(port)
+            io = await RawConn.open(port)
+            await io.initialize()
+            status, *_ = await io.command(connect_sqe(qid=1, sqsize=depth - 1), connect_data(cntlid=cntlid))
+            assert status == 0
+            io.send(b"".join(capsule(_sqe(IoOpcode.FLUSH, cid)) for cid in range(sent)))
+            statuses = {}
+            while len(statuses) < sent - depth:
+                pdu = await io.recv()
+                assert pdu is not None and pdu.ptype == PduType.CAPSULE_RESP, pdu
+                _, _, _, _, cid, status = CQE_FAST.unpack_from(pdu.header, COMMON_HEADER_SIZE)
                 statuses[cid] = status
-        assert set(statuses.values()) <= {0, 0x8018}
-        status, _, _, got = await io.command(_rw(0x02, 0, 1))
-        assert status == 0 and len(got) == 512
-        await io.close()
-        await admin.close()
+            assert statuses == {cid: to_wire(Status.COMMAND_SEQUENCE_ERROR) for cid in range(depth, sent)}
+            gate.set()  # the held ones, and only they, now complete with success
+            while len(statuses) < sent:
+                pdu = await io.recv()
+                assert pdu is not None and pdu.ptype == PduType.CAPSULE_RESP, pdu
+                _, _, _, _, cid, status = CQE_FAST.unpack_from(pdu.header, COMMON_HEADER_SIZE)
+                assert cid not in statuses and status == 0, (cid, status)
+                statuses[cid] = status
+            status, _, _, got = await io.command(_rw(IoOpcode.READ, 0, 1))
+            assert status == 0 and len(got) == 512
+            await io.close()
+            await admin.close()
+        finally:
+            gate.set()  # a failed assertion must not leave flushes held through the drain
 
     check_survives(tmp_path, attack)

@@ -1,0 +1,274 @@
+"""A reload (SIGHUP) while hosts are connected and have commands in flight.
+
+The reload path is ``TargetService.reload``; the backend of the namespace it touches is wrapped in
+a :class:`GatedBackend` after start, so writes are provably still running on it when the reload
+lands. What must hold: those writes complete with success and their data is in the file (the old
+backend stays open until the last one is done, as nvmet's ``nvmet_ns_disable`` waits for the
+namespace's references), nothing reaches the backend after its close, a command sent afterwards
+gets the precise status, and the host learns of the change through the Namespace Attribute
+Changed event and re-reads its namespace list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+
+from initiator.controller import Controller
+from initiator.errors import NvmeError
+from protocol.commands import read_command
+from protocol.constants import IoOpcode
+from protocol.nvme import NSID_ALL, build_sqe
+from protocol.status import Status
+from protocol.tcp import PduType
+from target.backend import Backend
+from target.filter import BackendFilter
+from target.service import TargetService
+
+from .conftest import (
+    HOSTNQN, NQN, capsule, config, connect, fill_file, free_port, ns, raw_io, run, serving, sub, transport_sgl, until,
+)
+
+SIZE = 4 << 20
+HOSTNQN2 = "nqn.2014-08.org.nvmexpress:uuid:99999999-8888-7777-6666-555555555555"
+IN_FLIGHT = 4
+
+
+class GatedBackend(BackendFilter):
+    """Writes (or flushes, with ``gated="flush"``) wait at a gate before reaching the inner
+    backend; any call after ``close`` is recorded (a closed file descriptor would be an EBADF,
+    or worse, another file's number)."""
+
+    def __init__(self, inner: Backend, gated: str = "write") -> None:
+        super().__init__(inner)
+        self.gated = gated
+        self.gate = asyncio.Event()
+        self.waiting = 0
+        self.closed = False
+        self.after_close: list[str] = []
+
+    async def _touch(self, what: str) -> None:
+        if what == self.gated:
+            self.waiting += 1
+            await self.gate.wait()
+            self.waiting -= 1
+        if self.closed:
+            self.after_close.append(what)
+
+    async def read_into(self, offset: int, buf: memoryview) -> None:
+        await self._touch("read")
+        await super().read_into(offset, buf)
+
+    async def write(self, offset: int, data: memoryview | bytes, fua: bool = False) -> None:
+        await self._touch("write")
+        await super().write(offset, data, fua)
+
+    async def flush(self) -> None:
+        await self._touch("flush")
+        await super().flush()
+
+    def close(self) -> None:
+        if self.closed:
+            self.after_close.append("close")
+        self.closed = True
+        super().close()
+
+
+def gate(service: TargetService, nsid: int, gated: str = "write") -> GatedBackend:
+    """Put a gate in front of namespace ``nsid``'s backend (the controller reads it per command)."""
+    namespace = service.target.subsystems[NQN].namespaces[nsid]
+    backend = GatedBackend(namespace.backend, gated)
+    namespace.backend = backend
+    return backend
+
+
+@contextlib.asynccontextmanager
+async def gated_host(service: TargetService, port: int, gated: str = "write",
+                     **kw: Any) -> AsyncIterator[tuple[Controller, GatedBackend, asyncio.Event]]:
+    """Our host connected, namespace 1's backend behind a gate, and an event set when the host
+    re-reads its namespace list. On the way out the gate opens (a failed assertion must not
+    leave commands held through the target's drain) and the host disconnects."""
+    host = await connect(port, nr_io_queues=1, **kw)
+    changed = asyncio.Event()
+    host.namespace_listeners.append(changed.set)
+    backend = gate(service, 1, gated)
+    try:
+        yield host, backend, changed
+    finally:
+        backend.gate.set()
+        await host.close()
+
+
+async def writes_held(host: Controller, gated: GatedBackend, pattern: bytes) -> list[asyncio.Task[None]]:
+    """``IN_FLIGHT`` 4 KiB writes to namespace 1 (blocks 0, 8, 16…), all waiting at the gate."""
+    tasks = [asyncio.create_task(host.write(1, i * 8, pattern * 4096)) for i in range(IN_FLIGHT)]
+    await until(lambda: gated.waiting == IN_FLIGHT)
+    return tasks
+
+
+async def release(gated: GatedBackend, tasks: list[asyncio.Task[None]], **gather: Any) -> None:
+    """Open the gate: every held command runs to its end; then the old backend closes, with
+    nothing reaching it afterwards."""
+    assert not gated.closed, "the backend closed with commands still running on it"
+    gated.gate.set()
+    await asyncio.gather(*tasks, **gather)
+    await until(lambda: gated.closed)
+    assert gated.after_close == []
+
+
+def assert_written(path: Path, pattern: bytes) -> None:
+    data = path.read_bytes()
+    for i in range(IN_FLIGHT):
+        assert data[i * 4096:(i + 1) * 4096] == pattern * 4096, i
+
+
+def two_namespaces(tmp_path: Path, port: int) -> tuple[Path, Any, Any]:
+    """Namespace 1's file, and configurations with namespaces 1 and 2, then 2 alone."""
+    paths = [tmp_path / "one.img", tmp_path / "two.img"]
+    fill_file(paths[0], SIZE)
+    before = config([port], [sub(namespaces=[ns(paths[0], 1, SIZE), ns(paths[1], 2, SIZE)])])
+    after = config([port], [sub(namespaces=[ns(paths[1], 2, SIZE)])])
+    return paths[0], before, after
+
+
+def test_remove_namespace_with_writes_in_flight(tmp_path: Path) -> None:
+    port = free_port()
+    path, before, after = two_namespaces(tmp_path, port)
+
+    async def main() -> None:
+        async with serving(before) as service, gated_host(service, port) as (host, gated, changed):
+            tasks = await writes_held(host, gated, b"\x5a")
+            await service.reload(after)
+            assert 1 not in service.target.subsystems[NQN].namespaces
+            await asyncio.wait_for(changed.wait(), 5)
+            assert sorted(host.namespaces) == [2]
+            # a command for the removed namespace: Invalid Namespace, not a touch of its file
+            with pytest.raises(NvmeError) as err:
+                await host.io_command(read_command(1, 0, 0), data_in=memoryview(bytearray(512)))
+            assert err.value.status == Status.INVALID_NS
+            await release(gated, tasks)
+            assert service.target.draining == []
+            await host.write(2, 0, b"\x77" * 512)  # the other namespace carries on
+            assert await host.read(2, 0, 1) == b"\x77" * 512
+
+    run(main(), timeout=30)
+    assert_written(path, b"\x5a")
+
+
+def test_resize_namespace_with_writes_in_flight(tmp_path: Path) -> None:
+    port = free_port()
+    path = tmp_path / "vol.img"
+    fill_file(path, SIZE)
+    before = config([port], [sub(namespaces=[ns(path, 1, SIZE)])])
+    after = config([port], [sub(namespaces=[ns(path, 1, 2 * SIZE)])])
+    last = 2 * SIZE // 512 - 1
+
+    async def main() -> None:
+        async with serving(before) as service, gated_host(service, port) as (host, gated, changed):
+            tasks = await writes_held(host, gated, b"\xc3")
+            await service.reload(after)
+            await asyncio.wait_for(changed.wait(), 5)
+            assert host.namespaces[1].blocks == last + 1
+            await release(gated, tasks)
+            # the grown namespace: its new end is writable, the held writes read back
+            await host.write(1, last, b"\x11" * 512)
+            assert await host.read(1, last, 1) == b"\x11" * 512
+            assert await host.read(1, 0, 8) == b"\xc3" * 4096
+
+    run(main(), timeout=30)
+    assert path.stat().st_size == 2 * SIZE
+
+
+def test_remove_subsystem_with_writes_in_flight(tmp_path: Path) -> None:
+    """The subsystem goes with its controllers, but the writes already running on its namespace
+    finish on an open file before it closes."""
+    port = free_port()
+    path = tmp_path / "vol.img"
+    before = config([port], [sub(namespaces=[ns(path, 1, SIZE)])])
+
+    async def main() -> None:
+        async with serving(before) as service, \
+                gated_host(service, port, ctrl_loss_tmo=0.5, reconnect_delay=0.1) as (host, gated, _):
+            tasks = await writes_held(host, gated, b"\x3c")
+            await service.reload(config([port], []))
+            assert NQN not in service.target.subsystems
+            await release(gated, tasks, return_exceptions=True)  # their connections are gone
+
+    run(main(), timeout=30)
+    assert_written(path, b"\x3c")  # before the close, though no completion could reach the host
+
+
+def test_flush_of_every_namespace_holds_each_while_it_flushes(tmp_path: Path) -> None:
+    """Flush with NSID_ALL names no namespace at parsing: it holds each one while flushing it,
+    so a reload removing that namespace meanwhile closes the file only after the flush."""
+    port = free_port()
+    _, before, after = two_namespaces(tmp_path, port)
+
+    async def main() -> None:
+        async with serving(before) as service, gated_host(service, port, "flush") as (host, gated, _):
+            flush = asyncio.create_task(host.flush(NSID_ALL))
+            await until(lambda: gated.waiting == 1)
+            await service.reload(after)
+            await release(gated, [flush])
+
+    run(main(), timeout=30)
+
+
+def test_write_waiting_for_its_data_holds_a_removed_namespace_until_its_connection_goes(tmp_path: Path) -> None:
+    """A write parsed against the namespace, its R2T answered by nothing: the backend stays open
+    (the data could still come), and closes when the host's connection ends the write."""
+    port = free_port()
+    _, before, after = two_namespaces(tmp_path, port)
+
+    async def main() -> None:
+        async with serving(before) as service:
+            gated = gate(service, 1)
+            admin, io = await raw_io(port)
+            length = 192 << 10  # beyond the in-capsule size: the target asks for it with R2T
+            io.send(capsule(build_sqe(IoOpcode.WRITE, 5, nsid=1, dptr=transport_sgl(length),
+                                      cdw12=length // 512 - 1)))
+            r2t = await io.recv()
+            assert r2t is not None and r2t.ptype == PduType.R2T
+            await service.reload(after)
+            assert not gated.closed
+            await io.close()
+            await until(lambda: gated.closed)
+            assert gated.after_close == [] and service.target.draining == []
+            await admin.close()
+
+    run(main(), timeout=30)
+
+
+def test_removing_a_host_from_hosts_drops_only_its_controllers(tmp_path: Path) -> None:
+    port = free_port()
+    path = tmp_path / "vol.img"
+    fill_file(path, SIZE)
+    both = config([port], [sub(namespaces=[ns(path, 1, SIZE)], hosts=[HOSTNQN, HOSTNQN2])])
+    second_only = config([port], [sub(namespaces=[ns(path, 1, SIZE)], hosts=[HOSTNQN2])])
+
+    async def main() -> None:
+        async with serving(both) as service:
+            gone = await connect(port, nr_io_queues=1, ctrl_loss_tmo=1.0, reconnect_delay=0.2)
+            stays = await connect(port, nr_io_queues=1, hostnqn=HOSTNQN2)
+            try:
+                await gone.write(1, 0, b"\x01" * 512)
+                await service.reload(second_only)
+                await until(lambda: gone.cntlid not in service.target.controllers)
+                assert service.target.controllers[stays.cntlid].hostnqn == HOSTNQN2
+                for lba in range(16):  # the other host's association is untouched and busy
+                    await stays.write(1, lba, bytes([lba]) * 512)
+                    assert await stays.read(1, lba, 1) == bytes([lba]) * 512
+                assert stays.state == "live"
+                # the removed host may not come back: its reconnects are refused until it gives up
+                await until(lambda: gone.state == "failed", timeout=10)
+                assert all(c.hostnqn == HOSTNQN2 for c in service.target.controllers.values()
+                           if not c.is_discovery)
+            finally:
+                await gone.close()
+                await stays.close()
+
+    run(main(), timeout=40)
