@@ -102,6 +102,48 @@ class Target:
         self._retire(ns)
         self._ns_changed(sub, nsid)
 
+    def check_resize(self, sub: Subsystem, nsid: int, size: int | None) -> None:
+        """Refuse (ValueError, the message for the user) a size the namespace cannot take now:
+        not whole blocks, or smaller while a host is connected to its subsystem (a host may
+        have data or a file system past the new end; nvmet leaves this to the administrator,
+        we refuse it)."""
+        ns = sub.namespaces.get(nsid)
+        if ns is None:
+            raise ValueError(f"{sub.nqn} has no namespace {nsid}")
+        if size is None:
+            return
+        if size <= 0 or size % ns.block_size:
+            raise ValueError(f"{sub.nqn} namespace {nsid}: size {size} is not a positive multiple "
+                             f"of the block size {ns.block_size}")
+        if size < ns.backend.size:
+            users = [c for c in self.controllers.values() if c.subsystem is sub]
+            if users or ns.in_flight:
+                raise ValueError(
+                    f"{sub.nqn} namespace {nsid}: will not shrink from {ns.backend.size} to {size} "
+                    f"bytes while {len(users)} host(s) are connected (data past the new end may be "
+                    f"in use); disconnect them first")
+
+    def resize_namespace(self, sub: Subsystem, nsid: int, size: int | None) -> tuple[int, int]:
+        """Give namespace ``nsid`` a new capacity (None: its storage's current size, after the
+        file grew) and tell every connected host with a Namespace Attribute Changed event and
+        the Changed Namespace List, as nvmet's ``nvmet_ns_revalidate``; Identify Namespace
+        reads the new size at once. Returns (old size, new size)."""
+        self.check_resize(sub, nsid, size)
+        ns = sub.namespaces[nsid]
+        old = ns.backend.size
+        new = ns.backend.resize(size)
+        if new % ns.block_size:
+            ns.backend.resize(old)
+            raise ValueError(f"{sub.nqn} namespace {nsid}: {ns.path} is {new} bytes, not whole "
+                             f"{ns.block_size}-byte blocks")
+        if new < old and (ns.in_flight or any(c.subsystem is sub for c in self.controllers.values())):
+            ns.backend.resize(old)  # the file shrank under us: keep serving the old size
+            raise ValueError(f"{sub.nqn} namespace {nsid}: {ns.path} shrank to {new} bytes while in use")
+        if new != old:
+            log.info("namespace resized", nqn=sub.nqn, nsid=nsid, old=old, new=new)
+            self._ns_changed(sub, nsid)
+        return old, new
+
     def _retire(self, ns: Namespace) -> None:
         ns.removed = True
         if ns.in_flight:

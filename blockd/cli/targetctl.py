@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any, Callable
 
+from blockd.config import parse_size
 from initiator.control import ControlClient
 from target.control import counters_interval, socket_path
 
@@ -32,10 +33,31 @@ def add_parsers(sub: Any) -> None:
         if verb == "stats":
             v.add_argument("-i", "--interval", type=float, default=1.0, help="seconds (default 1)")
 
+    r = verbs.add_parser("resize", help="grow a namespace online (hosts are told at once); "
+                                        "shrinking is refused while hosts are connected")
+    r.add_argument("nqn", help="subsystem NQN")
+    r.add_argument("nsid", type=int)
+    r.add_argument("size", nargs="?", type=_size_arg, help="new size (e.g. 20GiB); default: the file's size now, "
+                                           "after you grew it")
+
     io = sub.add_parser("iostat", help="per-second IOPS, MB/s and latency per namespace of a running target")
     io.add_argument("--target-socket", help="target control socket")
-    io.add_argument("interval", nargs="?", type=float, default=1.0, help="seconds between reports (default 1)")
+    io.add_argument("interval", nargs="?", type=_positive, default=1.0, help="seconds between reports (default 1)")
     io.add_argument("count", nargs="?", type=int, help="reports to print (default: until interrupted)")
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be more than 0")
+    return value
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text, "size")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _call(args: argparse.Namespace, request: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
@@ -104,6 +126,10 @@ def _stats_text(iv: dict[str, Any]) -> str:
 
 
 def cmd_target(args: argparse.Namespace) -> int:
+    if args.verb == "resize":
+        reply = _call(args, {"op": "resize", "nqn": args.nqn, "nsid": args.nsid, "size": args.size})
+        print(f"{reply['nqn']} namespace {reply['nsid']}: {_size(reply['old_size'])} -> {_size(reply['size'])}")
+        return 0
     if args.verb == "stats":
         reply = _call(args, {"op": "stats", "interval": args.interval}, timeout=args.interval + 30)
     else:
@@ -127,8 +153,6 @@ def cmd_target(args: argparse.Namespace) -> int:
 
 def cmd_iostat(args: argparse.Namespace) -> int:
     """Like ``iostat -x INTERVAL [COUNT]``: one table per interval, per namespace."""
-    if args.interval <= 0:
-        raise ValueError("the interval must be positive")
     before = _call(args, {"op": "counters"})
     printed = 0
     while args.count is None or printed < args.count:
