@@ -4,16 +4,19 @@ the transports, so that neither imports the other for them."""
 
 from __future__ import annotations
 
-from protocol.status import describe
+from protocol.status import MORE, describe
 
 
 class NvmeError(Exception):
-    """The target completed a command with a non-zero status (``status``: see protocol.status;
-    ``dw0``: the completion's DW0, which for some statuses says more, e.g. Connect's IATTR)."""
+    """The target completed a command with a non-zero status (``status``: see protocol.status,
+    without the More bit, which ``more`` keeps: a status compares equal to its Status member
+    whether or not the target logged it; ``dw0``: the completion's DW0, which for some statuses
+    says more, e.g. Connect's IATTR)."""
 
     def __init__(self, status: int, what: str = "command", dw0: int = 0) -> None:
         super().__init__(f"{what} failed: {describe(status)}")
-        self.status = status
+        self.status = status & ~MORE
+        self.more = bool(status & MORE)
         self.dw0 = dw0
 
 

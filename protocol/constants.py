@@ -130,6 +130,14 @@ ONCS_DSM = 1 << 2
 ONCS_WRITE_ZEROES = 1 << 3
 OAES_NS_ATTR = 1 << 8
 OAES_DISCOVERY_CHANGE = 1 << 31
+CTRATT_HOST_ID_128 = 1 << 0
+"""CTRATT.HIDS: the controller takes a 128-bit host identifier (fabrics hosts always send one)."""
+CTRATT_TBKAS = 1 << 6
+"""CTRATT.TBKAS: any command restarts the keep-alive timer (traffic-based keep-alive)."""
+
+# Discovery log entry TREQ: bits 1:0 secure channel, bit 2 SQ flow control disable.
+TREQ_SECURE_CHANNEL_NOT_SPECIFIED = 0
+TREQ_SQFLOW_DISABLE_SUPPORTED = 1 << 2
 
 # Controller properties' fields (NVMe Base 2.0 section 3.1.4), as the host reads and writes them.
 CAP_TO_SHIFT = 24

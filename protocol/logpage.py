@@ -30,7 +30,8 @@ DISCOVERY_ENTRY = at_offsets(DISCOVERY_ENTRY_SIZE, [
     (512, "traddr", nul_padded(256)),
     (768, "tsas", c.Bytes(256)),
 ])
-"""TREQ bits 1:0 secure channel (2 = not required); TSAS for RDMA: QPTYPE, PRTYPE, CMS."""
+"""TREQ: bits 1:0 secure channel, bit 2 SQ flow control disable supported (see
+:data:`protocol.constants.TREQ_SQFLOW_DISABLE_SUPPORTED`); TSAS for RDMA: QPTYPE, PRTYPE, CMS."""
 
 ERROR_LOG_ENTRY = at_offsets(ERROR_LOG_ENTRY_SIZE, [
     (0, "error_count", c.Int64ul),
@@ -45,7 +46,8 @@ ERROR_LOG_ENTRY = at_offsets(ERROR_LOG_ENTRY_SIZE, [
     (32, "cs", c.Int64ul),
     (40, "trtype_specific", c.Int16ul),
 ])
-"""``status`` is the CQE status word (phase bit included)."""
+"""``status`` is the CQE status word (phase bit included, More bit not: nvmet stores the status
+the command failed with); ``param_location`` the byte offset in the SQE of the field at fault."""
 
 CHANGED_NS_LIST = c.Array(1024, c.Int32ul)
 

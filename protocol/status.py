@@ -11,6 +11,8 @@ from enum import IntEnum
 
 DNR = 0x4000
 MORE = 0x2000
+"""More: the controller's Error Information log has an entry for this command (nvmet sets it only
+then, see target.controller.ERROR_LOCATIONS); not part of the status itself."""
 
 
 class Status(IntEnum):
@@ -55,7 +57,9 @@ def from_wire(word: int) -> int:
 
 
 def describe(status: int) -> str:
-    """Human text for a status, e.g. ``"LBA_RANGE (sct 0 sc 0x80, dnr)"``."""
+    """Human text for a status, e.g. ``"LBA_RANGE (sct 0 sc 0x80, dnr, more)"``."""
+    more = ", more" if status & MORE else ""
+    status &= ~MORE
     try:
         name = Status(status).name
     except ValueError:
@@ -66,4 +70,4 @@ def describe(status: int) -> str:
     sct = (status >> 8) & 0x7
     sc = status & 0xFF
     dnr = ", dnr" if status & DNR else ""
-    return f"{name} (sct {sct} sc {sc:#04x}{dnr})"
+    return f"{name} (sct {sct} sc {sc:#04x}{dnr}{more})"

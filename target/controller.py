@@ -15,19 +15,21 @@ from typing import TYPE_CHECKING
 import structlog
 
 from protocol.constants import (
-    CC_EN, CC_SHN_MASK, CSTS_CFS, CSTS_RDY, CSTS_SHST_COMPLETE, DISCOVERY_NQN, OAES_DISCOVERY_CHANGE,
-    OAES_NS_ATTR, ONCS_DSM, ONCS_WRITE_ZEROES, AdminOpcode, Cns, FeatureId, IoOpcode, LogPageId, NidType, Property,
+    CC_EN, CC_SHN_MASK, CSTS_CFS, CSTS_RDY, CSTS_SHST_COMPLETE, CTRATT_HOST_ID_128, CTRATT_TBKAS, DISCOVERY_NQN,
+    OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, ONCS_DSM, ONCS_WRITE_ZEROES, AdminOpcode, Cns, FeatureId, IoOpcode,
+    LogPageId, NidType, Property,
 )
 from protocol.fabrics import PROPERTY_COMMAND_FAST, PROPERTY_SIZE_8, PROPERTY_SIZE_MASK
 from protocol.identify import (
     ACTIVE_NS_LIST, IDENTIFY_CONTROLLER, IDENTIFY_CSI_INDEPENDENT_NS, IDENTIFY_NAMESPACE,
     IDENTIFY_SIZE, NS_DESCRIPTOR_LIST,
 )
+from protocol.layout import field_offset
 from protocol.logpage import CHANGED_NS_LIST, ERROR_LOG_ENTRY
 from protocol.nvme import (
     DSM_ATTR_DEALLOCATE, DSM_COMMAND_FAST, DSM_RANGE_FAST, FEATURES_COMMAND, FEATURES_SAVE,
     GET_LOG_PAGE_COMMAND, GET_LOG_PAGE_RAE, IDENTIFY_COMMAND, IO_CONTROL, IO_NLB, IO_SLBA, NSID_ALL,
-    RW_CONTROL_FUA,
+    RW_CONTROL_FUA, SQE,
 )
 from protocol.status import Status, to_wire
 from target.request import Direction, Request
@@ -59,6 +61,33 @@ DLFEAT_ZEROES = 0x09
 """Deallocated blocks read as zeroes, and Write Zeroes may deallocate (DEAC)."""
 DISCOVERY_DEFAULT_KATO_MS = 120_000
 """A discovery controller without keep-alive is still reaped after 2 minutes, as nvmet does."""
+CTRATT = CTRATT_HOST_ID_128 | CTRATT_TBKAS
+"""True of every controller here, discovery included: Connect always carries the 128-bit host id,
+and TargetQueue.submit restarts the keep-alive timer on any command (nvmet's I/O controllers
+report the same 0x41; its discovery controller reports 0, though it too resets on traffic)."""
+
+_OPCODE, _NSID, _DPTR, _CDW10 = (field_offset(SQE, name) for name in ("opcode", "nsid", "dptr", "cdw10"))
+ERROR_LOCATIONS: dict[int, int] = {
+    Status.INVALID_OPCODE: _OPCODE,
+    Status.INVALID_FIELD: _CDW10,
+    Status.INVALID_NS: _NSID,
+    Status.SGL_INVALID_DATA_LENGTH: _DPTR,
+    Status.LBA_RANGE: _CDW10,  # SLBA
+    Status.NS_WRITE_PROTECTED: _CDW10,
+    Status.INVALID_LOG_PAGE: _CDW10,  # LID
+    Status.FEATURE_NOT_SAVEABLE: _CDW10,  # SV
+    Status.INTERNAL_ERROR: _OPCODE,
+    Status.WRITE_FAULT: _OPCODE,
+    Status.UNRECOVERED_READ_ERROR: _OPCODE,
+}
+"""Statuses that get an Error Information log entry (and so the More bit), with the SQE byte the
+entry points at. nvmet records an entry only for a failure that set an error location
+(``nvmet_set_error`` in drivers/nvme/target/core.c), and its checks set one for these statuses:
+the opcode for an unknown command or a backend error, the NSID, the data pointer for a transfer
+length, CDW10 for a bad field. Statuses that nvmet completes without a location have no entry
+here: a sequence error, an invalid Keep Alive, the AER limit, a transport's SGL offset/type or data
+transfer error, and every Connect failure (no controller yet). The location is the one nvmet
+gives each status in the common case; it names no finer field than that."""
 
 
 class Controller:
@@ -85,7 +114,10 @@ class Controller:
         self.async_event_config = 0
         self.error_count = 0
         self.error_log: collections.deque[bytes] = collections.deque(maxlen=ERROR_LOG_ENTRIES)
-        self.last_keep_alive = time.monotonic_ns()
+        self.traffic_seen = False
+        """A command arrived since the keep-alive period began (set by TargetQueue.submit: an
+        attribute store per command, where a timestamp would be a clock call per command)."""
+        self.restart_keep_alive()
         self.dead = False
         self.connected_ns = time.time_ns()
         """Wall-clock time of the admin Connect (shown as "connected since")."""
@@ -122,9 +154,31 @@ class Controller:
     def is_discovery(self) -> bool:
         return self.subsystem.nqn == DISCOVERY_NQN
 
-    def keep_alive_expired(self, now_ns: int) -> bool:
+    def _kato_s(self) -> int:
+        """KATO in whole seconds, rounded up (as nvmet); 0: no keep-alive."""
         kato = self.kato_ms or (DISCOVERY_DEFAULT_KATO_MS if self.is_discovery else 0)
-        return bool(kato) and now_ns - self.last_keep_alive > (kato + 999) // 1000 * 1_000_000_000
+        return (kato + 999) // 1000
+
+    def restart_keep_alive(self) -> None:
+        """A Keep Alive (or Connect, CC.EN, a new KATO): a full period from now."""
+        self.keep_alive_deadline = time.monotonic() + self._kato_s()
+
+    def keep_alive_expired(self, now: float) -> bool:
+        """The reaper's look at this controller: True when the host fell silent. A period that
+        ends with traffic seen starts another (traffic-based keep-alive, CTRATT.TBKAS), as
+        nvmet's keep-alive timer does with ``reset_tbkas``: a host is given between one and two
+        KATO after its last command. That second period is needed: a Linux host that sees
+        TBKAS skips its Keep Alive while completions arrive and may then send it a whole KATO
+        after its last command (measured in the VM bed: a 4 KiB-block namespace was torn down
+        11 s after connect with a 5 s KATO when the deadline was one KATO after the last one)."""
+        kato_s = self._kato_s()
+        if not kato_s or now <= self.keep_alive_deadline:
+            return False
+        if self.traffic_seen:
+            self.traffic_seen = False
+            self.keep_alive_deadline = now + kato_s
+            return False
+        return True
 
     def queue_closed(self, queue: TargetQueue) -> None:
         if self.queues.get(queue.qid) is queue:
@@ -150,12 +204,19 @@ class Controller:
             fut.cancel()
         self.aer_waiters.clear()
 
-    def log_error(self, qid: int, req: Request) -> None:
+    def log_error(self, qid: int, req: Request) -> bool:
+        """Record ``req``'s failure in the Error Information log if its status has an error
+        location (see :data:`ERROR_LOCATIONS`); True when it did, and the completion then says
+        so with the More bit."""
+        location = ERROR_LOCATIONS.get(req.status)
+        if location is None:
+            return False
         self.error_count += 1
         self.error_log.appendleft(ERROR_LOG_ENTRY.build(dict(
             error_count=self.error_count, sqid=qid, cid=req.cid, status=to_wire(req.status),
-            param_location=0xFFFF, lba=0, nsid=req.nsid, vs=0, trtype=0, cs=0,
+            param_location=location, lba=0, nsid=req.nsid, vs=0, trtype=0, cs=0,
             trtype_specific=0)))
+        return True
 
     def notify(self, event: int, changed_nsid: int | None = None) -> None:
         """Queue an asynchronous event; completes a waiting AER if there is one."""
@@ -215,7 +276,7 @@ class Controller:
                 self.csts = CSTS_CFS
             else:
                 self.csts = CSTS_RDY
-                self.last_keep_alive = time.monotonic_ns()
+                self.restart_keep_alive()
         elif not new & CC_EN and old & CC_EN:
             self.csts = 0
             self.cc = 0
@@ -228,7 +289,7 @@ class Controller:
     async def _keep_alive(self, req: Request) -> None:
         if not self.kato_ms:
             req.status = Status.KEEP_ALIVE_INVALID
-        self.last_keep_alive = time.monotonic_ns()
+        self.restart_keep_alive()
 
     async def _abort(self, req: Request) -> None:
         req.dw0 = 1  # the command was not aborted
@@ -291,7 +352,7 @@ class Controller:
             vid=0, ssvid=0, sn=sub.serial[:20], mn=sub.model[:40], fr="0.1.0", rab=6,
             ieee=b"\0\0\0", cmic=0 if disc else 0x02, mdts=_mdts(transport.max_transfer),
             cntlid=self.cntlid, ver=VERSION_1_3, rtd3r=0, rtd3e=0,
-            oaes=OAES_DISCOVERY_CHANGE if disc else OAES_NS_ATTR, ctratt=0,
+            oaes=OAES_DISCOVERY_CHANGE if disc else OAES_NS_ATTR, ctratt=CTRATT,
             cntrltype=2 if disc else 1, fguid=bytes(16), crdt1=0, crdt2=0, crdt3=0,
             oacs=0, acl=3, aerl=AER_LIMIT - 1, frmw=0x3, lpa=0x04, elpe=ERROR_LOG_ENTRIES - 1,
             npss=0, avscc=0, apsta=0, kas=KAS_100MS, sqes=0x66, cqes=0x44, maxcmd=MQES + 1,
@@ -345,7 +406,7 @@ class Controller:
             req.dw0 = n | (n << 16)
         elif fid == FeatureId.KEEP_ALIVE_TIMER:
             self.kato_ms = value
-            self.last_keep_alive = time.monotonic_ns()
+            self.restart_keep_alive()
         elif fid == FeatureId.ASYNC_EVENT_CONFIG:
             self.async_event_config = value
         elif fid == FeatureId.VOLATILE_WRITE_CACHE and not self.is_discovery:

@@ -37,7 +37,7 @@ from protocol.nvme import (
     CQE_FAST, FLAGS_PSDT_FUSE_MASK, IO_COMMAND_FAST, IO_FLAGS, SGL1_OFFSET, SGL_SIZE, SQE_SIZE,
     parse_sgl_keyed,
 )
-from protocol.status import Status, to_wire
+from protocol.status import MORE, Status, to_wire
 from target.request import Direction, IllegalTransition, Request, RequestState
 from target.stats import KIND_BY_OPCODE, IoCounters
 
@@ -140,8 +140,7 @@ class TargetQueue:
                transport_ctx: object = None) -> None:
         """Take one command capsule and drive the command as far as it goes now."""
         fields = _unpack_command(sqe)
-        now = monotonic_ns()
-        req = Request(bytes(sqe[:SQE_SIZE]), fields, transport_ctx, now)
+        req = Request(bytes(sqe[:SQE_SIZE]), fields, transport_ctx, monotonic_ns())
         self.in_flight += 1
         if fields[IO_FLAGS] & FLAGS_PSDT_FUSE_MASK != PSDT_SGL:
             self._fail(req, _INVALID_FIELD)
@@ -151,7 +150,7 @@ class TargetQueue:
         if ctrl is not None:
             # Any command proves the host alive (traffic-based keep-alive): a host busy setting
             # up queues or moving data is not torn down for a Keep Alive that queued behind.
-            ctrl.last_keep_alive = now
+            ctrl.traffic_seen = True
         if opcode == _FABRICS:
             fctype = req.sqe[_FCTYPE]
             if fctype != _CONNECT and ctrl is None:
@@ -267,8 +266,8 @@ class TargetQueue:
             req.reply = None
         elif req.direction is _TO_HOST and req.reply is None:
             status = req.status = _BAD_LENGTH  # a data buffer on a command that returns none
-        if status and self.controller is not None:
-            self.controller.log_error(self.qid or 0, req)
+        if status and self.controller is not None and self.controller.log_error(self.qid or 0, req):
+            status |= MORE  # as nvmet: the Error Information log has an entry for this command
         if self.sqsize and not self.sqhd_disabled:
             self.sqhd = (self.sqhd + 1) % (self.sqsize + 1)
         req.set_state(_COMPLETING)

@@ -10,8 +10,8 @@ import structlog
 
 from blockd.config import Limits
 from protocol.constants import (
-    AEN_DISCOVERY_CHANGED, AEN_NS_ATTR_CHANGED, DISCOVERY_NQN, DYNAMIC_CNTLID, AddressFamily,
-    SubsystemType,
+    AEN_DISCOVERY_CHANGED, AEN_NS_ATTR_CHANGED, DISCOVERY_NQN, DYNAMIC_CNTLID,
+    TREQ_SECURE_CHANNEL_NOT_SPECIFIED, TREQ_SQFLOW_DISABLE_SUPPORTED, AddressFamily, SubsystemType,
 )
 from protocol.fabrics import IPO_CONNECT_CNTLID, IPO_CONNECT_QID, IPO_CONNECT_SQSIZE, IPO_CONNECT_SUBNQN
 from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_HEADER
@@ -26,6 +26,9 @@ log = structlog.get_logger("blockd.target")
 
 MAX_CNTLID = 0xFFEF
 ADMIN_QUEUE_MAX = 32
+_TREQ = TREQ_SECURE_CHANNEL_NOT_SPECIFIED | TREQ_SQFLOW_DISABLE_SUPPORTED
+"""What nvmet says for a port without TLS: no secure channel requirement stated, and the host may
+disable SQ flow control (the queue honours Connect's CATTR bit, see TargetQueue.sqhd_disabled)."""
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,7 @@ class Target:
         if qid in ctrl.queues:
             return Status.COMMAND_SEQUENCE_ERROR, 0, None
         ctrl.queues[qid] = queue
-        ctrl.last_keep_alive = time.monotonic_ns()
+        ctrl.restart_keep_alive()
         return Status.SUCCESS, cntlid, ctrl
 
     def _allocate_cntlid(self) -> int | None:
@@ -244,16 +247,17 @@ class Target:
 
     def discovery_log(self, ctrl: Controller) -> bytes:
         """Discovery log for ``ctrl``'s host: this discovery subsystem, then every allowed
-        subsystem on every port of the same transport family."""
-        entries = []
-        own = self.ports.get(ctrl.port_id)
-        if own is not None:
-            entries.append(self._entry(own, DISCOVERY_NQN, SubsystemType.CURRENT_DISCOVERY, ctrl))
-        for port in self.ports.values():
-            for sub in self.subsystems.values():
-                if sub.is_discovery or not sub.exported_on(port.port_id) or not sub.allows(ctrl.hostnqn):
-                    continue
-                entries.append(self._entry(port, sub.nqn, SubsystemType.NVME, ctrl))
+        subsystem exported on the port the host asked on. As nvmet, the log names only that
+        port: a host that discovered over TCP is not sent to an RDMA port it may not reach
+        (and ``nvme connect-all`` would try every entry)."""
+        port = self.ports.get(ctrl.port_id)
+        if port is None:  # the port went away while its discovery controller lives on
+            return DISCOVERY_HEADER.build(dict(genctr=self.genctr, numrec=0, recfmt=0))
+        entries = [self._entry(port, DISCOVERY_NQN, SubsystemType.CURRENT_DISCOVERY, ctrl)]
+        for sub in self.subsystems.values():
+            if sub.is_discovery or not sub.exported_on(port.port_id) or not sub.allows(ctrl.hostnqn):
+                continue
+            entries.append(self._entry(port, sub.nqn, SubsystemType.NVME, ctrl))
         header = DISCOVERY_HEADER.build(dict(genctr=self.genctr, numrec=len(entries), recfmt=0))
         return header + b"".join(entries)
 
@@ -265,7 +269,7 @@ class Target:
         transport = transport_info(port.transport)
         return DISCOVERY_ENTRY.build(dict(
             trtype=transport.trtype, adrfam=port.family,
-            subtype=subtype, treq=2, portid=port.port_id, cntlid=DYNAMIC_CNTLID,
+            subtype=subtype, treq=_TREQ, portid=port.port_id, cntlid=DYNAMIC_CNTLID,
             asqsz=ADMIN_QUEUE_MAX, eflags=0, trsvcid=port.service, subnqn=nqn,
             traddr=address, tsas=transport.tsas))
 
@@ -276,10 +280,10 @@ class Target:
             self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
     async def _reap(self) -> None:
-        """Tear down controllers whose host stopped sending Keep Alive."""
+        """Tear down controllers whose host fell silent (see Controller.keep_alive_expired)."""
         while self.controllers:
             await asyncio.sleep(0.5)
-            now = time.monotonic_ns()
+            now = time.monotonic()
             for ctrl in list(self.controllers.values()):
                 if ctrl.keep_alive_expired(now):
                     self.keep_alive_expiries += 1

@@ -424,7 +424,9 @@ async def until_total(service: object, n: int) -> None:
 # -- validate before executing; NQNs end at the NUL ---------------------------------------------------
 
 def test_property_set_with_data_fails_and_leaves_cc(tmp_path: Path) -> None:
-    """Property Set CC (EN=0) with a 64-byte data SGL: 0x801E, and the controller stays enabled."""
+    """Property Set CC (EN=0) with a 64-byte data SGL: SGL Data Length Invalid with DNR and More
+    (0xC01E on the wire: an error-log entry points at the data pointer, as nvmet's), and the
+    controller stays enabled."""
     port, cfg = _serve(tmp_path)
 
     async def main() -> None:
@@ -433,7 +435,7 @@ def test_property_set_with_data_fails_and_leaves_cc(tmp_path: Path) -> None:
             sqe = bytearray(prop_sqe(3, False, 0x14, value=0x00460000))
             sqe[24:40] = transport_sgl(64)
             status, *_ = await admin.command(bytes(sqe))
-            assert status == 0x801E, hex(status)
+            assert status == 0xC01E, hex(status)
             status, dw0, *_ = await admin.command(prop_sqe(4, True, 0x14))
             assert status == 0 and dw0 & 1, hex(dw0)  # CC.EN still set
             await admin.close()

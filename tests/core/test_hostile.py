@@ -197,7 +197,9 @@ def _connect_raw(qid: int, sqsize: int, cntlid: int, recfmt: int = 0, nqn: str =
 W512 = b"\x99" * 512
 U64 = (1 << 64) - 1
 
-# name: (queue kind, sqe, in-capsule data, wire status word[, dw0])
+# name: (queue kind, sqe, in-capsule data, wire status word[, dw0]). A word with 0x4000 (More)
+# has an Error Information log entry behind it, as nvmet sets it (target.controller.ERROR_LOCATIONS):
+# never before Connect (no controller yet), nor for a sequence error, SGL offset/type or Keep Alive.
 COMMAND_CASES: dict[str, tuple] = {
     # before Connect
     "identify-before-connect": ("fresh", _sqe(0x06, nsid=0, sgl=transport_sgl(4096), cdw10=1), b"", 0x8002),
@@ -220,70 +222,70 @@ COMMAND_CASES: dict[str, tuple] = {
     # admin queue, controller not yet enabled
     "identify-before-enable": ("admin-disabled", _sqe(0x06, nsid=0, sgl=transport_sgl(4096), cdw10=1), b"", 0x8018),
     # fabrics / properties
-    "property-get-unknown-offset": ("admin", prop_sqe(1, True, 0x40), b"", 0x8004),
-    "property-get-cap-as-4-bytes": ("admin", prop_sqe(1, True, 0x00), b"", 0x8004),
-    "property-get-huge-offset": ("admin", prop_sqe(1, True, 0xFFFFFFF0), b"", 0x8004),
-    "property-set-unknown-offset": ("admin", prop_sqe(1, False, 0x24, value=1), b"", 0x8004),
-    "property-set-csts": ("admin", prop_sqe(1, False, 0x1C, value=1), b"", 0x8004),
-    "property-get-on-io-queue": ("io", prop_sqe(1, True, 0x1C), b"", 0x8004),
-    "fabrics-auth-send": ("admin", bytes([0x7F, 0x40, 1, 0, 0x05]) + bytes(19) + transport_sgl(0) + bytes(24), b"", 0x8002),
+    "property-get-unknown-offset": ("admin", prop_sqe(1, True, 0x40), b"", 0xC004),
+    "property-get-cap-as-4-bytes": ("admin", prop_sqe(1, True, 0x00), b"", 0xC004),
+    "property-get-huge-offset": ("admin", prop_sqe(1, True, 0xFFFFFFF0), b"", 0xC004),
+    "property-set-unknown-offset": ("admin", prop_sqe(1, False, 0x24, value=1), b"", 0xC004),
+    "property-set-csts": ("admin", prop_sqe(1, False, 0x1C, value=1), b"", 0xC004),
+    "property-get-on-io-queue": ("io", prop_sqe(1, True, 0x1C), b"", 0xC004),
+    "fabrics-auth-send": ("admin", bytes([0x7F, 0x40, 1, 0, 0x05]) + bytes(19) + transport_sgl(0) + bytes(24), b"", 0xC002),
     # admin commands
-    "admin-unknown-opcode": ("admin", _sqe(0x04, nsid=0), b"", 0x8002),
-    "admin-vendor-opcode": ("admin", _sqe(0xC0, nsid=0), b"", 0x8002),
-    "admin-opcode-bidirectional": ("admin", _sqe(0x83, nsid=0), b"", 0x8002),
-    "admin-bad-flags-psdt0": ("admin", _sqe(0x06, flags=0x00, nsid=0, sgl=transport_sgl(4096), cdw10=1), b"", 0x8004),
-    "admin-fuse-bits": ("admin", _sqe(0x06, flags=0x42, nsid=0, sgl=transport_sgl(4096), cdw10=1), b"", 0x8004),
-    "identify-bad-cns": ("admin", _sqe(0x06, nsid=0, sgl=transport_sgl(4096), cdw10=0x55), b"", 0x8004),
-    "identify-short-buffer": ("admin", _sqe(0x06, nsid=0, sgl=transport_sgl(512), cdw10=1), b"", 0x801E),
-    "identify-ns-invalid": ("admin", _sqe(0x06, nsid=7, sgl=transport_sgl(4096), cdw10=0), b"", 0x8016),
-    "identify-ns-list-ffffffff": ("admin", _sqe(0x06, nsid=0xFFFFFFFF, sgl=transport_sgl(4096), cdw10=2), b"", 0x8016),
-    "get-log-bad-lid": ("admin", _sqe(0x02, nsid=0, sgl=transport_sgl(512), cdw10=0x7F | (127 << 16)), b"", 0x8212),
-    "get-log-odd-lpo": ("admin", _sqe(0x02, nsid=0, sgl=transport_sgl(512), cdw10=0x02 | (127 << 16), cdw12=2), b"", 0x8004),
-    "get-log-numd-mismatch": ("admin", _sqe(0x02, nsid=0, sgl=transport_sgl(512), cdw10=0x02 | (63 << 16)), b"", 0x801E),
+    "admin-unknown-opcode": ("admin", _sqe(0x04, nsid=0), b"", 0xC002),
+    "admin-vendor-opcode": ("admin", _sqe(0xC0, nsid=0), b"", 0xC002),
+    "admin-opcode-bidirectional": ("admin", _sqe(0x83, nsid=0), b"", 0xC002),
+    "admin-bad-flags-psdt0": ("admin", _sqe(0x06, flags=0x00, nsid=0, sgl=transport_sgl(4096), cdw10=1), b"", 0xC004),
+    "admin-fuse-bits": ("admin", _sqe(0x06, flags=0x42, nsid=0, sgl=transport_sgl(4096), cdw10=1), b"", 0xC004),
+    "identify-bad-cns": ("admin", _sqe(0x06, nsid=0, sgl=transport_sgl(4096), cdw10=0x55), b"", 0xC004),
+    "identify-short-buffer": ("admin", _sqe(0x06, nsid=0, sgl=transport_sgl(512), cdw10=1), b"", 0xC01E),
+    "identify-ns-invalid": ("admin", _sqe(0x06, nsid=7, sgl=transport_sgl(4096), cdw10=0), b"", 0xC016),
+    "identify-ns-list-ffffffff": ("admin", _sqe(0x06, nsid=0xFFFFFFFF, sgl=transport_sgl(4096), cdw10=2), b"", 0xC016),
+    "get-log-bad-lid": ("admin", _sqe(0x02, nsid=0, sgl=transport_sgl(512), cdw10=0x7F | (127 << 16)), b"", 0xC212),
+    "get-log-odd-lpo": ("admin", _sqe(0x02, nsid=0, sgl=transport_sgl(512), cdw10=0x02 | (127 << 16), cdw12=2), b"", 0xC004),
+    "get-log-numd-mismatch": ("admin", _sqe(0x02, nsid=0, sgl=transport_sgl(512), cdw10=0x02 | (63 << 16)), b"", 0xC01E),
     # commands that return no data, sent with a data buffer: they must still complete
-    "get-features-with-data-buffer": ("admin", _sqe(0x0A, nsid=0, sgl=transport_sgl(4096), cdw10=0x07), b"", 0x801E),
+    "get-features-with-data-buffer": ("admin", _sqe(0x0A, nsid=0, sgl=transport_sgl(4096), cdw10=0x07), b"", 0xC01E),
     "property-get-with-data-buffer": ("admin", prop_sqe(1, True, 0x1C)[:24] + transport_sgl(4096)
-                                      + prop_sqe(1, True, 0x1C)[40:], b"", 0x801E),
-    "set-features-unknown": ("admin", _sqe(0x09, nsid=0, cdw10=0x7E), b"", 0x8004),
+                                      + prop_sqe(1, True, 0x1C)[40:], b"", 0xC01E),
+    "set-features-unknown": ("admin", _sqe(0x09, nsid=0, cdw10=0x7E), b"", 0xC004),
     "keep-alive-without-kato": ("admin", _sqe(0x18, nsid=0), b"", 0x8034),
     # I/O commands: flags and SGLs
-    "io-psdt-00": ("io", _rw(0x02, 0, 1, flags=0x00), b"", 0x8004),
-    "io-psdt-10": ("io", _rw(0x02, 0, 1, flags=0x80), b"", 0x8004),
-    "io-fuse-first": ("io", _rw(0x01, 0, 1, sgl_id=1, flags=0x41), W512, 0x8004),
-    "io-fuse-second": ("io", _rw(0x02, 0, 1, flags=0x42), b"", 0x8004),
+    "io-psdt-00": ("io", _rw(0x02, 0, 1, flags=0x00), b"", 0xC004),
+    "io-psdt-10": ("io", _rw(0x02, 0, 1, flags=0x80), b"", 0xC004),
+    "io-fuse-first": ("io", _rw(0x01, 0, 1, sgl_id=1, flags=0x41), W512, 0xC004),
+    "io-fuse-second": ("io", _rw(0x02, 0, 1, flags=0x42), b"", 0xC004),
     "io-sgl-last-segment": ("io", _rw(0x02, 0, 1, sgl_id=0x30), b"", 0x8022),
     "io-sgl-keyed-over-tcp": ("io", _rw(0x02, 0, 1, sgl_id=0x40), b"", 0x8022),
-    "io-sgl-type0-bad-subtype": ("io", _rw(0x02, 0, 1, sgl_id=0x0F), b"", 0x8004),
-    "io-read-length-short": ("io", _rw(0x02, 0, 2, length=512), b"", 0x801E),
-    "io-read-length-long": ("io", _rw(0x02, 0, 1, length=1024), b"", 0x801E),
-    "io-write-incapsule-length-mismatch": ("io", _rw(0x01, 0, 2, length=512, sgl_id=1), W512, 0x801E),
-    "io-read-over-mdts": ("io", _rw(0x02, 0, 4096), b"", 0x801E),
+    "io-sgl-type0-bad-subtype": ("io", _rw(0x02, 0, 1, sgl_id=0x0F), b"", 0xC004),
+    "io-read-length-short": ("io", _rw(0x02, 0, 2, length=512), b"", 0xC01E),
+    "io-read-length-long": ("io", _rw(0x02, 0, 1, length=1024), b"", 0xC01E),
+    "io-write-incapsule-length-mismatch": ("io", _rw(0x01, 0, 2, length=512, sgl_id=1), W512, 0xC01E),
+    "io-read-over-mdts": ("io", _rw(0x02, 0, 4096), b"", 0xC01E),
     "io-incapsule-offset": ("io", _sqe(0x01, sgl=build_sgl_data_block(1, 64, 512), cdw12=0), W512 + bytes(64), 0x802C),
     "io-incapsule-more-than-sent": ("io", _rw(0x01, 0, 2, sgl_id=1), W512, 0x802C),
-    "io-incapsule-read": ("io", _rw(0x02, 0, 1, sgl_id=1), b"", 0x8004),
-    "io-unknown-opcode": ("io", _sqe(0x04), b"", 0x8002),
-    "io-vendor-opcode": ("io", _sqe(0x80), b"", 0x8002),
-    "io-admin-opcode-on-io-queue": ("io", _sqe(0x06, sgl=transport_sgl(4096), cdw10=1), b"", 0x8002),
+    "io-incapsule-read": ("io", _rw(0x02, 0, 1, sgl_id=1), b"", 0xC004),
+    "io-unknown-opcode": ("io", _sqe(0x04), b"", 0xC002),
+    "io-vendor-opcode": ("io", _sqe(0x80), b"", 0xC002),
+    "io-admin-opcode-on-io-queue": ("io", _sqe(0x06, sgl=transport_sgl(4096), cdw10=1), b"", 0xC002),
     # I/O commands: namespaces and ranges
-    "io-invalid-ns": ("io", _rw(0x02, 0, 1, nsid=7), b"", 0x8016),
-    "io-ns-zero": ("io", _rw(0x02, 0, 1, nsid=0), b"", 0x8016),
-    "io-ns-broadcast-write": ("io", _rw(0x01, 0, 1, nsid=0xFFFFFFFF, sgl_id=1), W512, 0x8016),
-    "io-lba-past-end": ("io", _rw(0x02, BLOCKS, 1), b"", 0x8100),
-    "io-lba-straddles-end": ("io", _rw(0x01, BLOCKS - 1, 2, sgl_id=1, length=1024), W512 * 2, 0x8100),
-    "io-lba-near-2^64-write": ("io", _rw(0x01, U64, 1, sgl_id=1), W512, 0x8100),
-    "io-lba-wraps-2^64-write": ("io", _rw(0x01, U64 - 1, 4, sgl_id=1, length=2048), W512 * 4, 0x8100),
-    "io-lba-near-2^64-read": ("io", _rw(0x02, U64 - 1, 1), b"", 0x8100),
-    "io-write-zeroes-past-end": ("io", _sqe(0x08, cdw10=BLOCKS - 4, cdw12=7), b"", 0x8100),
-    "io-write-zeroes-near-2^64": ("io", _sqe(0x08, cdw10=0xFFFFFFFF, cdw11=0xFFFFFFFF, cdw12=0xFFFF), b"", 0x8100),
-    "io-write-zeroes-with-data": ("io", _sqe(0x08, sgl=incapsule_sgl(512)), W512, 0x8004),  # nvmet: in-capsule data on a non-write
+    "io-invalid-ns": ("io", _rw(0x02, 0, 1, nsid=7), b"", 0xC016),
+    "io-ns-zero": ("io", _rw(0x02, 0, 1, nsid=0), b"", 0xC016),
+    "io-ns-broadcast-write": ("io", _rw(0x01, 0, 1, nsid=0xFFFFFFFF, sgl_id=1), W512, 0xC016),
+    "io-lba-past-end": ("io", _rw(0x02, BLOCKS, 1), b"", 0xC100),
+    "io-lba-straddles-end": ("io", _rw(0x01, BLOCKS - 1, 2, sgl_id=1, length=1024), W512 * 2, 0xC100),
+    "io-lba-near-2^64-write": ("io", _rw(0x01, U64, 1, sgl_id=1), W512, 0xC100),
+    "io-lba-wraps-2^64-write": ("io", _rw(0x01, U64 - 1, 4, sgl_id=1, length=2048), W512 * 4, 0xC100),
+    "io-lba-near-2^64-read": ("io", _rw(0x02, U64 - 1, 1), b"", 0xC100),
+    "io-write-zeroes-past-end": ("io", _sqe(0x08, cdw10=BLOCKS - 4, cdw12=7), b"", 0xC100),
+    "io-write-zeroes-near-2^64": ("io", _sqe(0x08, cdw10=0xFFFFFFFF, cdw11=0xFFFFFFFF, cdw12=0xFFFF), b"", 0xC100),
+    "io-write-zeroes-with-data": ("io", _sqe(0x08, sgl=incapsule_sgl(512)), W512, 0xC004),  # nvmet: in-capsule data on a non-write
     "io-dsm-range-past-end": ("io", _sqe(0x09, sgl=incapsule_sgl(16), cdw10=0, cdw11=4),
-                              struct.pack("<IIQ", 0, 8, BLOCKS - 4), 0x8100),
+                              struct.pack("<IIQ", 0, 8, BLOCKS - 4), 0xC100),
     "io-dsm-range-near-2^64": ("io", _sqe(0x09, sgl=incapsule_sgl(16), cdw10=0, cdw11=4),
-                               struct.pack("<IIQ", 0, 0xFFFFFFFF, U64), 0x8100),
+                               struct.pack("<IIQ", 0, 0xFFFFFFFF, U64), 0xC100),
     "io-dsm-too-few-ranges": ("io", _sqe(0x09, sgl=incapsule_sgl(16), cdw10=3, cdw11=4),
-                              struct.pack("<IIQ", 0, 1, 0), 0x801E),
-    "io-dsm-no-data": ("io", _sqe(0x09, cdw10=0, cdw11=4), b"", 0x801E),
-    "io-flush-with-data": ("io", _sqe(0x00, sgl=incapsule_sgl(512)), W512, 0x8004),
+                              struct.pack("<IIQ", 0, 1, 0), 0xC01E),
+    "io-dsm-no-data": ("io", _sqe(0x09, cdw10=0, cdw11=4), b"", 0xC01E),
+    "io-flush-with-data": ("io", _sqe(0x00, sgl=incapsule_sgl(512)), W512, 0xC004),
 }
 
 
@@ -397,13 +399,15 @@ def test_header_digest_error_terminates(tmp_path: Path) -> None:
 
 
 def test_queue_depth_overflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """More commands than the negotiated SQ size: exactly the excess fail, with Command Sequence
-    Error, and the queue keeps working.
+    """More commands than the queue's command pool: exactly the excess fail, with Command
+    Sequence Error, and the queue keeps working.
 
-    The commands must really be outstanding together, so each is a Flush held at a gate in the
-    file backend until the test has seen every refusal. (The kernel's nvmet-tcp keeps 2 x SQ
-    size command slots and tears the connection down when a capsule finds none free; we refuse
-    the one command, a status the host can act on, and the queue lives.)"""
+    The pool is 2 x the negotiated SQ size, as nvmet-tcp's: a slot comes back only once its
+    response has left, and a host may reuse an SQ entry as soon as it sees the CQE, before our
+    side has seen the send complete. The commands must really be outstanding together, so each
+    is a Flush held at a gate in the file backend until the test has seen every refusal.
+    (nvmet-tcp tears the connection down when a capsule finds no free slot; we refuse the one
+    command, a status the host can act on, and the queue lives.)"""
     gate = asyncio.Event()
     real_flush = FileBackend.flush
 
@@ -412,6 +416,7 @@ def test_queue_depth_overflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         await real_flush(self)
     monkeypatch.setattr(FileBackend, "flush", gated_flush)
     depth, sent = 4, 64
+    pool = 2 * depth
 
     async def attack(port: int) -> None:
         try:
@@ -422,12 +427,12 @@ def test_queue_depth_overflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
             assert status == 0
             io.send(b"".join(capsule(_sqe(IoOpcode.FLUSH, cid)) for cid in range(sent)))
             statuses = {}
-            while len(statuses) < sent - depth:
+            while len(statuses) < sent - pool:
                 pdu = await io.recv()
                 assert pdu is not None and pdu.ptype == PduType.CAPSULE_RESP, pdu
                 _, _, _, _, cid, status = CQE_FAST.unpack_from(pdu.header, COMMON_HEADER_SIZE)
                 statuses[cid] = status
-            assert statuses == {cid: to_wire(Status.COMMAND_SEQUENCE_ERROR) for cid in range(depth, sent)}
+            assert statuses == {cid: to_wire(Status.COMMAND_SEQUENCE_ERROR) for cid in range(pool, sent)}
             gate.set()  # the held ones, and only they, now complete with success
             while len(statuses) < sent:
                 pdu = await io.recv()

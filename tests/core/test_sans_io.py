@@ -14,10 +14,14 @@ from typing import Any
 import pytest
 
 from protocol.constants import DISCOVERY_NQN, SglId, TransportType
+from protocol.identify import IDENTIFY_CONTROLLER
 from protocol.fabrics import IPO_CONNECT_CNTLID, IPO_CONNECT_SQSIZE, IPO_CONNECT_SUBNQN
-from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_ENTRY_SIZE, DISCOVERY_HEADER_SIZE, TSAS_RDMA
+from protocol.logpage import (
+    DISCOVERY_ENTRY, DISCOVERY_ENTRY_SIZE, DISCOVERY_HEADER, DISCOVERY_HEADER_SIZE, ERROR_LOG_ENTRY,
+    ERROR_LOG_ENTRY_SIZE, TSAS_RDMA,
+)
 from protocol.nvme import CQE_FAST, build_sgl_data_block, build_sqe
-from protocol.status import Status, to_wire
+from protocol.status import MORE, Status, to_wire
 from target.backend import MemoryBackend
 from target.queue import TargetQueue
 from target.request import IllegalTransition, Request, RequestState
@@ -203,7 +207,7 @@ def test_flush_and_write_zeroes_reach_the_backend() -> None:
         backend.data[:1024] = b"\xff" * 1024
         assert complete(io, build_sqe(0x00, 1, nsid=1, dptr=transport_sgl(0)))[0] == 0
         assert complete(io, build_sqe(0x00, 2, nsid=0xFFFFFFFF, dptr=transport_sgl(0)))[0] == 0
-        assert complete(io, build_sqe(0x00, 3, nsid=7, dptr=transport_sgl(0)))[0] == to_wire(Status.INVALID_NS)
+        assert complete(io, build_sqe(0x00, 3, nsid=7, dptr=transport_sgl(0)))[0] == to_wire(Status.INVALID_NS | MORE)
         assert complete(io, rw_sqe(0x08, 4, 1, 1, transport_sgl(0)))[0] == 0
         assert backend.data[:1024] == b"\xff" * 512 + bytes(512)
         return target
@@ -216,16 +220,16 @@ def test_validation_failures_answer_at_once() -> None:
         transport: FakeTransport = io.transport  # type: ignore[assignment]
         before = bytes(backend.data)
         cases = [
-            (rw_sqe(0x02, 1, BLOCKS - 1, 2, transport_sgl(1024)), Status.LBA_RANGE),
-            (rw_sqe(0x02, 2, 0, 1, transport_sgl(512), nsid=9), Status.INVALID_NS),
-            (rw_sqe(0x02, 3, 0, 2, transport_sgl(512)), Status.SGL_INVALID_DATA_LENGTH),
-            (rw_sqe(0x02, 4, 0, 1, transport_sgl(512), flags=0x00), Status.INVALID_FIELD),
-            (rw_sqe(0x02, 5, 0, 1, transport_sgl(512), flags=0x41), Status.INVALID_FIELD),
+            (rw_sqe(0x02, 1, BLOCKS - 1, 2, transport_sgl(1024)), Status.LBA_RANGE | MORE),
+            (rw_sqe(0x02, 2, 0, 1, transport_sgl(512), nsid=9), Status.INVALID_NS | MORE),
+            (rw_sqe(0x02, 3, 0, 2, transport_sgl(512)), Status.SGL_INVALID_DATA_LENGTH | MORE),
+            (rw_sqe(0x02, 4, 0, 1, transport_sgl(512), flags=0x00), Status.INVALID_FIELD | MORE),
+            (rw_sqe(0x02, 5, 0, 1, transport_sgl(512), flags=0x41), Status.INVALID_FIELD | MORE),
             (rw_sqe(0x01, 6, 0, 1, incapsule_sgl(512, offset=4)), Status.SGL_INVALID_OFFSET),
-            (build_sqe(0x7E, 7, nsid=1, dptr=transport_sgl(0)), Status.INVALID_OPCODE),
-            (build_sqe(0x7C, 8, nsid=1, dptr=transport_sgl(0)), Status.INVALID_OPCODE),
+            (build_sqe(0x7E, 7, nsid=1, dptr=transport_sgl(0)), Status.INVALID_OPCODE | MORE),
+            (build_sqe(0x7C, 8, nsid=1, dptr=transport_sgl(0)), Status.INVALID_OPCODE | MORE),
             # larger than this transport's max transfer (the fake's 512 KiB, not 1 MiB)
-            (rw_sqe(0x01, 9, 0, 1025, transport_sgl(1025 * 512)), Status.SGL_INVALID_DATA_LENGTH),
+            (rw_sqe(0x01, 9, 0, 1025, transport_sgl(1025 * 512)), Status.SGL_INVALID_DATA_LENGTH | MORE),
             # a keyed SGL on a transport without keyed SGLs
             (rw_sqe(0x01, 10, 0, 1, build_sgl_data_block(SglId.KEYED_DATA_BLOCK, 0, 512)), Status.SGL_INVALID_TYPE),
         ]
@@ -264,7 +268,7 @@ def test_commands_before_connect_and_before_enable() -> None:
         assert int.from_bytes(data[1792:1796], "little") == (64 + FAKE.io_inline) // 16
         # Identify with the wrong length is refused before it runs.
         status, _, _ = complete(q, build_sqe(0x06, 6, dptr=transport_sgl(512), cdw10=1))
-        assert status == to_wire(Status.SGL_INVALID_DATA_LENGTH)
+        assert status == to_wire(Status.SGL_INVALID_DATA_LENGTH | MORE)
         return target
     run(body)
 
@@ -277,10 +281,10 @@ def test_property_set_with_data_changes_nothing() -> None:
         ctrl = q.controller
         bad = bytearray(prop_sqe(1, False, 0x14, value=0x00460001))
         bad[24:40] = transport_sgl(8)  # a Property Set carries no data
-        assert complete(q, bytes(bad))[0] == to_wire(Status.SGL_INVALID_DATA_LENGTH)
+        assert complete(q, bytes(bad))[0] == to_wire(Status.SGL_INVALID_DATA_LENGTH | MORE)
         assert ctrl.cc == 0 and not ctrl.ready
         bad = bytearray(prop_sqe(2, False, 0x14, size8=True, value=0x00460001))
-        assert complete(q, bytes(bad))[0] == to_wire(Status.INVALID_FIELD)  # CC is 4 bytes
+        assert complete(q, bytes(bad))[0] == to_wire(Status.INVALID_FIELD | MORE)  # CC is 4 bytes
         assert ctrl.cc == 0
         assert complete(q, prop_sqe(3, False, 0x14, value=0x00460001))[0] == 0
         assert ctrl.ready
@@ -335,16 +339,16 @@ def test_properties_and_discovery_identify() -> None:
         assert status == 0 and cap & 0xFFFF == 127
         for off, size8 in ((0x00, False), (0x08, True), (0x20, False), (0x1000, False)):
             status, _, _ = complete(q, prop_sqe(2, True, off, size8=size8))
-            assert status == to_wire(Status.INVALID_FIELD), (off, size8)
+            assert status == to_wire(Status.INVALID_FIELD | MORE), (off, size8)
         status, _, _ = complete(q, prop_sqe(3, False, 0x1C, value=1))  # CSTS is read-only
-        assert status == to_wire(Status.INVALID_FIELD)
+        assert status == to_wire(Status.INVALID_FIELD | MORE)
         assert complete(q, prop_sqe(4, False, 0x14, value=0x00460001))[0] == 0
         status, _, data = complete(q, build_sqe(0x06, 5, dptr=transport_sgl(4096), cdw10=1))
         assert status == 0 and data[111] == 2  # CNTRLTYPE discovery
         assert data[768:768 + len(DISCOVERY_NQN)] == DISCOVERY_NQN.encode()
         # A discovery controller has no namespaces.
         status, _, _ = complete(q, build_sqe(0x06, 6, nsid=1, dptr=transport_sgl(4096), cdw10=0))
-        assert status == to_wire(Status.INVALID_FIELD)
+        assert status == to_wire(Status.INVALID_FIELD | MORE)
         return target
     run(body)
 
@@ -368,27 +372,147 @@ def test_in_capsule_size_before_connect() -> None:
     run(body)
 
 
+def discovery_page(target: Target, port_id: int, hostnqn: str = HOSTNQN) -> list[Any]:
+    """The discovery log a host gets by asking on port ``port_id``: its entries, parsed."""
+    transport = FakeTransport()
+    q = transport.queue = TargetQueue(target, transport, port_id)
+    assert complete(q, connect_sqe(), connect_data(nqn=DISCOVERY_NQN, hostnqn=hostnqn))[0] == 0
+    assert complete(q, prop_sqe(1, False, 0x14, value=0x00460001))[0] == 0
+    length = DISCOVERY_HEADER_SIZE + 4 * DISCOVERY_ENTRY_SIZE
+    sqe = build_sqe(0x02, 2, dptr=transport_sgl(length), cdw10=0x70 | ((length // 4 - 1) << 16))
+    status, _, page = complete(q, sqe)
+    assert status == 0
+    numrec = DISCOVERY_HEADER.parse(page).numrec
+    return [DISCOVERY_ENTRY.parse(page[off:off + DISCOVERY_ENTRY_SIZE])
+            for off in range(DISCOVERY_HEADER_SIZE, DISCOVERY_HEADER_SIZE + numrec * DISCOVERY_ENTRY_SIZE,
+                             DISCOVERY_ENTRY_SIZE)]
+
+
 def test_discovery_log_describes_each_port_by_its_transport() -> None:
     """TRTYPE and TSAS come from the transport the port's configuration names (the registry
-    in target.transport), not from the core."""
+    in target.transport), not from the core; each port's log lists that port only (as nvmet:
+    a host that asked over TCP is not sent to an RDMA port, nor the reverse)."""
     def body() -> Target:
         target, _ = make_target()
         target.add_port(PortInfo(2, "rdma", "192.0.2.1", "4420"))
+        tcp = {(e.portid, e.subnqn): e for e in discovery_page(target, 1)}
+        assert set(tcp) == {(1, DISCOVERY_NQN), (1, NQN)}
+        assert tcp[1, NQN].trtype == TransportType.TCP and tcp[1, NQN].tsas == bytes(256)
+        rdma = {(e.portid, e.subnqn): e for e in discovery_page(target, 2)}
+        assert set(rdma) == {(2, DISCOVERY_NQN), (2, NQN)}
+        entry = rdma[2, NQN]
+        assert entry.trtype == TransportType.RDMA and entry.traddr == "192.0.2.1"
+        assert TSAS_RDMA.parse(entry.tsas) == TSAS_RDMA.parse(
+            TSAS_RDMA.build(dict(qptype=1, prtype=1, cms=1, pkey=0)))  # RC QP, rdma_cm
+        return target
+    run(body)
+
+
+def test_discovery_log_lists_the_ports_own_subsystems_for_this_host() -> None:
+    """A subsystem exported on another port only, or closed to this host, is not listed; a
+    port that went away leaves its discovery controller an empty log."""
+    def body() -> Target:
+        target, _ = make_target()
+        target.add_port(PortInfo(2, "tcp", "127.0.0.1", "4421"))
+        only2 = Subsystem("nqn.2026-11.io.blockd:only2", serial="ONLY2", model="m", port_ids={2})
+        target.add_subsystem(only2)
+        closed = Subsystem("nqn.2026-11.io.blockd:closed", serial="CLOSED", model="m",
+                           allow_any_host=False, hosts={HOSTNQN})
+        target.add_subsystem(closed)
+        assert {e.subnqn for e in discovery_page(target, 1)} == {DISCOVERY_NQN, NQN, closed.nqn}
+        assert {e.subnqn for e in discovery_page(target, 2)} == {DISCOVERY_NQN, NQN, only2.nqn, closed.nqn}
+        assert {e.subnqn for e in discovery_page(target, 2, hostnqn="nqn.2014-08.org.nvmexpress:uuid:x")} == {
+            DISCOVERY_NQN, NQN, only2.nqn}
+        target.remove_port(2)
+        assert discovery_page(target, 2) == []
+        return target
+    run(body)
+
+
+def test_discovery_entries_advertise_sq_flow_control_disable() -> None:
+    """TREQ as nvmet's for a port without TLS: secure channel not specified (bits 1:0 = 0), SQ
+    flow control disable supported (bit 2); nvme-cli prints "not specified, sq flow control
+    disable supported"."""
+    def body() -> Target:
+        target, _ = make_target()
+        assert [e.treq for e in discovery_page(target, 1)] == [0x04, 0x04]
+        return target
+    run(body)
+
+
+def error_log(admin: TargetQueue, entries: int = 4) -> list[Any]:
+    """The Error Information log's first ``entries`` entries, newest first."""
+    length = entries * ERROR_LOG_ENTRY_SIZE
+    status, _, page = complete(admin, build_sqe(0x02, 60, dptr=transport_sgl(length),
+                                                cdw10=0x01 | ((length // 4 - 1) << 16)))
+    assert status == 0
+    return [ERROR_LOG_ENTRY.parse(page[off:off + ERROR_LOG_ENTRY_SIZE])
+            for off in range(0, length, ERROR_LOG_ENTRY_SIZE)]
+
+
+def test_identify_ctratt_says_host_id_128_and_traffic_based_keep_alive() -> None:
+    """CTRATT 0x41, as nvmet's I/O controllers: HIDS (bit 0) and TBKAS (bit 6), on the I/O and
+    the discovery controller alike (any command resets either's keep-alive timer)."""
+    def body() -> Target:
+        target, _, admin, _ = admin_and_io()
+        _, _, data = complete(admin, build_sqe(0x06, 9, dptr=transport_sgl(4096), cdw10=1))
+        assert IDENTIFY_CONTROLLER.parse(data).ctratt == 0x41
         q, _ = new_queue(target)
         assert complete(q, connect_sqe(), connect_data(nqn=DISCOVERY_NQN))[0] == 0
         assert complete(q, prop_sqe(1, False, 0x14, value=0x00460001))[0] == 0
-        length = DISCOVERY_HEADER_SIZE + 3 * DISCOVERY_ENTRY_SIZE
-        sqe = build_sqe(0x02, 2, dptr=transport_sgl(length), cdw10=0x70 | ((length // 4 - 1) << 16))
-        status, _, page = complete(q, sqe)
-        assert status == 0
-        entries = [DISCOVERY_ENTRY.parse(page[off:off + DISCOVERY_ENTRY_SIZE])
-                   for off in range(DISCOVERY_HEADER_SIZE, length, DISCOVERY_ENTRY_SIZE)]
-        by_port = {(e.portid, e.subnqn): e for e in entries}
-        assert set(by_port) == {(1, DISCOVERY_NQN), (1, NQN), (2, NQN)}
-        assert by_port[1, NQN].trtype == TransportType.TCP and by_port[1, NQN].tsas == bytes(256)
-        rdma = by_port[2, NQN]
-        assert rdma.trtype == TransportType.RDMA and rdma.traddr == "192.0.2.1"
-        assert TSAS_RDMA.parse(rdma.tsas) == TSAS_RDMA.parse(
-            TSAS_RDMA.build(dict(qptype=1, prtype=1, cms=1, pkey=0)))  # RC QP, rdma_cm
+        _, _, data = complete(q, build_sqe(0x06, 2, dptr=transport_sgl(4096), cdw10=1))
+        assert IDENTIFY_CONTROLLER.parse(data).ctratt == 0x41
+        return target
+    run(body)
+
+
+def test_more_bit_goes_with_an_error_log_entry() -> None:
+    """As nvmet_set_error: a failure with an error location gets an Error Information entry
+    (the status without More, the location, SQID, CID, NSID) and the More bit in its CQE; a
+    failure nvmet records no location for (Command Sequence Error, Keep Alive Invalid, SGL
+    Invalid Offset) gets neither."""
+    def body() -> Target:
+        target, _, admin, io = admin_and_io()
+        # Get Features with an unsupported FID: 0x6002 as nvme-cli shows it (DNR | More | 0x02).
+        status, _, _ = complete(admin, build_sqe(0x0A, 3, dptr=transport_sgl(0), cdw10=0x7E))
+        assert status == to_wire(Status.INVALID_FIELD | MORE) and status >> 1 == 0x6002
+        status, _, _ = complete(io, rw_sqe(0x02, 4, 0, 1, transport_sgl(512), nsid=9))
+        assert status == to_wire(Status.INVALID_NS | MORE)
+        newest, older = error_log(admin, 2)
+        assert (newest.error_count, newest.sqid, newest.cid, newest.nsid) == (2, 1, 4, 9)
+        assert (newest.status, newest.param_location) == (to_wire(Status.INVALID_NS), 4)  # NSID
+        assert (older.error_count, older.sqid, older.cid) == (1, 0, 3)
+        assert (older.status, older.param_location) == (to_wire(Status.INVALID_FIELD), 40)  # CDW10
+        # No entry, no More: Keep Alive without KATO, an SGL offset, a command before enable.
+        admin.controller.kato_ms = 0
+        ka = complete(admin, build_sqe(0x18, 6, dptr=transport_sgl(0)))[0]
+        assert ka == to_wire(Status.KEEP_ALIVE_INVALID)
+        offset = complete(io, rw_sqe(0x01, 7, 0, 1, incapsule_sgl(512, offset=4)), b"\0" * 512)[0]
+        assert offset == to_wire(Status.SGL_INVALID_OFFSET)
+        fresh, _ = new_queue(target)
+        assert complete(fresh, connect_sqe(), connect_data())[0] == 0
+        seq = complete(fresh, build_sqe(0x06, 8, dptr=transport_sgl(4096), cdw10=1))[0]
+        assert seq == to_wire(Status.COMMAND_SEQUENCE_ERROR)
+        assert fresh.controller.error_count == 0
+        assert error_log(admin, 1)[0].error_count == 2
+        return target
+    run(body)
+
+
+def test_traffic_based_keep_alive_gives_a_second_period() -> None:
+    """With TBKAS any command restarts the keep-alive timer: a period in which commands arrived
+    starts another (as nvmet's reset_tbkas), so a host is torn down only after a whole period
+    without any, between one and two KATO after its last command; a Keep Alive restarts it."""
+    def body() -> Target:
+        target, _, admin, io = admin_and_io()  # KATO 5 s
+        ctrl = admin.controller
+        start = ctrl.keep_alive_deadline - 5
+        assert not ctrl.keep_alive_expired(start + 4.9)
+        assert complete(io, rw_sqe(0x02, 1, 0, 1, transport_sgl(512)))[0] == 0
+        assert not ctrl.keep_alive_expired(start + 5.1)  # traffic in the period: another one
+        assert ctrl.keep_alive_deadline == pytest.approx(start + 10.1)
+        assert ctrl.keep_alive_expired(start + 10.2)  # a silent period: gone
+        assert complete(admin, build_sqe(0x18, 2, dptr=transport_sgl(0)))[0] == 0  # Keep Alive
+        assert not ctrl.keep_alive_expired(ctrl.keep_alive_deadline - 0.1)
         return target
     run(body)

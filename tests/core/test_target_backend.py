@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from protocol.constants import ONCS_DSM, ONCS_WRITE_ZEROES
 from protocol.nvme import build_sqe
-from protocol.status import Status, to_wire
+from protocol.status import MORE, Status, to_wire
 from target.backend import MemoryBackend
 from target.filter import BackendFilter
 from target.queue import TargetQueue
@@ -95,7 +95,7 @@ def test_identify_and_commands_follow_what_the_backend_can_do() -> None:
         assert identify(admin, 0, nsid=1)[33] == 0  # DLFEAT: deallocated blocks read as anything
         counter.inner.data[:512] = b"\xee" * 512
         status, _, _ = complete(io, rw_sqe(0x08, 1, 0, 1, transport_sgl(0)))
-        assert status == to_wire(Status.INVALID_OPCODE)
+        assert status == to_wire(Status.INVALID_OPCODE | MORE)
         dsm = build_sqe(0x09, 2, nsid=1, dptr=incapsule_sgl(16), cdw10=0, cdw11=1 << 2)
         rng = (0).to_bytes(4, "little") + (1).to_bytes(4, "little") + (0).to_bytes(8, "little")
         assert complete(io, dsm, rng)[0] == 0  # a deallocate is a hint: done by nothing
@@ -114,7 +114,7 @@ def test_read_only_is_the_backends() -> None:
         assert target.subsystems[next(n for n in target.subsystems if "test" in n)].namespaces[1].read_only
         assert identify(admin, 0, nsid=1)[99] & 1  # NSATTR write protected
         status, _, _ = complete(io, rw_sqe(0x01, 1, 0, 1, incapsule_sgl(512)), b"\3" * 512)
-        assert status == to_wire(Status.NS_WRITE_PROTECTED)
+        assert status == to_wire(Status.NS_WRITE_PROTECTED | MORE)
         assert complete(io, rw_sqe(0x02, 2, 0, 1, transport_sgl(512)))[0] == 0
         return target
     run(body)

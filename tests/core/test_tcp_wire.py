@@ -6,7 +6,7 @@ from pathlib import Path
 
 from protocol.fabrics import CATTR_DISABLE_SQFLOW
 from protocol.nvme import CQE_FAST, build_sqe
-from protocol.status import Status, to_wire
+from protocol.status import MORE, Status, to_wire
 from protocol.tcp import PduFlags, PduType
 
 from .conftest import (
@@ -55,7 +55,7 @@ def test_sq_flow_control_decides_how_a_read_completes(tmp_path: Path) -> None:
                     assert (got_cid, status) == (cid, 0)
                     assert sqhd == cid - 3  # Connect was entry 0, cid 5 entry 1, cid 6 entry 2
                 status, _, cid, data = await io.command(read_sqe(7, SIZE // 512, 1))
-                assert (cid, status, data) == (7, to_wire(Status.LBA_RANGE), b"")
+                assert (cid, status, data) == (7, to_wire(Status.LBA_RANGE | MORE), b"")
                 await io.close()
                 await admin.close()
 

@@ -29,7 +29,7 @@ pytestmark = [
 ]
 
 GUEST_TESTS = "tests/vm/guest_tests/test_blockd.py"
-VM_TIMEOUT = 540
+VM_TIMEOUT = 900
 
 
 # kernel nvme-tcp host -> `blockd target`
@@ -49,6 +49,18 @@ def test_khost_fio_write_verify(guest_case):
     """fio 16 MiB write + crc32c verify through /dev/nvmeXn1; the backing file matches."""
 
 
+def test_khost_libaio_queue_depth_verify(guest_case):
+    """fio libaio, queue depth 16, random 4-16 KiB writes with verify."""
+
+
+def test_khost_discard_write_zeroes_flush_reach_the_backend(guest_case):
+    """blkdiscard, blkdiscard -z and fsync reach the backend (strace on the target) and read back."""
+
+
+def test_khost_1mib_writes_take_the_r2t_path(guest_case):
+    """1 MiB writes with verify, larger than the in-capsule limit: the R2T path."""
+
+
 def test_khost_disconnect(guest_case):
     """nvme disconnect."""
 
@@ -64,3 +76,29 @@ def test_blockctl_kernel_target_identify(guest_case):
 
 def test_blockctl_kernel_target_write_read(guest_case):
     """blockctl write a pattern, read it back (file and stdout), backing file matches."""
+
+
+# kernel nvme-tcp host -> `blockd target`: digests, 4 KiB blocks
+def test_khost_header_and_data_digests(guest_case):
+    """nvme connect -g -G, then writes with verify."""
+
+
+def test_khost_4096_byte_blocks(guest_case):
+    """A 4096-byte-block namespace: logical block size, libaio write with verify."""
+
+
+# nvme-cli's view of blockd beside the kernel's nvmet
+def test_discover_tcp_port_lists_its_own_entries(guest_case):
+    """nvme discover over TCP: TCP entries only, TREQ "sq flow control disable supported"."""
+
+
+def test_discover_rdma_port_lists_its_own_entries(guest_case):
+    """nvme discover over RDMA (rxe): RDMA entries only."""
+
+
+def test_discover_treq_as_nvmet(guest_case):
+    """TREQ as the kernel's nvmet-tcp port says it."""
+
+
+def test_ctratt_and_error_statuses_as_nvmet(guest_case):
+    """CTRATT 0x41; failing admin commands' statuses (More bit) and error-log entries as nvmet's."""

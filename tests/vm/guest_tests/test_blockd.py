@@ -16,9 +16,16 @@ one thing so that it can fail on its own.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
+import re
 import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,10 +42,23 @@ SOCK = "/run/blockd/initiator.sock"
 KNQN = "nqn.2026-11.io.blockd:kernel"
 KPORT = 4421                    # the kernel target's port (blockd's target has 4420)
 IO = 16 << 20                   # bytes fio writes through the kernel host (TCG is slow)
+NQN4K = "nqn.2026-11.io.blockd:vmtest4k"
+VOL4K = "/tmp/vol4k.img"        # 16 MiB of 4096-byte blocks, on the TCP port only
+DISC_NQN = "nqn.2014-08.org.nvmexpress.discovery"
+# The kernel-host interop cases below write past IO (the first 16 MiB stay what fio wrote there,
+# for test_blockctl_reads_what_khost_wrote), a few MiB each: TCG is slow.
+LIBAIO_AT, TRIM_AT, R2T_AT, DIGEST_AT = 24 << 20, 32 << 20, 40 << 20, 48 << 20
 
 TARGET_TOML = f"""\
 [[port]]
+id = 1
 transport = "tcp"
+address = "{ADDR0}"
+port = 4420
+
+[[port]]
+id = 2
+transport = "rdma"
 address = "{ADDR0}"
 port = 4420
 
@@ -53,6 +73,19 @@ nsid = 1
 path = "{VOL}"
 size = "64MiB"
 block_size = {BLOCK}
+
+[[subsystem]]
+nqn = "{NQN4K}"
+serial = "BLOCKDVM4K01"
+model = "{MODEL}"
+allow_any_host = true
+ports = [1]
+
+[[subsystem.namespace]]
+nsid = 1
+path = "{VOL4K}"
+size = "16MiB"
+block_size = 4096
 """
 
 
@@ -67,14 +100,82 @@ def _scratch(name: str) -> str:
     return d
 
 
+def _path_stat(ctrl: str, dev: str) -> list[int]:
+    """The block layer's counters (Documentation/block/stat.rst) of the request queue that talks
+    to ``ctrl``: the path device (nvmeXcYnZ) under native multipath, else ``dev`` itself. Those
+    count requests as sent to the target, after merging and splitting."""
+    paths = glob.glob(f"/sys/class/nvme/{ctrl}/nvme*n*/stat") or [f"/sys/block/{os.path.basename(dev)}/stat"]
+    return [int(v) for v in Path(paths[0]).read_text().split()]
+
+
+STAT_WRITES, STAT_WRITE_SECTORS, STAT_FLUSHES = 4, 6, 15
+
+
+@contextlib.contextmanager
+def target_syscalls(pid: int, calls: str) -> Iterator[list[str]]:
+    """strace ``calls`` in every thread of process ``pid`` (the target: its executor threads make
+    the fsync and fallocate calls) for the block's duration; the lines land in the list."""
+    s = _scratch("strace")
+    out, err = f"{s}/trace", f"{s}/attach"
+    with open(err, "w") as errf:
+        p = subprocess.Popen(["strace", "-f", "-e", f"trace={calls}", "-o", out, "-p", str(pid)],
+                             stderr=errf)
+    deadline = time.monotonic() + 60
+    while "attached" not in Path(err).read_text():
+        assert p.poll() is None and time.monotonic() < deadline, Path(err).read_text()
+        time.sleep(0.2)
+    lines: list[str] = []
+    try:
+        yield lines
+    finally:
+        time.sleep(1)  # let the executor threads' last calls come back
+        p.send_signal(signal.SIGINT)
+        p.wait(30)
+        lines.extend(Path(out).read_text().splitlines())
+
+
+@contextlib.contextmanager
+def kernel_host(trtype: str, port: int, nqn: str, *opts: str) -> Iterator[dict[str, str]]:
+    """The kernel host connected to ``nqn`` for the block; {"dev": /dev/nvmeXnY, "ctrl": nvmeX}."""
+    out = sh(f"nvmeh_connect {trtype} {ADDR0} {port} {nqn} {shlex.join(opts)}", timeout=120)
+    try:
+        yield {"dev": out.strip().splitlines()[-1], "ctrl": sh(f"nvmeh_ctrl {nqn}").strip()}
+    finally:
+        sh(f"nvmeh_disconnect {nqn}", check=False)
+
+
+def nvme_status(cmd: str) -> int:
+    """Run an nvme-cli command that must fail with an NVMe status; that status as nvme-cli
+    prints it (the CQE word shifted right: DNR 0x4000, More 0x2000)."""
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    print(f"$ {cmd}\n[exit {r.returncode}]\n{r.stdout}{r.stderr}")
+    m = re.search(r"NVMe status: .*\((0x[0-9a-fA-F]+)\)", r.stdout + r.stderr)
+    assert r.returncode != 0 and m, f"{cmd}: no NVMe status in\n{r.stdout}{r.stderr}"
+    return int(m.group(1), 16)
+
+
+def newest_error(ctrl: str) -> dict:
+    """The newest Error Information log entry (nvme error-log), as nvme-cli's JSON has it."""
+    log = json.loads(sh(f"nvme error-log /dev/{ctrl} -e 1 -o json"))
+    return log["errors"][0]
+
+
+def discover(trtype: str, port: int) -> list[dict]:
+    """`nvme discover` against a discovery controller on ADDR0:port; its records."""
+    sh(f"modprobe nvme-{trtype}")
+    return json.loads(sh(f"nvme discover -t {trtype} -a {ADDR0} -s {port} -o json", timeout=120))["records"]
+
+
 @pytest.fixture(scope="module")
 def blockd_target(rxe):
-    """`blockd target` on 192.0.2.1:4420 exporting VOL (64 MiB, 512-byte blocks)."""
+    """`blockd target` on 192.0.2.1:4420, TCP (port 1) and RDMA (port 2), exporting VOL (64 MiB,
+    512-byte blocks) on both and VOL4K (16 MiB, 4096-byte blocks) on TCP only."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     cfg = RESULTS / "target.toml"
     cfg.write_text(TARGET_TOML)
-    Path(VOL).unlink(missing_ok=True)
-    sh(f"truncate -s {VOL_SIZE} {VOL}")
+    for vol, size in ((VOL, VOL_SIZE), (VOL4K, 16 << 20)):
+        Path(vol).unlink(missing_ok=True)
+        sh(f"truncate -s {size} {vol}")
     d = Daemon("blockd-target", [tool("blockd"), "target", "--config", str(cfg)])
     try:
         wait_tcp(ADDR0, 4420, timeout=120, proc=d.proc, what="blockd target")
@@ -157,6 +258,57 @@ def test_khost_fio_write_verify(khost, record_property):
        f"&& cmp -n {IO} {s}/kernel-view {VOL}")
 
 
+def test_khost_libaio_queue_depth_verify(khost):
+    """fio libaio at queue depth 16 (several commands in flight on each I/O queue), random 4-16 KiB
+    writes with crc32c verify, 4 MiB past what the first fio wrote."""
+    sh(f"fio --name=qd16 --filename={khost['dev']} --rw=randwrite --bsrange=4k-16k --size=4M "
+       f"--offset={LIBAIO_AT} --direct=1 --ioengine=libaio --iodepth=16 --verify=crc32c "
+       "--do_verify=1 --verify_fatal=1 --output-format=terse --minimal >/dev/null", timeout=300)
+
+
+def test_khost_discard_write_zeroes_flush_reach_the_backend(khost, blockd_target):
+    """blkdiscard (Dataset Management, deallocate), blkdiscard -z (Write Zeroes) and an fsync of
+    the block device (Flush: our VWC is 1, so the kernel sends one) arrive at the target: strace
+    on the target's threads shows the backend's fallocate(PUNCH_HOLE), fallocate(ZERO_RANGE) and
+    fdatasync, and the ranges read back as zeroes through the kernel and in the backing file."""
+    dev, s, mib = khost["dev"], _scratch("trim"), 1 << 20
+    sh(f"head -c {3 * mib} /dev/urandom >{s}/pattern && dd if={s}/pattern of={dev} bs=1M "
+       f"seek={TRIM_AT} oflag=direct,seek_bytes status=none")
+    flushes = _path_stat(khost["ctrl"], dev)[STAT_FLUSHES]
+    with target_syscalls(blockd_target.proc.pid, "fallocate,fdatasync") as calls:
+        sh(f"blkdiscard -o {TRIM_AT} -l {mib} {dev}")
+        sh(f"blkdiscard -z -o {TRIM_AT + mib} -l {mib} {dev}")
+        sh(f"dd if={s}/pattern of={dev} bs=64k count=1 seek={TRIM_AT + 2 * mib} "
+           "oflag=seek_bytes conv=fsync status=none")
+    assert _path_stat(khost["ctrl"], dev)[STAT_FLUSHES] > flushes, "the kernel sent no Flush"
+    text = "\n".join(calls)
+    assert "FALLOC_FL_PUNCH_HOLE" in text, f"no deallocate reached the backend:\n{text}"
+    assert "FALLOC_FL_ZERO_RANGE" in text, f"no Write Zeroes reached the backend:\n{text}"
+    assert "fdatasync(" in text, f"no Flush reached the backend:\n{text}"
+    for view in (f"{dev} iflag=direct,skip_bytes", f"{VOL} iflag=skip_bytes"):
+        sh(f"cmp -n {2 * mib} <(dd if={view} skip={TRIM_AT} bs=1M count=2 status=none) /dev/zero")
+    sh(f"cmp -n {64 << 10} <(dd if={dev} iflag=direct,skip_bytes skip={TRIM_AT + 2 * mib} bs=64k "
+       f"count=1 status=none) {s}/pattern")
+
+
+def test_khost_1mib_writes_take_the_r2t_path(khost):
+    """1 MiB writes with verify: larger than the 128 KiB our IOCCSZ lets a command carry in its
+    capsule, so the kernel host sends each without data and the target asks for it with R2T.
+    How we know that path ran: the path device's counters say the writes sent averaged more
+    than the in-capsule limit (IOCCSZ * 16 - 64, as nvme_tcp_inline_data_size), so at least one
+    write was too large to go in-capsule; and fio's verify read back what it wrote."""
+    ic = json.loads(sh(f"nvme id-ctrl /dev/{khost['ctrl']} -o json"))
+    inline = ic["ioccsz"] * 16 - 64
+    before = _path_stat(khost["ctrl"], khost["dev"])
+    sh(f"fio --name=r2t --filename={khost['dev']} --rw=write --bs=1M --size=4M --offset={R2T_AT} "
+       "--direct=1 --ioengine=psync --verify=crc32c --do_verify=1 --verify_fatal=1 "
+       "--output-format=terse --minimal >/dev/null", timeout=300)
+    after = _path_stat(khost["ctrl"], khost["dev"])
+    writes = after[STAT_WRITES] - before[STAT_WRITES]
+    written = (after[STAT_WRITE_SECTORS] - before[STAT_WRITE_SECTORS]) * 512
+    assert writes and written // writes > inline, (writes, written, inline)
+
+
 def test_khost_disconnect(khost):
     sh(f"nvmeh_disconnect {NQN}")
     khost["connected"] = False
@@ -225,3 +377,76 @@ def test_blockctl_kernel_target_write_read(bc_kernel):
     # and to stdout
     sh(f"{shlex.join([tool('blockctl'), '--socket', SOCK])} read kt --nsid 1 --offset {off} "
        f"--length 4096 -o - | cmp - <(head -c 4096 {s}/pattern)")
+
+
+# ---------------------------------- kernel host -> blockd target: more of what it can send ---
+def test_khost_header_and_data_digests(blockd_target):
+    """nvme connect -g -G: the kernel host refuses an ICResp whose digest flags differ from
+    what it asked (nvme_tcp_init_connection, -EPROTO), so connecting proves the target agreed to
+    both; 2 MiB of writes with verify then cross with CRC32C on every PDU."""
+    with kernel_host("tcp", 4420, NQN, "-g", "-G") as k:
+        sh(f"fio --name=digests --filename={k['dev']} --rw=write --bs=32k --size=2M "
+           f"--offset={DIGEST_AT} --direct=1 --ioengine=libaio --iodepth=4 --verify=crc32c "
+           "--do_verify=1 --verify_fatal=1 --output-format=terse --minimal >/dev/null", timeout=300)
+
+
+def test_khost_4096_byte_blocks(blockd_target):
+    """A namespace of 4096-byte blocks: the kernel sees that logical block size and a libaio
+    queue-depth-8 write with verify goes through."""
+    with kernel_host("tcp", 4420, NQN4K) as k:
+        assert sh(f"blockdev --getss {k['dev']}").strip() == "4096"
+        assert int(sh(f"blockdev --getsize64 {k['dev']}").strip()) == 16 << 20
+        sh(f"fio --name=lba4k --filename={k['dev']} --rw=randwrite --bs=4k --size=2M --direct=1 "
+           "--ioengine=libaio --iodepth=8 --verify=crc32c --do_verify=1 --verify_fatal=1 "
+           "--output-format=terse --minimal >/dev/null", timeout=300)
+        sh(f"cmp -n {2 << 20} <(dd if={k['dev']} iflag=direct bs=1M count=2 status=none) {VOL4K}")
+
+
+# ---------------------------------- nvme-cli's view: blockd beside the kernel's nvmet ---
+SQFLOW_TREQ = "not specified, sq flow control disable supported"
+
+
+def test_discover_tcp_port_lists_its_own_entries(blockd_target):
+    """nvme discover on the TCP port: only TCP entries (the RDMA port exports NQN too), with
+    the TREQ nvmet gives; the 4 KiB subsystem is there (it is on this port)."""
+    records = discover("tcp", 4420)
+    assert {r["trtype"] for r in records} == {"tcp"}, records
+    assert {r["subnqn"] for r in records} == {DISC_NQN, NQN, NQN4K}, records
+    assert {r["treq"] for r in records} == {SQFLOW_TREQ}, records
+
+
+def test_discover_rdma_port_lists_its_own_entries(blockd_target):
+    """nvme discover over RDMA (rxe): only RDMA entries, and not the TCP-only subsystem."""
+    records = discover("rdma", 4420)
+    assert {r["trtype"] for r in records} == {"rdma"}, records
+    assert {r["subnqn"] for r in records} == {DISC_NQN, NQN}, records
+    assert {r["treq"] for r in records} == {SQFLOW_TREQ}, records
+
+
+def test_discover_treq_as_nvmet(blockd_target, kernel_target):
+    """The kernel's nvmet-tcp port in the same boot says the same TREQ for its subsystem."""
+    nvmet = [r for r in discover("tcp", KPORT) if r["subnqn"] == KNQN]
+    ours = [r for r in discover("tcp", 4420) if r["subnqn"] == NQN]
+    assert [r["treq"] for r in nvmet] == [r["treq"] for r in ours] == [SQFLOW_TREQ]
+
+
+def test_ctratt_and_error_statuses_as_nvmet(blockd_target, kernel_target):
+    """nvme id-ctrl's CTRATT (0x41: 128-bit host id, traffic-based keep-alive), and two failing
+    admin commands: the same status from blockd as from nvmet, with DNR and More, and the same
+    newest error-log entry behind it (status without More, parameter error location). Get
+    Features of a FID nvme-cli does not know goes with a data buffer, so both answer SGL Data
+    Block Invalid length at DPTR (0x600F, location 24) before looking at the FID; a vendor
+    opcode is Invalid Opcode at the opcode (0x6001, location 0)."""
+    with kernel_host("tcp", 4420, NQN) as ours, kernel_host("tcp", KPORT, KNQN) as nvmet:
+        seen = {}
+        for name, k in (("blockd", ours), ("nvmet", nvmet)):
+            ctrl = k["ctrl"]
+            ctratt = json.loads(sh(f"nvme id-ctrl /dev/{ctrl} -o json"))["ctratt"]
+            feature = nvme_status(f"nvme get-feature /dev/{ctrl} -f 0x7e")
+            feature_entry = newest_error(ctrl)
+            opcode = nvme_status(f"nvme admin-passthru /dev/{ctrl} --opcode=0xc0")
+            opcode_entry = newest_error(ctrl)
+            seen[name] = (ctratt, feature, opcode,
+                          *((e["status_field"], e["parm_error_location"]) for e in (feature_entry, opcode_entry)))
+        assert seen["blockd"] == seen["nvmet"], seen
+        assert seen["blockd"] == (0x41, 0x600F, 0x6001, (0x400F, 24), (0x4001, 0)), seen
