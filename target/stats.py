@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from protocol.constants import IoOpcode
-from protocol.status import Status
+from protocol.status import MORE, Status
 
 READ, WRITE, FLUSH, OTHER = range(4)
 KINDS = ("read", "write", "flush", "other")
@@ -68,9 +68,10 @@ class IoCounters:
 
 def status_label(status: int) -> str:
     """A status as shown and exported: its name in :class:`protocol.status.Status`, lower case
-    (``lba_range``), else its kernel encoding in hex."""
+    (``lba_range``), else its kernel encoding in hex. The More bit (an error-log entry stands
+    behind it) is not part of the name: the same failure counts under one label."""
     try:
-        return Status(status).name.lower()
+        return Status(status & ~MORE).name.lower()
     except ValueError:
         return f"{status:#x}"
 
