@@ -3,7 +3,7 @@ running target.
 
 The protocol is the initiator's (:mod:`initiator.control`): one JSON request line
 ``{"op": "<verb>", ...arguments}`` per connection, one JSON reply line ``{"ok": true, ...}`` or
-``{"ok": false, "error": "..."}``. The socket is root-only (:mod:`blockd.unix_socket`).
+``{"ok": false, "error": "..."}``. The socket is root-only (:mod:`blockd.control_socket`).
 
 Verbs are a table (:attr:`ControlServer.verbs`): a later feature adds its own with
 :meth:`ControlServer.add_verb`. The views (:func:`ports`, :func:`namespaces`, :func:`hosts`,
@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 import os
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import structlog
 
-from blockd import unix_socket
+from blockd import control_socket
 from blockd.config import DEFAULT_CONTROL_SOCKET
+from blockd.control_socket import RequestError
 from target.stats import interval
 
 if TYPE_CHECKING:
@@ -37,10 +37,6 @@ MAX_INTERVAL = 60.0
 """Longest ``stats`` interval a request may ask for (the connection waits that long)."""
 
 Verb = Callable[..., Awaitable[dict[str, Any]]]
-
-
-class RequestError(Exception):
-    """A request the target refuses; the message is meant for the user as is."""
 
 
 def socket_path(explicit: str | None = None) -> str:
@@ -142,45 +138,23 @@ class ControlServer:
         self.verbs[name] = handler
 
     async def start(self) -> None:
-        self.server = await unix_socket.listen_private(self.path, self._client)
+        self.server = await control_socket.listen_private(self.path, self._client)
         log.info("target control socket listening", socket=self.path)
 
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
             self.server = None
-            unix_socket.remove(self.path)
+            control_socket.remove(self.path)
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await reader.readline()
-            if not line:
-                return
-            try:
-                req = json.loads(line)
-                op = req.pop("op")
-            except (ValueError, KeyError, AttributeError, TypeError):
-                raise RequestError("malformed request") from None
-            handler = self.verbs.get(op)
-            if handler is None:
-                raise RequestError(f"unknown request {op!r}")
-            reply = await handler(**req)
-            writer.write(json.dumps({"ok": True, **reply}).encode() + b"\n")
-        except (RequestError, ValueError) as exc:
-            writer.write(json.dumps({"ok": False, "error": str(exc)}).encode() + b"\n")
-        except TypeError as exc:
-            writer.write(json.dumps({"ok": False, "error": f"bad request: {exc}"}).encode() + b"\n")
-        except ConnectionError:
-            pass
-        except Exception as exc:  # the target keeps serving whatever one request does
-            log.exception("control request failed")
-            writer.write(json.dumps({"ok": False, "error": f"internal error: {exc}"}).encode() + b"\n")
-        finally:
-            try:
-                await writer.drain()
-                writer.close()
-            except ConnectionError:
-                pass
+        await control_socket.serve_request(reader, writer, self._dispatch, (), log)
+
+    async def _dispatch(self, op: str, req: dict[str, Any]) -> dict[str, Any]:
+        handler = self.verbs.get(op)
+        if handler is None:
+            raise RequestError(f"unknown request {op!r}")
+        return await handler(**req)
 
     # -- verbs -------------------------------------------------------------------------------
 

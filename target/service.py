@@ -13,8 +13,9 @@ from typing import Any, Iterator
 import structlog
 
 from blockd.config import NamespaceConfig, PortConfig, SubsystemConfig, TargetConfig
+from blockd.control_socket import RequestError
 from target.backend import FileBackend
-from target.control import ControlServer, RequestError
+from target.control import ControlServer
 from target.metrics import MetricsServer
 from target.subsystem import Namespace, Subsystem
 from target.target import PortInfo, Target
