@@ -12,8 +12,9 @@ owns the request's life (states in :mod:`target.request`):
 3. run the handler at once (:func:`blockd.eager.start`); only a command that really waits (an
    fsync, a slow backend, an AER) becomes a Task, tracked here and in ``Target.tasks`` for
    shutdown;
-4. build the completion and hand it to the transport's ``queue_response``, which reports it
-   sent with :meth:`TargetQueue.response_sent`.
+4. build the completion, count an I/O command on its host and namespace (:mod:`target.stats`)
+   and hand the response to the transport's ``queue_response``, which reports it sent with
+   :meth:`TargetQueue.response_sent`.
 
 The queue opens no socket; with a backend that completes at once (``MemoryBackend``) a whole
 command runs inside ``submit`` without an event loop.
@@ -76,7 +77,6 @@ _DIRECTIONS = (_NONE, _TO_CONTROLLER, _TO_HOST, None)
 _SUCCESS, _INVALID_FIELD, _INVALID_OPCODE = Status.SUCCESS, Status.INVALID_FIELD, Status.INVALID_OPCODE
 _SEQUENCE_ERROR, _BAD_LENGTH = Status.COMMAND_SEQUENCE_ERROR, Status.SGL_INVALID_DATA_LENGTH
 _INTERNAL_ERROR = Status.INTERNAL_ERROR
-_KIND_BY_OPCODE = KIND_BY_OPCODE
 
 
 def _nqns_to_nul(data: bytes | bytearray | memoryview) -> bytes:
@@ -276,7 +276,7 @@ class TargetQueue:
         if counters is not None:
             # Integer adds into lists that exist already; one bit_length picks the bucket.
             elapsed = monotonic_ns() - req.start_ns
-            kind = _KIND_BY_OPCODE[req.opcode]
+            kind = KIND_BY_OPCODE[req.opcode]
             length = req.length
             bucket = (elapsed >> 10).bit_length()
             counters.ops[kind] += 1

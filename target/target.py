@@ -118,13 +118,15 @@ class Target:
         if size <= 0 or size % ns.block_size:
             raise ValueError(f"{sub.nqn} namespace {nsid}: size {size} is not a positive multiple "
                              f"of the block size {ns.block_size}")
-        if size < ns.backend.size:
-            users = [c for c in self.controllers.values() if c.subsystem is sub]
-            if users or ns.in_flight:
-                raise ValueError(
-                    f"{sub.nqn} namespace {nsid}: will not shrink from {ns.backend.size} to {size} "
-                    f"bytes while {len(users)} host(s) are connected (data past the new end may be "
-                    f"in use); disconnect them first")
+        if size < ns.backend.size and self._users(sub, ns):
+            raise ValueError(
+                f"{sub.nqn} namespace {nsid}: will not shrink from {ns.backend.size} to {size} "
+                f"bytes while {self._users(sub, ns)} host(s) are connected (data past the new end "
+                f"may be in use); disconnect them first")
+
+    def _users(self, sub: Subsystem, ns: Namespace) -> int:
+        """Hosts connected to ``sub`` (1 at least while a command still holds ``ns``)."""
+        return max(sum(c.subsystem is sub for c in self.controllers.values()), bool(ns.in_flight))
 
     def resize_namespace(self, sub: Subsystem, nsid: int, size: int | None) -> tuple[int, int]:
         """Give namespace ``nsid`` a new capacity (None: its storage's current size, after the
@@ -139,8 +141,8 @@ class Target:
             ns.backend.resize(old)
             raise ValueError(f"{sub.nqn} namespace {nsid}: {ns.path} is {new} bytes, not whole "
                              f"{ns.block_size}-byte blocks")
-        if new < old and (ns.in_flight or any(c.subsystem is sub for c in self.controllers.values())):
-            ns.backend.resize(old)  # the file shrank under us: keep serving the old size
+        if new < old and self._users(sub, ns):
+            ns.backend.resize(old)  # the file shrank under us: serve the old size (zeroes back)
             raise ValueError(f"{sub.nqn} namespace {nsid}: {ns.path} shrank to {new} bytes while in use")
         if new != old:
             log.info("namespace resized", nqn=sub.nqn, nsid=nsid, old=old, new=new)
