@@ -38,6 +38,13 @@ Example::
     hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]
     ports = [1]               # optional: default every port
 
+    [[subsystem.host_auth]]   # DH-HMAC-CHAP for one host (docs/security.md, Authentication)
+    nqn = "nqn.2014-08.org.nvmexpress:uuid:..."     # allowed even if not in hosts
+    dhchap_key = "DHHC-1:01:...:"                   # the host's secret (nvme gen-dhchap-key)
+    dhchap_ctrl_key = "DHHC-1:00:...:"              # optional: the host authenticates us too
+    dhchap_hashes = ["sha256", "sha384", "sha512"]  # optional, preferred first
+    dhchap_dhgroups = ["ffdhe2048", "null"]         # optional, preferred first
+
     [[subsystem.namespace]]
     nsid = 1
     path = "/var/lib/blockd/vol1.img"
@@ -45,17 +52,23 @@ Example::
     block_size = 512          # or 4096
     read_only = false
 
-Every mistake is reported as one :class:`ConfigError` line naming the offending entry.
+Every mistake is reported as one :class:`ConfigError` line naming the offending entry. A file
+holding secrets must not be readable by others (mode o-r), or it is refused; the secrets
+themselves never appear in an error or a log line.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from blockd.dhchap_secret import Secret, SecretError, parse_secret
+from protocol.auth import DhGroup, HashId
 from protocol.constants import DEFAULT_IO_PORT, DISCOVERY_NQN
 from target.transport import DEFAULT_MAX_TRANSFER
 
@@ -89,6 +102,23 @@ class NamespaceConfig:
     read_only: bool = False
 
 
+HASH_NAMES = {"sha256": HashId.SHA256, "sha384": HashId.SHA384, "sha512": HashId.SHA512}
+DHGROUP_NAMES = {"null": DhGroup.NULL, "ffdhe2048": DhGroup.FFDHE2048,
+                 "ffdhe3072": DhGroup.FFDHE3072, "ffdhe4096": DhGroup.FFDHE4096,
+                 "ffdhe6144": DhGroup.FFDHE6144, "ffdhe8192": DhGroup.FFDHE8192}
+"""The names nvmet's configfs uses for ``dhchap_hash`` (without ``hmac()``) and ``dhchap_dhgroup``."""
+
+
+@dataclass(frozen=True)
+class HostAuthConfig:
+    """What the target requires of one host: its secret, the controller's secret when the host
+    may authenticate the controller, and the hashes and DH groups allowed, preferred first."""
+    secret: Secret
+    ctrl_secret: Secret | None
+    hashes: tuple[int, ...]
+    dh_groups: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class SubsystemConfig:
     nqn: str
@@ -98,6 +128,7 @@ class SubsystemConfig:
     hosts: frozenset[str]
     ports: frozenset[int] | None
     namespaces: tuple[NamespaceConfig, ...]
+    host_auth: dict[str, HostAuthConfig] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -214,8 +245,55 @@ def read_toml(path: str) -> dict[str, Any]:
 
 
 def load(path: str) -> TargetConfig:
-    """Read and validate a target configuration file."""
-    return parse(read_toml(path), path)
+    """Read and validate a target configuration file; one holding secrets must not be readable
+    by others."""
+    config = parse(read_toml(path), path)
+    if any(s.host_auth for s in config.subsystems):
+        refuse_readable_secrets(path)
+    return config
+
+
+def refuse_readable_secrets(path: str) -> None:
+    """A file holding DH-HMAC-CHAP secrets must not be readable by others."""
+    if os.stat(path).st_mode & stat.S_IROTH:
+        raise ConfigError(f"{path} holds DH-HMAC-CHAP secrets but is readable by others "
+                          f"(chmod o-r {path})")
+
+
+def _secret(table: dict[str, Any], key: str, where: str) -> Secret | None:
+    text = _take(table, key, str, where, None)
+    if text is None:
+        return None
+    try:
+        return parse_secret(text)
+    except SecretError as exc:  # the message never quotes the secret
+        raise ConfigError(f"{where}: {key}: {exc}") from None
+
+
+def _names(table: dict[str, Any], key: str, known: dict[str, int], where: str) -> tuple[int, ...]:
+    names = _take(table, key, list, where, list(known))
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ConfigError(f"{where}: {key} must list some of {', '.join(known)}")
+    return tuple(known[n] for n in names)
+
+
+def _host_auth(entries: list[Any], where: str) -> dict[str, HostAuthConfig]:
+    result: dict[str, HostAuthConfig] = {}
+    for k, h in enumerate(entries):
+        hwhere = f"{where} host_auth #{k + 1}"
+        _unknown(h, {"nqn", "dhchap_key", "dhchap_ctrl_key", "dhchap_hashes", "dhchap_dhgroups"},
+                 hwhere)
+        nqn = _take(h, "nqn", str, hwhere)
+        secret = _secret(h, "dhchap_key", hwhere)
+        if secret is None:
+            raise ConfigError(f"{hwhere}: missing 'dhchap_key'")
+        if nqn in result:
+            raise ConfigError(f"{hwhere}: host {nqn} appears twice")
+        result[nqn] = HostAuthConfig(secret, _secret(h, "dhchap_ctrl_key", hwhere),
+                                     _names(h, "dhchap_hashes", HASH_NAMES, hwhere),
+                                     _names(h, "dhchap_dhgroups", DHGROUP_NAMES, hwhere))
+    return result
 
 
 def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
@@ -259,12 +337,14 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
     subsystems: list[SubsystemConfig] = []
     for i, s in enumerate(_take(raw, "subsystem", list, source, [])):
         where = f"{source} subsystem #{i + 1}"
-        _unknown(s, {"nqn", "serial", "model", "allow_any_host", "hosts", "ports", "namespace"}, where)
+        _unknown(s, {"nqn", "serial", "model", "allow_any_host", "hosts", "ports", "namespace",
+                     "host_auth"}, where)
         nqn = _take(s, "nqn", str, where)
         where = f"{source} subsystem {nqn}"
         if not _NQN.match(nqn) or len(nqn.encode()) > 223 or nqn == DISCOVERY_NQN:
             raise ConfigError(f"{where}: not a valid subsystem NQN (nqn.yyyy-mm.reverse.domain:name, at most 223 bytes)")
-        hosts = _take(s, "hosts", list, where, [])
+        host_auth = _host_auth(_take(s, "host_auth", list, where, []), where)
+        hosts = _take(s, "hosts", list, where, []) + list(host_auth)
         allow_any = _take(s, "allow_any_host", bool, where, not hosts)
         sub_ports = _take(s, "ports", list, where, None)
         if sub_ports is not None and not set(sub_ports) <= set(ids):
@@ -294,7 +374,7 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
             raise ConfigError(f"{where}: namespace ids must be unique and between 1 and 4294967294")
         subsystems.append(SubsystemConfig(nqn, serial, model, allow_any, frozenset(hosts),
                                           frozenset(sub_ports) if sub_ports is not None else None,
-                                          tuple(namespaces)))
+                                          tuple(namespaces), host_auth))
     nqns = [s.nqn for s in subsystems]
     if len(set(nqns)) != len(nqns):
         raise ConfigError(f"{source}: subsystem NQNs must be unique")

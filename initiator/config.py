@@ -17,6 +17,8 @@ Example::
     # rdma_keys = "auto"                # or "mw", "mr" (initiator/rdma.py)
     # hdr_digest = false
     # data_digest = false
+    # dhchap_secret = "DHHC-1:01:...:"   # in-band authentication (docs/security.md); the file
+    # dhchap_ctrl_secret = "DHHC-1:00:...:"  # must then not be readable by others
 
     # FUSE mounts, as `blockctl mount vol1 /mnt/vol1` (initiator/fuse/): made once the
     # connection is up; the mount point must be an existing directory
@@ -31,10 +33,10 @@ boot later than the host); once connected, the initiator library reconnects by i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from blockd.config import ConfigError, read_toml
+from blockd.config import ConfigError, read_toml, refuse_readable_secrets
 from initiator.params import CONNECT_OPTIONS, OPTIONS_BY_KEY, check_option
 
 BOOT_CTRL_LOSS_TMO = -1.0
@@ -47,7 +49,7 @@ default that differs from ``blockctl connect``'s, on purpose."""
 class ConnectionConfig:
     """One ``[[connection]]``: the connect options as written (``initiator.params``) and a name."""
 
-    options: tuple[tuple[str, Any], ...]
+    options: tuple[tuple[str, Any], ...] = field(repr=False)  # may hold secrets
     name: str | None = None
 
     @property
@@ -126,5 +128,9 @@ def parse(raw: dict[str, Any], source: str = "initiator config") -> InitiatorCon
 
 
 def load(path: str) -> InitiatorConfig:
-    """Read and validate an initiator configuration file."""
-    return parse(read_toml(path), path)
+    """Read and validate an initiator configuration file; one holding secrets must not be
+    readable by others."""
+    config = parse(read_toml(path), path)
+    if any(k in ("dhchap_secret", "dhchap_ctrl_secret") for c in config.connections for k, _ in c.options):
+        refuse_readable_secrets(path)
+    return config

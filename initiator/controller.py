@@ -26,11 +26,12 @@ from typing import Any, Awaitable, Callable, Protocol
 
 import structlog
 
+from initiator.auth import AuthFailed, HostAuth
 from initiator.errors import ConnectError, NvmeError, QueueLost
 from initiator.params import ConnectParams
 from initiator.queue import HostCommand, HostQueue
 from protocol.commands import (
-    async_event_request_command, connect_command, connect_data, describe_command, dsm_command,
+    async_event_request_command, auth_receive_command, auth_send_command, connect_command, connect_data, describe_command, dsm_command,
     flush_command, get_log_page_command, identify_command, keep_alive_command, property_get_command,
     property_set_command, read_command, set_features_command, write_command, write_zeroes_command,
 )
@@ -39,7 +40,7 @@ from protocol.constants import (
     CC_IOSQES_64, CC_SHN_NORMAL, CSTS_RDY, CSTS_SHST_COMPLETE, CSTS_SHST_MASK, DISCOVERY_NQN, DYNAMIC_CNTLID,
     FLBAS_FORMAT_MASK, NSATTR_WRITE_PROTECTED, OAES_NS_ATTR, Cns, FeatureId, LogPageId, Property, TransportType,
 )
-from protocol.fabrics import IATTR_DATA
+from protocol.fabrics import CONNECT_AUTHREQ_ATR, IATTR_DATA
 from protocol.identify import (
     ACTIVE_NS_LIST, IDENTIFY_CONTROLLER, IDENTIFY_NAMESPACE, IDENTIFY_SIZE,
 )
@@ -67,6 +68,9 @@ wide and the log is read into one buffer of its size, so a discovery controller 
 answers any host) could otherwise have us allocate whatever it claims."""
 CONNECT_IATTR_SUBNQN = IATTR_DATA | 256
 """Connect's Invalid Parameters pointing at SUBNQN in the Connect data: no such subsystem."""
+AUTH_RECEIVE_SIZE = 4096
+"""Authentication Receive's buffer: room for a Challenge with an ffdhe8192 value (as the
+kernel's host, drivers/nvme/host/auth.c)."""
 
 IoDone = Callable[[BaseException | None], None]
 """Callback of :meth:`Controller.submit_io`, called exactly once: None on success, else why the
@@ -225,6 +229,9 @@ class Controller:
         self.failed: Exception | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweep: asyncio.TimerHandle | None = None
+        self._secret, self._ctrl_secret = params.secrets()
+        self._transaction = 0
+        """T_ID of the next DH-HMAC-CHAP transaction (one per queue and authentication)."""
 
     # -- association ------------------------------------------------------------------------------
 
@@ -329,7 +336,48 @@ class Controller:
             if exc.status == Status.CONNECT_INVALID_PARAMETERS and exc.dw0 == CONNECT_IATTR_SUBNQN:
                 raise ConnectError(f"target at {p.traddr}:{p.trsvcid} has no subsystem {p.subnqn}") from exc
             raise
+        if cmd.dw0 & CONNECT_AUTHREQ_ATR:
+            await self._authenticate(conn)
+        elif self._ctrl_secret is not None:  # asked to authenticate the controller: no downgrade
+            raise ConnectError(f"{p.subnqn} did not ask for authentication, and "
+                               "--dhchap-ctrl-secret wants the controller authenticated")
         return cmd.dw0 & 0xFFFF
+
+    async def _authenticate(self, conn: QueueConnection) -> None:
+        """DH-HMAC-CHAP on the queue just connected (initiator/auth.py says the steps)."""
+        p = self.params
+        if self._secret is None:
+            raise ConnectError(f"{p.subnqn} requires authentication: give --dhchap-secret")
+        self._transaction = (self._transaction + 1) & 0xFFFF
+        auth = HostAuth(self._secret, self._ctrl_secret, p.hostnqn, p.subnqn, self._transaction)
+
+        async def send(message: bytes) -> None:
+            await self._admin(auth_send_command(len(message)), data_out=message,
+                              timeout=p.connect_timeout, conn=conn)
+
+        async def receive() -> bytes:
+            buf = bytearray(AUTH_RECEIVE_SIZE)
+            await self._admin(auth_receive_command(AUTH_RECEIVE_SIZE), data_in=memoryview(buf),
+                              timeout=p.connect_timeout, conn=conn)
+            return bytes(buf)
+
+        try:
+            await send(auth.negotiate())
+            await send(auth.challenge(await receive()))
+            success2 = auth.success1(await receive())
+            if success2 is not None:
+                await send(success2)
+        except AuthFailed as exc:
+            if exc.failure2 is not None:
+                await send(exc.failure2)
+            raise ConnectError(f"authentication with {p.subnqn} failed: {exc}") from None
+        except ConnectError:
+            raise
+        except ConnectionError as exc:
+            # the kernel's nvmet tears the association down right after its Failure1, so
+            # the connection may close before the Failure1 arrives
+            raise ConnectError(f"authentication with {p.subnqn} failed: "
+                               f"the target closed the connection ({exc})") from None
 
     async def _enable(self) -> None:
         cap = await self.get_property(Property.CAP, 8)
@@ -737,10 +785,13 @@ class Controller:
 
 
 async def discover(traddr: str, trsvcid: int, transport: str = "tcp", hostnqn: str | None = None,
-                   timeout: float = 5.0) -> list[DiscoveryEntry]:
-    """Read the discovery log of a target (non-persistent discovery controller, KATO 0)."""
+                   timeout: float = 5.0, dhchap_secret: str | None = None,
+                   dhchap_ctrl_secret: str | None = None) -> list[DiscoveryEntry]:
+    """Read the discovery log of a target (non-persistent discovery controller, KATO 0); the
+    secrets serve a discovery controller that asks for authentication."""
     params = ConnectParams(traddr=traddr, subnqn=DISCOVERY_NQN, trsvcid=trsvcid,
                            transport=transport, keep_alive_tmo=0, connect_timeout=timeout,
+                           dhchap_secret=dhchap_secret, dhchap_ctrl_secret=dhchap_ctrl_secret,
                            command_timeout=timeout, ctrl_loss_tmo=0, **({"hostnqn": hostnqn} if hostnqn else {}))
     ctrl = await Controller.connect(params)
     try:

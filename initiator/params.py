@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from blockd.dhchap_secret import Secret, SecretError, parse_secret
 from protocol.constants import DEFAULT_IO_PORT
 
 TRANSPORT_NAMES = ("tcp", "rdma")
@@ -65,11 +66,20 @@ class ConnectParams:
     rdma_keys: str = field(default_factory=lambda: os.environ.get("BLOCKD_RDMA_KEYS", "auto"), metadata=_option(
         None, "how RDMA commands expose their buffers (see initiator/rdma.py); env BLOCKD_RDMA_KEYS",
         choices=RDMA_KEY_MODES))
+    dhchap_secret: str | None = field(default=None, repr=False, metadata=_option(
+        "-S", "DH-HMAC-CHAP host secret (DHHC-1:hh:...:, as nvme gen-dhchap-key prints it)"))
+    dhchap_ctrl_secret: str | None = field(default=None, repr=False, metadata=_option(
+        "-C", "DH-HMAC-CHAP controller secret: authenticate the controller too"))
     hostid: uuid.UUID | None = None
     """Default: derived from ``hostnqn``, so one host NQN always has one host id."""
     command_timeout: float = 30.0
     connect_timeout: float = 5.0
     reconnect_delay: float = 1.0
+
+    def secrets(self) -> tuple[Secret | None, Secret | None]:
+        """The host's and the controller's DH-HMAC-CHAP secrets, parsed (None when unset)."""
+        return (parse_secret(self.dhchap_secret) if self.dhchap_secret else None,
+                parse_secret(self.dhchap_ctrl_secret) if self.dhchap_ctrl_secret else None)
 
     def __post_init__(self) -> None:
         if self.hostid is None:
@@ -97,7 +107,7 @@ class ConnectOption:
 
 def connect_options() -> tuple[ConnectOption, ...]:
     """The user-settable fields of :class:`ConnectParams`, in declaration order."""
-    hints = {"str": str, "int": int, "float": float, "bool": bool}
+    hints = {"str": str, "str | None": str, "int": int, "float": float, "bool": bool}
     out = []
     for f in dataclasses.fields(ConnectParams):
         meta = f.metadata
@@ -126,6 +136,11 @@ def check_option(key: str, value: Any) -> str | None:
         return f"{key!r} must be {' or '.join(opt.choices)}, not {value!r}"
     if key == "trsvcid" and not 1 <= value <= 65535:
         return f"trsvcid {value} is out of range"
+    if key in ("dhchap_secret", "dhchap_ctrl_secret"):
+        try:
+            parse_secret(value)
+        except SecretError as exc:  # never quotes the secret
+            return f"{key}: {exc}"
     return None
 
 

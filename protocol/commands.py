@@ -17,6 +17,7 @@ from typing import Callable
 
 import construct as c
 
+from protocol.auth import AUTH_COMMAND, SECP_DHCHAP, SPSP_DHCHAP
 from protocol.constants import PSDT_SGL, AdminOpcode, FabricsType, IoOpcode
 from protocol.fabrics import CONNECT_COMMAND, CONNECT_DATA, FABRICS_COMMAND, PROPERTY_COMMAND
 from protocol.layout import FixedLayout, at_offsets, field_offset, fixed_layout
@@ -76,6 +77,7 @@ _identify = _packer(fixed_layout(IDENTIFY_COMMAND))
 _get_log_page = _packer(fixed_layout(GET_LOG_PAGE_COMMAND))
 _connect = _packer(fixed_layout(CONNECT_COMMAND))
 _property = _packer(fixed_layout(PROPERTY_COMMAND))
+_auth = _packer(fixed_layout(AUTH_COMMAND))
 
 # -- NVM I/O commands ---------------------------------------------------------------------------
 
@@ -162,6 +164,18 @@ def property_get_command(offset: int, size: int) -> bytearray:
 def property_set_command(offset: int, value: int) -> bytearray:
     return _property(opcode=AdminOpcode.FABRICS, fctype=FabricsType.PROPERTY_SET, offset=offset,
                      value=value)
+
+
+def auth_send_command(length: int) -> bytearray:
+    """Authentication Send of a ``length``-byte DH-HMAC-CHAP message (the command's data)."""
+    return _auth(opcode=AdminOpcode.FABRICS, fctype=FabricsType.AUTH_SEND, spsp0=SPSP_DHCHAP,
+                 spsp1=SPSP_DHCHAP, secp=SECP_DHCHAP, length=length)
+
+
+def auth_receive_command(length: int) -> bytearray:
+    """Authentication Receive of at most ``length`` bytes."""
+    return _auth(opcode=AdminOpcode.FABRICS, fctype=FabricsType.AUTH_RECEIVE, spsp0=SPSP_DHCHAP,
+                 spsp1=SPSP_DHCHAP, secp=SECP_DHCHAP, length=length)
 
 
 # -- naming a command (error messages) ----------------------------------------------------------

@@ -35,6 +35,10 @@ CATTR_DISABLE_SQFLOW = 0x04
 """The host keeps within the queue size itself: no SQ head in completions, and over NVMe/TCP a
 read may end with a C2HData PDU flagged SUCCESS instead of a response capsule."""
 
+CONNECT_AUTHREQ_ATR = 1 << 17
+"""Connect response DW0: the queue must authenticate (DH-HMAC-CHAP) before any other command;
+bits 15:0 carry the CNTLID."""
+
 CONNECT_DATA = at_offsets(CONNECT_DATA_SIZE, [
     (0, "hostid", c.Bytes(16)),
     (16, "cntlid", c.Int16ul),

@@ -42,6 +42,8 @@ class Status(IntEnum):
     CONNECT_INVALID_PARAMETERS = 0x182 | DNR
     CONNECT_RESTART_DISCOVERY = 0x183
     CONNECT_INVALID_HOST = 0x184 | DNR
+    AUTH_REQUIRED = 0x191 | DNR
+    """A command other than Authentication Send/Receive on a queue not yet authenticated."""
     WRITE_FAULT = 0x280
     UNRECOVERED_READ_ERROR = 0x281
 

@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 import structlog
 
 from blockd import eager
+from protocol.auth import AUTH_COMMAND, SECP_DHCHAP, SPSP_DHCHAP
 from protocol.constants import PSDT_SGL, AdminOpcode, FabricsType, SglId
 from protocol.fabrics import (
-    CATTR_DISABLE_SQFLOW, CONNECT_COMMAND, CONNECT_DATA, CONNECT_DATA_SIZE, FABRICS_COMMAND,
+    CATTR_DISABLE_SQFLOW, CONNECT_AUTHREQ_ATR, CONNECT_COMMAND, CONNECT_DATA, CONNECT_DATA_SIZE, FABRICS_COMMAND,
     IPO_CONNECT_SQSIZE, IPO_CONNECT_SUBNQN, NQN_FIELD,
 )
 from protocol.layout import field_offset
@@ -39,6 +40,7 @@ from protocol.nvme import (
     parse_sgl_keyed,
 )
 from protocol.status import MORE, Status, to_wire
+from target.auth import QueueAuth
 from target.request import Direction, IllegalTransition, Request, RequestState
 from target.stats import KIND_BY_OPCODE, IoCounters
 
@@ -63,6 +65,9 @@ _CONNECT, _PROPERTY_GET, _PROPERTY_SET = (
     int(FabricsType.CONNECT), int(FabricsType.PROPERTY_GET), int(FabricsType.PROPERTY_SET))
 _CONNECT_NQNS = tuple(slice(field_offset(CONNECT_DATA, name), field_offset(CONNECT_DATA, name) + NQN_FIELD)
                       for name in ("subnqn", "hostnqn"))
+_AUTH_SEND, _AUTH_RECEIVE = int(FabricsType.AUTH_SEND), int(FabricsType.AUTH_RECEIVE)
+_AUTH_FABRICS = (_CONNECT, _AUTH_SEND, _AUTH_RECEIVE)
+"""What a queue that must still authenticate may send (the kernel's nvmet_check_auth_status)."""
 _unpack_command = IO_COMMAND_FAST.unpack_from
 _pack_cqe = CQE_FAST.pack
 _IN_CAPSULE = int(SglId.DATA_BLOCK_OFFSET)
@@ -77,6 +82,7 @@ _DIRECTIONS = (_NONE, _TO_CONTROLLER, _TO_HOST, None)
 _SUCCESS, _INVALID_FIELD, _INVALID_OPCODE = Status.SUCCESS, Status.INVALID_FIELD, Status.INVALID_OPCODE
 _SEQUENCE_ERROR, _BAD_LENGTH = Status.COMMAND_SEQUENCE_ERROR, Status.SGL_INVALID_DATA_LENGTH
 _INTERNAL_ERROR = Status.INTERNAL_ERROR
+_AUTH_REQUIRED = Status.AUTH_REQUIRED
 
 
 def _nqns_to_nul(data: bytes | bytearray | memoryview) -> bytes:
@@ -118,6 +124,11 @@ class TargetQueue:
         """Most commands in flight, set at Connect: twice the queue size, as nvmet-tcp's
         command pool (a command's slot is back only once its response has left, and an RDMA
         host may send its next command before the SEND completion of the last is seen)."""
+        self.auth: QueueAuth | None = None
+        """This queue's DH-HMAC-CHAP transaction when the host has a secret (from Connect on)."""
+        self.locked = False
+        """Every command but Connect and Authentication Send/Receive is refused: the host has
+        a secret and this queue has not authenticated (or its authentication failed)."""
         self.counters: IoCounters | None = None
         """The host's counters once this is a connected I/O queue (admin commands are not
         counted: they are the host's housekeeping, not its load)."""
@@ -132,6 +143,8 @@ class TargetQueue:
             _CONNECT: (self._check_connect, self._connect),
             _PROPERTY_GET: (self._check_property, self._property_get),
             _PROPERTY_SET: (self._check_property_set, self._property_set),
+            _AUTH_SEND: (self._check_auth, self._auth_send),
+            _AUTH_RECEIVE: (self._check_auth, self._auth_receive),
         }
 
     # -- the request life cycle -------------------------------------------------------------
@@ -156,6 +169,9 @@ class TargetQueue:
             if fctype != _CONNECT and ctrl is None:
                 self._fail(req, _INVALID_OPCODE)  # as nvmet_parse_connect_cmd
                 return
+            if self.locked and fctype not in _AUTH_FABRICS:
+                self._fail(req, _AUTH_REQUIRED)
+                return
             command = self._fabrics.get(fctype)
             direction = _TO_CONTROLLER if fctype & 1 else _TO_HOST
         elif ctrl is None:
@@ -163,6 +179,9 @@ class TargetQueue:
             return
         elif not ctrl.ready or self.in_flight > self.pool:
             self._fail(req, _SEQUENCE_ERROR)
+            return
+        elif self.locked:
+            self._fail(req, _AUTH_REQUIRED)
             return
         else:
             direction = _DIRECTIONS[opcode & 3]
@@ -361,5 +380,39 @@ class TargetQueue:
             if qid:  # I/O queues take the transport's (larger) in-capsule data from now on
                 self.inline_size = self.transport.info.io_inline
                 self.counters = ctrl.counters
+            auth = ctrl.subsystem.auth.get(data.hostnqn)
+            if auth is not None:
+                self.auth = QueueAuth(auth, data.hostnqn, data.subnqn)
+                self.locked = True
+                req.dw0 |= CONNECT_AUTHREQ_ATR
             log.info("queue connected", subnqn=data.subnqn, hostnqn=data.hostnqn,
                      cntlid=ctrl.cntlid, qid=qid, sqsize=sqsize + 1, peer=self.peer)
+
+    # -- in-band authentication (DH-HMAC-CHAP, target/auth.py) ----------------------------------
+
+    def _check_auth(self, req: Request) -> int:
+        """The kernel's checks of Authentication Send/Receive (fabrics-cmd-auth.c)."""
+        if self.auth is None:
+            return _INVALID_OPCODE
+        cmd = AUTH_COMMAND.parse(req.sqe)
+        if cmd.secp != SECP_DHCHAP or cmd.spsp0 != SPSP_DHCHAP or cmd.spsp1 != SPSP_DHCHAP:
+            return _INVALID_FIELD
+        if cmd.length == 0:
+            return _INVALID_FIELD
+        return _SUCCESS if req.length == cmd.length else _BAD_LENGTH
+
+    async def _auth_send(self, req: Request) -> None:
+        self.auth.send(bytes(req.data))
+        self._auth_settled()
+
+    async def _auth_receive(self, req: Request) -> None:
+        message = self.auth.receive()
+        req.reply = message[:req.length].ljust(req.length, b"\0")
+        self._auth_settled()
+
+    def _auth_settled(self) -> None:
+        auth = self.auth
+        self.locked = not auth.authenticated
+        if auth.failed:
+            # the host NQN is a name, not a secret; the secret never reaches a log line
+            log.warning("authentication failed", hostnqn=auth.hostnqn, qid=self.qid, peer=self.peer)

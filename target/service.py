@@ -98,7 +98,8 @@ class TargetService:
 
     def _add_subsystem(self, sc: SubsystemConfig) -> None:
         sub = Subsystem(sc.nqn, sc.serial, sc.model, sc.allow_any_host, set(sc.hosts),
-                        port_ids=set(sc.ports) if sc.ports is not None else None)
+                        port_ids=set(sc.ports) if sc.ports is not None else None,
+                        auth=dict(sc.host_auth))
         try:
             for nc in sc.namespaces:
                 sub.add_namespace(_open_namespace(sub, nc))
@@ -162,6 +163,7 @@ class TargetService:
         sub = self.target.subsystems[after.nqn]
         sub.serial, sub.model = after.serial, after.model
         sub.port_ids = set(after.ports) if after.ports is not None else None
+        sub.auth = dict(after.host_auth)  # queues connecting from now on
         if (before.allow_any_host, before.hosts) != (after.allow_any_host, after.hosts):
             self.target.update_access(sub, after.allow_any_host, set(after.hosts))
         old_ns = {n.nsid: n for n in before.namespaces}

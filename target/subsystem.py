@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from blockd.config import HostAuthConfig
 from protocol.constants import DISCOVERY_NQN
 from target.backend import Backend
 from target.stats import IoCounters
@@ -66,6 +67,8 @@ class Subsystem:
     namespaces: dict[int, Namespace] = field(default_factory=dict)
     port_ids: set[int] | None = None
     """Ports this subsystem is reachable through; None = every port."""
+    auth: dict[str, HostAuthConfig] = field(default_factory=dict)
+    """Hosts that must authenticate (DH-HMAC-CHAP) on every queue, by host NQN."""
 
     @property
     def is_discovery(self) -> bool:

@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("discover", help="print a target's discovery log")
-    for key in ("transport", "traddr", "hostnqn"):
+    for key in ("transport", "traddr", "hostnqn", "dhchap_secret", "dhchap_ctrl_secret"):
         _option_flag(d, OPTIONS_BY_KEY[key])
     _option_flag(d, OPTIONS_BY_KEY["trsvcid"], default=None, help="target port (tcp: 8009, rdma: 4420)")
 
@@ -88,6 +88,14 @@ def _parser() -> argparse.ArgumentParser:
     from blockd.units import add_arguments as units_arguments
     units_arguments(iu)
 
+    g = sub.add_parser("gen-dhchap-key", help="generate a DH-HMAC-CHAP secret (as nvme gen-dhchap-key)")
+    g.add_argument("-s", "--secret", help="seed in hexadecimal instead of random bytes")
+    g.add_argument("-l", "--key-length", type=int, default=0, choices=(0, 32, 48, 64),
+                   help="key length in bytes (32, 48 or 64; default: the hash's, else 32)")
+    g.add_argument("-n", "--nqn", help="NQN of the transform (default: this host's NQN)")
+    g.add_argument("-m", "--hmac", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="transform hash: 0 none, 1 SHA-256, 2 SHA-384, 3 SHA-512")
+
     i = sub.add_parser("id-ctrl", help="Identify Controller")
     i.add_argument("name")
     n = sub.add_parser("id-ns", help="Identify Namespace")
@@ -105,7 +113,9 @@ def cmd_discover(args: argparse.Namespace) -> int:
 
     port = args.trsvcid or (DEFAULT_TCP_DISCOVERY_PORT if args.transport == "tcp" else DEFAULT_IO_PORT)
     from blockd import eventloop
-    entries = eventloop.run(discover(args.traddr, port, args.transport, args.hostnqn))
+    entries = eventloop.run(discover(args.traddr, port, args.transport, args.hostnqn,
+                                     dhchap_secret=args.dhchap_secret,
+                                     dhchap_ctrl_secret=args.dhchap_ctrl_secret))
     print(f"Discovery Log Number of Records {len(entries)}")
     for n, e in enumerate(entries):
         kind = {1: "referral", 2: "nvme subsystem", 3: "current discovery subsystem"}.get(e.subtype, str(e.subtype))
@@ -337,13 +347,26 @@ def cmd_rxe(args: argparse.Namespace) -> int:
     return rxe_main(args.rxe_args)
 
 
+def cmd_gen_dhchap_key(args: argparse.Namespace) -> int:
+    """Print a new secret; with the same --secret, --nqn and --hmac the same text as nvme-cli."""
+    from blockd.dhchap_secret import SecretError, generate_secret
+    from initiator.params import default_hostnqn
+    try:
+        seed = bytes.fromhex(args.secret) if args.secret is not None else None
+        secret = generate_secret(args.nqn or default_hostnqn(), args.hmac, args.key_length, seed)
+    except (ValueError, SecretError) as exc:
+        raise UsageError(f"gen-dhchap-key: {exc}") from None
+    print(secret.encode())
+    return 0
+
+
 def cmd_install_units(args: argparse.Namespace) -> int:
     from blockd.units import run
     return run(args)
 
 
 COMMANDS = {
-    "rxe": cmd_rxe, "install-units": cmd_install_units,
+    "rxe": cmd_rxe, "install-units": cmd_install_units, "gen-dhchap-key": cmd_gen_dhchap_key,
     "discover": cmd_discover, "connect": cmd_connect, "disconnect": cmd_disconnect,
     "list": cmd_list, "read": cmd_read, "write": cmd_write, "id-ctrl": cmd_id_ctrl,
     "id-ns": cmd_id_ns, "mount": cmd_mount, "umount": cmd_umount, "mounts": cmd_mounts,

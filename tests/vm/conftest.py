@@ -10,7 +10,9 @@ passes, fails or skips on its own.
 
 Results of a group stay in ``results/vm/<group>/`` (``$BLOCKD_VM_RESULTS_ROOT`` overrides
 ``results/vm``): ``console.log`` (the VM console), ``junit.xml``, daemon logs.
-``timings.json``.  ``BLOCKD_VM_ECHO=1`` streams the VM console to the terminal (use -s).
+``timings.json``.  A module with ``VM_AUTH_KERNEL = True`` boots the 6.12 kernel package that
+has NVMe in-band authentication (``harness.auth_kernel_pkg``) instead of the default one.
+``BLOCKD_VM_ECHO=1`` streams the VM console to the terminal (use -s).
 Tests marked ``vm`` are skipped, with the reason, where qemu and friends are missing
 (``$BLOCKD_VM_QEMU`` names the qemu binary); under ``CI=true`` that skip is a failure
 (``tests/conftest.py``).
@@ -156,6 +158,7 @@ def vm_group(request) -> GroupRun:
         vm = harness.run(cmd, rw=[res], env={"BLOCKD_VM_RESULTS": str(res)}, timeout=timeout,
                          log_path=res / "console.log", cwd=harness.REPO,
                          echo=os.environ.get("BLOCKD_VM_ECHO") == "1",
+                         kernel_pkg=harness.auth_kernel_pkg() if getattr(mod, "VM_AUTH_KERNEL", False) else None,
                          **({"systemd": True} if getattr(mod, "VM_SYSTEMD", False) else {}))
     except harness.VMError as e:
         pytest.fail(f"VM test bed could not start: {e}", pytrace=False)

@@ -16,7 +16,8 @@ Exit status of ``run``: the guest command's; 124 timeout; 125 the VM failed.
 
 Cache (outside the repository): ``$BLOCKD_VM_CACHE`` or ``~/.cache/blockd-vm``:
 ``kernel/<pkg>/`` (unpacked kernel package, depmod'ed) and ``initrd-<kver>-<hash>.gz``.
-Other knobs: ``BLOCKD_VM_KERNEL_PKG`` (e.g. linux-image-6.1.0-57-amd64), ``BLOCKD_VM_QEMU``,
+Other knobs: ``BLOCKD_VM_KERNEL_PKG`` (e.g. linux-image-6.1.0-57-amd64), ``BLOCKD_VM_AUTH_KERNEL_PKG``
+(the kernel of the groups that need NVMe in-band authentication, :func:`auth_kernel_pkg`), ``BLOCKD_VM_QEMU``,
 ``BLOCKD_VM_BUSYBOX``, ``BLOCKD_VM_MEM`` (MiB), ``BLOCKD_VM_SMP``, ``BLOCKD_VM_APPEND``.
 
 In the guest the command runs as root in the given directory (default: the repository
@@ -162,6 +163,31 @@ def _pick_kernel_pkg() -> str:
     return pkg
 
 
+AUTH_KERNEL_PKG = re.compile(r"^linux-image-6\.12\.(\d+)\+deb12-amd64-unsigned$")
+"""Bookworm's default 6.1 kernel lacks NVMe in-band authentication (# CONFIG_NVME_AUTH is not
+set); its security updates carry 6.12 kernels built with CONFIG_NVME_AUTH,
+CONFIG_NVME_HOST_AUTH and CONFIG_NVME_TARGET_AUTH."""
+
+
+def auth_kernel_pkg() -> str:
+    """The kernel package for groups that need DH-HMAC-CHAP in the kernel: a cached one, else
+    the newest bookworm 6.12 package apt knows (``BLOCKD_VM_AUTH_KERNEL_PKG`` overrides)."""
+    pkg = os.environ.get("BLOCKD_VM_AUTH_KERNEL_PKG")
+    if pkg:
+        return pkg
+    cached = [d.name for d in (cache_dir() / "kernel").glob("linux-image-6.12.*")
+              if AUTH_KERNEL_PKG.match(d.name) and (d / ".complete").exists()]
+    if not cached:
+        r = subprocess.run(["apt-cache", "pkgnames", "linux-image-6.12."],
+                           capture_output=True, text=True)
+        cached = [n for n in r.stdout.split() if AUTH_KERNEL_PKG.match(n)]
+    if not cached:
+        raise VMError("no linux-image-6.12.*+deb12-amd64-unsigned package known to apt "
+                      "(bookworm-security in sources.list, apt-get update?); or set "
+                      "BLOCKD_VM_AUTH_KERNEL_PKG")
+    return max(cached, key=lambda n: int(AUTH_KERNEL_PKG.match(n).group(1)))
+
+
 def _download_deb(pkg: str, dest: Path) -> Path:
     # a copy apt already has (e.g. from an earlier `apt-get install --download-only`)
     arch = sorted(Path("/var/cache/apt/archives").glob(f"{pkg}_*_amd64.deb"))
@@ -185,10 +211,13 @@ def _download_deb(pkg: str, dest: Path) -> Path:
     return debs[0]
 
 
-def ensure_kernel() -> Kernel:
-    """The kernel package unpacked (and depmod'ed) in the cache; fetched on first use."""
+def ensure_kernel(pkg: str | None = None) -> Kernel:
+    """The kernel package ``pkg`` (default: the bed's usual one) unpacked (and depmod'ed) in the
+    cache; fetched on first use. Each package keeps its own directory, so groups on different
+    kernels share the cache; only the default moves the ``current`` link."""
+    default = pkg is None
     with _cache_lock():
-        pkg = _pick_kernel_pkg()
+        pkg = pkg or _pick_kernel_pkg()
         kroot = cache_dir() / "kernel" / pkg
         if not (kroot / ".complete").exists():
             for t in ("apt-get", "dpkg-deb", "depmod"):
@@ -210,7 +239,7 @@ def ensure_kernel() -> Kernel:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         cur = cache_dir() / "kernel" / "current"
-        if not cur.is_symlink() or os.readlink(cur) != pkg:
+        if default and (not cur.is_symlink() or os.readlink(cur) != pkg):
             tmpl = cur.with_name(".current.tmp")
             with contextlib.suppress(FileNotFoundError):
                 tmpl.unlink()
@@ -289,11 +318,11 @@ def ensure_initrd(k: Kernel) -> Path:
     return path
 
 
-def ensure_assets() -> tuple[Kernel, Path]:
+def ensure_assets(kernel_pkg: str | None = None) -> tuple[Kernel, Path]:
     miss = missing_tools()
     if miss:
         raise VMError("missing " + ", ".join(miss))
-    k = ensure_kernel()
+    k = ensure_kernel(kernel_pkg)
     return k, ensure_initrd(k)
 
 
@@ -447,16 +476,18 @@ _POWER_DOWN = re.compile(r"^\[ *[0-9.]+\] reboot: Power down$")
 def run(cmd, *, rw: list[str | Path] = (), env: dict[str, str] | None = None,
         timeout: float | None = None, log_path: str | Path | None = None, echo: bool = False,
         cwd: str | Path | None = None, mem: int | None = None, smp: int | None = None,
-        verbose: bool = False, interactive: bool = False, systemd: bool = False) -> VMResult:
+        verbose: bool = False, interactive: bool = False, systemd: bool = False,
+        kernel_pkg: str | None = None) -> VMResult:
     """Boot a VM, run ``cmd`` (an argv list, or a str for ``bash -c``) and power off.
 
     ``rw``: host folders shared read-write at the same path.  The VM is killed after
     ``timeout`` seconds (rc 124) and, in any case, before this function returns or raises
     (KeyboardInterrupt included); if this process dies, the kernel kills qemu (PDEATHSIG).
     ``systemd``: boot the host's systemd as PID 1 and run ``cmd`` as a oneshot service
-    (slow: ~1 min more boot under TCG; see docs/vm-testbed.md).
+    (slow: ~1 min more boot under TCG; see docs/vm-testbed.md). ``kernel_pkg``: boot that
+    kernel package instead of the default (:func:`auth_kernel_pkg`).
     """
-    kernel, initrd = ensure_assets()
+    kernel, initrd = ensure_assets(kernel_pkg)
     mem = mem or int(os.environ.get("BLOCKD_VM_MEM", "2048"))
     smp = smp or int(os.environ.get("BLOCKD_VM_SMP", "2"))
     rw_dirs = []
@@ -578,6 +609,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="kernel messages and the qemu command line")
         p.add_argument("--systemd", action="store_true",
                        help="the host's systemd as PID 1; the command runs as a service")
+        add_kernel(p)
+
+    def add_kernel(p):
+        p.add_argument("-k", "--kernel", default=None, metavar="PKG",
+                       help="kernel package to boot ('auth': the 6.12 one with NVMe in-band "
+                            "authentication; default: the bed's usual kernel)")
 
     pr = sub.add_parser("run", help="run CMD (or -c SNIPPET) in a fresh VM")
     common(pr)
@@ -586,12 +623,13 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("cmd", nargs=argparse.REMAINDER)
     ps = sub.add_parser("shell", help="interactive bash in a fresh VM (serial console)")
     common(ps)
-    sub.add_parser("setup", help="fetch the kernel and build the initramfs, print paths")
+    add_kernel(sub.add_parser("setup", help="fetch the kernel and build the initramfs, print paths"))
     a = ap.parse_args(argv)
 
     try:
+        kernel_pkg = auth_kernel_pkg() if a.kernel == "auth" else a.kernel
         if a.sub == "setup":
-            k, initrd = ensure_assets()
+            k, initrd = ensure_assets(kernel_pkg)
             print(f"kernel:    {k.pkg} ({k.version})\nvmlinuz:   {k.vmlinuz}\n"
                   f"modules:   {k.modules / k.version}\ninitramfs: {initrd}")
             return 0
@@ -606,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
             if not sys.stdin.isatty():
                 ap.error("shell needs a terminal")
             r = run("exec bash -l", rw=a.rw, env=env, timeout=a.timeout, cwd=cwd, mem=a.mem,
-                    smp=a.smp, verbose=a.verbose, interactive=True, systemd=a.systemd)
+                    smp=a.smp, verbose=a.verbose, interactive=True, systemd=a.systemd,
+                    kernel_pkg=kernel_pkg)
         else:
             cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
             if a.sh is not None:
@@ -616,7 +655,8 @@ def main(argv: list[str] | None = None) -> int:
             elif not cmd:
                 ap.error("nothing to run")
             r = run(cmd, rw=a.rw, env=env, timeout=a.timeout, log_path=a.log, echo=True,
-                    cwd=cwd, mem=a.mem, smp=a.smp, verbose=a.verbose, systemd=a.systemd)
+                    cwd=cwd, mem=a.mem, smp=a.smp, verbose=a.verbose, systemd=a.systemd,
+                    kernel_pkg=kernel_pkg)
     except VMError as e:
         log(f"error: {e}")
         return 125
