@@ -285,3 +285,33 @@ def test_metrics_off_by_default_and_loopback(tmp_path: Path) -> None:
     assert cfg.metrics is None
     on = _cfg(tmp_path, free_port(), metrics={"enabled": True})
     assert on.metrics.address == "127.0.0.1" and on.metrics.port == 9469
+
+
+def test_blockctl_iostat(tmp_path: Path) -> None:
+    """``blockctl iostat 0.5 2``: two reports, one row per namespace, the writes in MB/s."""
+    port = free_port()
+    sock = str(tmp_path / "run" / "target.sock")
+
+    async def main() -> str:
+        async with serving(_cfg(tmp_path, port)):
+            h1 = await connect(port, nr_io_queues=IO_QUEUES)
+            try:
+                report = asyncio.ensure_future(_blockctl("iostat", "--target-socket", sock, "0.5", "2"))
+                i = 0
+                while not report.done():
+                    await h1.write_bytes(2, i % 64 * 4096, b"w" * 4096)
+                    i += 1
+                return await report
+            finally:
+                await h1.close()
+
+    out = run(main())
+    reports = [r for r in out.strip().split("\n\n") if r]
+    assert len(reports) == 2
+    for r in reports:
+        _, header, *rows = r.splitlines()
+        assert header.split()[:6] == ["SUBSYSTEM", "NSID", "r/s", "w/s", "rMB/s", "wMB/s"]
+        by_nsid = {row.split()[1]: row.split() for row in rows}
+        assert set(by_nsid) == {"1", "2"}
+        assert float(by_nsid["1"][3]) == 0 and float(by_nsid["2"][3]) > 0
+        assert float(by_nsid["2"][5]) == pytest.approx(float(by_nsid["2"][3]) * 4096 / 1e6, rel=0.05, abs=0.01)
