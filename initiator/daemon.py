@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any, Awaitable, Callable
 
 import structlog
@@ -34,6 +35,7 @@ class InitiatorDaemon:
             "connect": self.op_connect,
             "disconnect": self.op_disconnect,
             "list": self.op_list,
+            "counters": self.op_counters,
             "id-ctrl": self.op_id_ctrl,
             "id-ns": self.op_id_ns,
             "mount": self.mounts.op_mount,
@@ -111,6 +113,13 @@ class InitiatorDaemon:
 
     async def op_list(self) -> dict[str, Any]:
         return {"connections": [{"name": n, **self._describe(n, c)} for n, c in self.connections.items()]}
+
+    async def op_counters(self) -> dict[str, Any]:
+        """Each connection's cumulative I/O counters (blockd.iostats), with the monotonic time
+        they were read at: ``blockctl iostat --initiator`` makes intervals of two."""
+        return {"time_ns": time.monotonic_ns(),
+                "connections": [{"name": n, "nqn": c.params.subnqn, "cntlid": c.cntlid,
+                                 **c.counters.snapshot()} for n, c in self.connections.items()]}
 
     def _describe(self, name: str, ctrl: Controller) -> dict[str, Any]:
         p = ctrl.params

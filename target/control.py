@@ -24,7 +24,7 @@ import structlog
 from blockd import control_socket
 from blockd.config import DEFAULT_CONTROL_SOCKET
 from blockd.control_socket import RequestError
-from target.stats import interval
+from blockd.iostats import interval
 
 if TYPE_CHECKING:
     from target.controller import Controller
@@ -84,7 +84,7 @@ def hosts(target: Target) -> list[dict[str, Any]]:
 
 def counters(target: Target) -> dict[str, Any]:
     """Cumulative counters of every namespace and every connected host, with the monotonic
-    time they were read at (two of these make an interval: :func:`target.stats.interval`)."""
+    time they were read at (two of these make an interval: :func:`blockd.iostats.interval`)."""
     return {
         "time_ns": time.monotonic_ns(),
         "namespaces": [{"subsystem": sub.nqn, "nsid": ns.nsid, **ns.counters.snapshot()}
@@ -96,7 +96,7 @@ def counters(target: Target) -> dict[str, Any]:
 
 
 def counters_interval(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, Any]:
-    """Per namespace and per host: what :func:`target.stats.interval` makes of two
+    """Per namespace and per host: what :func:`blockd.iostats.interval` makes of two
     :func:`counters` readings (``before`` None: everything since each was created)."""
     seconds = (after["time_ns"] - before["time_ns"]) / 1e9 if before else 0.0
 

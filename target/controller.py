@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from blockd.iostats import IoCounters
 from protocol.constants import (
     CC_EN, CC_SHN_MASK, CSTS_CFS, CSTS_RDY, CSTS_SHST_COMPLETE, CTRATT_HOST_ID_128, CTRATT_TBKAS, DISCOVERY_NQN,
     OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, ONCS_DSM, ONCS_WRITE_ZEROES, AdminOpcode, Cns, FeatureId, IoOpcode,
@@ -33,7 +34,6 @@ from protocol.nvme import (
 )
 from protocol.status import Status, to_wire
 from target.request import Direction, Request
-from target.stats import IoCounters
 
 if TYPE_CHECKING:
     from target.queue import CommandTable, TargetQueue
@@ -452,7 +452,7 @@ class Controller:
         if ns is None:
             return _INVALID_NS
         # Held from here, refused or not, until it completes (TargetQueue._complete), so a
-        # refused command also counts on its namespace (target.stats).
+        # refused command also counts on its namespace (blockd.iostats).
         req.ns = ns
         ns.in_flight += 1
         fields = req.fields

@@ -1,7 +1,7 @@
 """Prometheus metrics of a running target, over HTTP (``[metrics]`` in the configuration).
 
 A custom collector reads the same counters the control socket shows (:mod:`target.control`,
-:mod:`target.stats`) when Prometheus scrapes: the data path only adds integers, and no
+:mod:`blockd.iostats`) when Prometheus scrapes: the data path only adds integers, and no
 ``prometheus_client`` metric object is touched per command (its ``observe`` takes a lock).
 The HTTP endpoint runs on the target's own event loop, so a scrape reads the target's
 dictionaries between two of its callbacks, never while a reload changes them (the library's
@@ -21,8 +21,8 @@ from prometheus_client.core import (
     CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
 )
 
+from blockd.iostats import BUCKETS, bucket_bound_ns
 from target.control import counters, hosts, namespaces
-from target.stats import BUCKETS, bucket_bound_ns
 
 if TYPE_CHECKING:
     from target.target import Target
@@ -31,7 +31,7 @@ log = structlog.get_logger("blockd.target.metrics")
 
 PREFIX = "blockd_target"
 _BOUNDS_S = [f"{bucket_bound_ns(i) / 1e9:.9g}" for i in range(BUCKETS - 1)] + ["+Inf"]
-"""Histogram ``le`` labels: the upper bound of each :mod:`target.stats` bucket, in seconds."""
+"""Histogram ``le`` labels: the upper bound of each :mod:`blockd.iostats` bucket, in seconds."""
 MAX_REQUEST_HEAD = 8192
 """A scraper's request line and headers fit; anything longer is dropped unanswered."""
 

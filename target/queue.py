@@ -12,7 +12,7 @@ owns the request's life (states in :mod:`target.request`):
 3. run the handler at once (:func:`blockd.eager.start`); only a command that really waits (an
    fsync, a slow backend, an AER) becomes a Task, tracked here and in ``Target.tasks`` for
    shutdown;
-4. build the completion, count an I/O command on its host and namespace (:mod:`target.stats`)
+4. build the completion, count an I/O command on its host and namespace (:mod:`blockd.iostats`)
    and hand the response to the transport's ``queue_response``, which reports it sent with
    :meth:`TargetQueue.response_sent`.
 
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 import structlog
 
 from blockd import eager
+from blockd.iostats import KIND_BY_OPCODE, IoCounters
 from protocol.auth import AUTH_COMMAND, SECP_DHCHAP, SPSP_DHCHAP
 from protocol.constants import PSDT_SGL, AdminOpcode, FabricsType, SglId
 from protocol.fabrics import (
@@ -42,7 +43,6 @@ from protocol.nvme import (
 from protocol.status import MORE, Status, to_wire
 from target.auth import QueueAuth
 from target.request import Direction, IllegalTransition, Request, RequestState
-from target.stats import KIND_BY_OPCODE, IoCounters
 
 if TYPE_CHECKING:
     import asyncio

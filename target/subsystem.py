@@ -6,9 +6,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from blockd.config import HostAuthConfig
+from blockd.iostats import IoCounters
 from protocol.constants import DISCOVERY_NQN
 from target.backend import Backend
-from target.stats import IoCounters
 
 _ID_NAMESPACE = uuid.UUID("6d1c7a43-3b64-4a63-9c55-0b7c0d0ad0b1")
 

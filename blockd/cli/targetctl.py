@@ -1,5 +1,6 @@
 """``blockctl target ...`` and ``blockctl iostat``: look at a running target through its
-control socket (:mod:`target.control`).
+control socket (:mod:`target.control`), or with ``iostat --initiator`` at the initiator
+daemon's connections.
 
 Human tables by default, the control socket's own JSON with ``--json``. An entry point on top
 of the layers, as the rest of ``blockd/cli/``.
@@ -14,6 +15,7 @@ import time
 from typing import Any, Callable
 
 from blockd.config import parse_size
+from blockd.iostats import interval
 from initiator.control import ControlClient
 from target.control import counters_interval, socket_path
 
@@ -40,8 +42,11 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("size", nargs="?", type=_size_arg, help="new size (e.g. 20GiB); default: the file's size now, "
                                            "after you grew it")
 
-    io = sub.add_parser("iostat", help="per-second IOPS, MB/s and latency per namespace of a running target")
+    io = sub.add_parser("iostat", help="per-second IOPS, MB/s and latency per namespace of a running "
+                                       "target (or per connection of the initiator daemon)")
     io.add_argument("--target-socket", help="target control socket")
+    io.add_argument("--initiator", action="store_true",
+                    help="the initiator daemon's connections (its socket: blockctl --socket)")
     io.add_argument("interval", nargs="?", type=_positive, default=1.0, help="seconds between reports (default 1)")
     io.add_argument("count", nargs="?", type=int, help="reports to print (default: until interrupted)")
 
@@ -151,17 +156,38 @@ def cmd_target(args: argparse.Namespace) -> int:
     return 0
 
 
+def _host_counters(args: argparse.Namespace) -> dict[str, Any]:
+    with ControlClient(args.socket, timeout=30) as client:
+        return client.call({"op": "counters"})
+
+
+def _host_table(before: dict[str, Any], after: dict[str, Any]) -> str:
+    seconds = (after["time_ns"] - before["time_ns"]) / 1e9
+    old = {c["name"]: c for c in before["connections"]}
+    rows = [{**c, **interval(old.get(c["name"]), c, seconds)} for c in after["connections"]]
+    return _table(["CONNECTION", "CNTLID", *_STATS_HEADERS], _stats_rows(rows, lambda e: [e["name"], e["cntlid"]]))
+
+
+def _target_table(before: dict[str, Any], after: dict[str, Any]) -> str:
+    iv = counters_interval(before, after)
+    return _table(["SUBSYSTEM", "NSID", *_STATS_HEADERS],
+                  _stats_rows(iv["namespaces"], lambda e: [e["subsystem"], e["nsid"]]))
+
+
 def cmd_iostat(args: argparse.Namespace) -> int:
-    """Like ``iostat -x INTERVAL [COUNT]``: one table per interval, per namespace."""
-    before = _call(args, {"op": "counters"})
+    """Like ``iostat -x INTERVAL [COUNT]``: one table per interval, per namespace of the target
+    (or per connection of the initiator daemon)."""
+    if args.initiator:
+        fetch, table = (lambda: _host_counters(args)), _host_table
+    else:
+        fetch, table = (lambda: _call(args, {"op": "counters"})), _target_table
+    before = fetch()
     printed = 0
     while args.count is None or printed < args.count:
         time.sleep(args.interval)
-        after = _call(args, {"op": "counters"})
-        iv = counters_interval(before, after)
+        after = fetch()
         print(time.strftime("%H:%M:%S"))
-        print(_table(["SUBSYSTEM", "NSID", *_STATS_HEADERS],
-                     _stats_rows(iv["namespaces"], lambda e: [e["subsystem"], e["nsid"]])))
+        print(table(before, after))
         print(flush=True)
         before = after
         printed += 1

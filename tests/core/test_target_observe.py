@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from blockd.iostats import KINDS, bucket_bound_ns, interval, percentile_ns
 from initiator.control import ControlClient, ControlError
 from initiator.errors import NvmeError
 from protocol.status import Status
-from target.stats import KINDS, bucket_bound_ns, interval, percentile_ns
 
 from .conftest import HOSTNQN, NQN, config, connect, free_port, ns, run, serving, sub
 
@@ -315,3 +315,34 @@ def test_blockctl_iostat(tmp_path: Path) -> None:
         assert set(by_nsid) == {"1", "2"}
         assert float(by_nsid["1"][3]) == 0 and float(by_nsid["2"][3]) > 0
         assert float(by_nsid["2"][5]) == pytest.approx(float(by_nsid["2"][3]) * 4096 / 1e6, rel=0.05, abs=0.01)
+
+
+def test_host_counters_per_connection(tmp_path: Path) -> None:
+    """Our host counts its own I/O per connection: the same commands and bytes the target saw;
+    a command refused by the target counts under its status on both ends."""
+    port = free_port()
+    sock = str(tmp_path / "run" / "target.sock")
+
+    async def main() -> tuple[dict[str, Any], dict[str, Any]]:
+        async with serving(_cfg(tmp_path, port)):
+            h1 = await connect(port, nr_io_queues=IO_QUEUES)
+            try:
+                for i in range(6):
+                    await h1.write_bytes(1, i * 4096, b"h" * 4096)
+                await h1.read_bytes(1, 0, 3 * 4096)
+                await h1.flush(1)
+                with pytest.raises(NvmeError):
+                    await h1.read_into(1, (8 << 20) // 512, memoryview(bytearray(512)))
+                (target_side,) = (await _call(sock, {"op": "counters"}))["hosts"]
+                return h1.counters.snapshot(), target_side
+            finally:
+                await h1.close()
+
+    host, target_side = run(main())
+    assert host["ops"] == {"read": 2, "write": 6, "flush": 1, "other": 0}
+    assert host["bytes"] == {"read": 3 * 4096 + 512, "write": 6 * 4096, "flush": 0, "other": 0}
+    assert host["errors"] == {"lba_range": 1} == target_side["errors"]
+    for kind in ("read", "write", "flush"):
+        assert host["ops"][kind] == target_side["ops"][kind]
+        assert host["bytes"][kind] == target_side["bytes"][kind]
+    assert sum(host["buckets"]) == 9 and host["latency_ns"] >= target_side["latency_ns"] > 0

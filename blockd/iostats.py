@@ -1,11 +1,12 @@
-"""I/O counters of the target: per namespace and per host (controller), read by the control
-socket and the Prometheus exporter.
+"""I/O counters, shared by both ends: the target's per namespace and per host (controller),
+read by its control socket and Prometheus exporter; the host's per connection, read by the
+initiator daemon's ``counters`` verb (``blockctl iostat --initiator``).
 
-The queue counts each I/O command once, when it completes (:meth:`target.queue.TargetQueue._complete`),
-with integer adds into lists that exist before the first command: nothing is allocated per
-command. Latency is one ``monotonic_ns`` pair per command, kept as a sum (for the mean) and a
-histogram of power-of-two buckets, so a percentile over any interval is the difference of two
-snapshots.
+Each I/O command is counted once, when it completes (:meth:`target.queue.TargetQueue._complete`,
+:meth:`initiator.controller.Controller._complete`), with integer adds into lists that exist
+before the first command: nothing is allocated per command. Latency is one clock pair per
+command, kept as a sum (for the mean) and a histogram of power-of-two buckets, so a percentile
+over any interval is the difference of two snapshots.
 
 Bucket ``i`` holds latencies with ``(ns >> 10).bit_length() == i``: below 1.024 us for bucket 0,
 then ``[1.024 us * 2**(i-1), 1.024 us * 2**i)``. ``bit_length`` is one C call, no comparison
@@ -49,10 +50,11 @@ class IoCounters:
         self.latency_ns = 0
         """Sum of every counted command's latency, from capsule parsed to response queued."""
         self.buckets = [0] * BUCKETS
-        self.errors: dict[int, int] = {}
-        """Status (the :class:`protocol.status.Status` value) -> commands that ended with it."""
+        self.errors: dict[int | str, int] = {}
+        """Status (the :class:`protocol.status.Status` value), or on the host the name of the
+        error that ended a command without one (``QueueLost``, ``TimeoutError``) -> commands."""
 
-    def add_error(self, status: int) -> None:
+    def add_error(self, status: int | str) -> None:
         self.errors[status] = self.errors.get(status, 0) + 1
 
     def snapshot(self) -> dict[str, Any]:
@@ -62,7 +64,7 @@ class IoCounters:
             "bytes": dict(zip(KINDS, self.bytes)),
             "latency_ns": self.latency_ns,
             "buckets": list(self.buckets),
-            "errors": {status_label(s): n for s, n in sorted(self.errors.items())},
+            "errors": {status_label(s) if isinstance(s, int) else s: n for s, n in self.errors.items()},
         }
 
 
