@@ -16,6 +16,14 @@ Example::
     max_connections = 1024
     max_connections_per_host = 128
 
+    [control]
+    socket = "/run/blockd/target.sock"   # root-only; "" turns the control socket off
+
+    [metrics]                 # Prometheus text format over HTTP (docs/operations.md)
+    enabled = false
+    address = "127.0.0.1"     # loopback unless you mean to expose it
+    port = 9469
+
     [[port]]
     id = 1                    # optional, defaults to the position (1, 2, ...)
     transport = "tcp"         # or "rdma"
@@ -66,6 +74,10 @@ from target.transport import DEFAULT_MAX_TRANSFER
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+DEFAULT_CONTROL_SOCKET = "/run/blockd/target.sock"
+DEFAULT_METRICS_PORT = 9469
+"""blockd's exporter port (beside node_exporter's 9100 range; not taken in Prometheus's list
+of default ports)."""
 _NQN = re.compile(r"^nqn\.\d{4}-\d{2}\.[^:]+(:.+)?$")
 
 
@@ -117,6 +129,12 @@ class SubsystemConfig:
     ports: frozenset[int] | None
     namespaces: tuple[NamespaceConfig, ...]
     host_auth: dict[str, HostAuthConfig] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    address: str = "127.0.0.1"
+    port: int = DEFAULT_METRICS_PORT
 
 
 @dataclass(frozen=True)
@@ -176,6 +194,10 @@ class TargetConfig:
     log_level: str = "info"
     max_io_queues: int = 16
     limits: Limits = Limits()
+    control_socket: str = DEFAULT_CONTROL_SOCKET
+    """The control socket's path; empty: none."""
+    metrics: MetricsConfig | None = None
+    """The Prometheus endpoint; None: off."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -275,7 +297,7 @@ def _host_auth(entries: list[Any], where: str) -> dict[str, HostAuthConfig]:
 
 
 def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
-    _unknown(raw, {"port", "subsystem", "logging", "target"}, source)
+    _unknown(raw, {"port", "subsystem", "logging", "target", "control", "metrics"}, source)
     logging_t = _take(raw, "logging", dict, source, {})
     _unknown(logging_t, {"format", "level"}, f"{source} [logging]")
     log_format = _take(logging_t, "format", str, f"{source} [logging]", "console")
@@ -287,6 +309,12 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
     if not 1 <= max_io_queues <= 1024:
         raise ConfigError(f"{source} [target]: max_io_queues must be 1..1024")
     limits = _limits(target_t, f"{source} [target]")
+    control_t = _take(raw, "control", dict, source, {})
+    _unknown(control_t, {"socket"}, f"{source} [control]")
+    control_socket = _take(control_t, "socket", str, f"{source} [control]", DEFAULT_CONTROL_SOCKET)
+    if control_socket and not control_socket.startswith("/"):
+        raise ConfigError(f"{source} [control]: socket must be an absolute path (or \"\" for none)")
+    metrics = _metrics(_take(raw, "metrics", dict, source, {}), f"{source} [metrics]")
 
     ports: list[PortConfig] = []
     for i, p in enumerate(_take(raw, "port", list, source, [])):
@@ -352,4 +380,15 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
         raise ConfigError(f"{source}: subsystem NQNs must be unique")
     return TargetConfig(tuple(ports), tuple(subsystems), log_format,
                         _take(logging_t, "level", str, f"{source} [logging]", "info"), max_io_queues,
-                        limits)
+                        limits, control_socket, metrics)
+
+
+def _metrics(table: dict[str, Any], where: str) -> MetricsConfig | None:
+    _unknown(table, {"enabled", "address", "port"}, where)
+    address = _take(table, "address", str, where, "127.0.0.1")
+    port = _take(table, "port", int, where, DEFAULT_METRICS_PORT)
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{where}: port {port} is out of range")
+    if not _take(table, "enabled", bool, where, False):
+        return None
+    return MetricsConfig(address, port)

@@ -28,19 +28,23 @@ def socket_path(explicit: str | None = None) -> str:
 class ControlClient:
     """Blocking client used by blockctl (one request per connection)."""
 
-    def __init__(self, path: str | None = None, timeout: float | None = 120.0) -> None:
-        self.path = socket_path(path)
+    def __init__(self, path: str | None = None, timeout: float | None = 120.0,
+                 daemon: str = "initiator") -> None:
+        """``daemon``: whose socket this is (``initiator``, ``target``), for the messages; a
+        ``path`` of None is the initiator's (:func:`socket_path`)."""
+        self.path = path if daemon != "initiator" else socket_path(path)
+        self.daemon = daemon
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         try:
             self.sock.connect(self.path)
         except FileNotFoundError:
-            raise ControlError(f"the initiator daemon is not running (no socket at {self.path}; "
-                               f"start it with 'blockd initiator')") from None
+            raise ControlError(f"the {daemon} daemon is not running (no socket at {self.path}; "
+                               f"start it with 'blockd {daemon}')") from None
         except PermissionError:
             raise ControlError(f"permission denied on {self.path} (the control socket is root-only)") from None
         except ConnectionRefusedError:
-            raise ControlError(f"the initiator daemon is not answering on {self.path}") from None
+            raise ControlError(f"the {daemon} daemon is not answering on {self.path}") from None
         self._rbuf = self.sock.makefile("rb")
 
     def send(self, request: dict[str, Any], payload: Iterator[bytes] | None = None) -> None:
@@ -52,7 +56,7 @@ class ControlClient:
     def reply(self) -> dict[str, Any]:
         line = self._rbuf.readline()
         if not line:
-            raise ControlError("the initiator daemon closed the connection")
+            raise ControlError(f"the {self.daemon} daemon closed the connection")
         msg = json.loads(line)
         if not msg.get("ok"):
             raise ControlError(msg.get("error", "request failed"))
@@ -61,7 +65,7 @@ class ControlClient:
     def read_exact(self, n: int) -> bytes:
         data = self._rbuf.read(n)
         if len(data) != n:
-            raise ControlError("the initiator daemon closed the connection mid-transfer")
+            raise ControlError(f"the {self.daemon} daemon closed the connection mid-transfer")
         return data
 
     def call(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 import structlog
 
+from blockd.iostats import KIND_BY_OPCODE, IoCounters
 from initiator.auth import AuthFailed, HostAuth
 from initiator.errors import ConnectError, NvmeError, QueueLost
 from initiator.params import ConnectParams
@@ -45,13 +46,15 @@ from protocol.identify import (
     ACTIVE_NS_LIST, IDENTIFY_CONTROLLER, IDENTIFY_NAMESPACE, IDENTIFY_SIZE,
 )
 from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_ENTRY_SIZE, DISCOVERY_HEADER, DISCOVERY_HEADER_SIZE
-from protocol.nvme import DSM_ATTR_DEALLOCATE, DSM_RANGE_FAST
+from protocol.layout import field_offset
+from protocol.nvme import DSM_ATTR_DEALLOCATE, DSM_RANGE_FAST, SQE
 from protocol.status import Status
 
 __all__ = ["ConnectError", "ConnectParams", "Controller", "IoDone", "NamespaceInfo", "NvmeError", "QueueLost",
            "discover"]
 
 log = structlog.get_logger("blockd.initiator")
+_OPCODE = field_offset(SQE, "opcode")
 
 ADMIN_DEPTH = 32
 CC_ENABLE = CC_IOCQES_16 | CC_IOSQES_64 | CC_EN
@@ -216,6 +219,9 @@ class Controller:
         """Commands waiting for a live association or a free command id, oldest first; sent
         by :meth:`_unpark` when a command completes or the association comes back."""
         self._on_done = self._complete  # bound once: every command's on_done
+        self.counters = IoCounters()
+        """This connection's I/O commands (blockd.iostats), counted at completion; latency
+        from the last send (a retried command's from its retry) to the completion."""
         self._io_timeout = params.command_timeout
         self._establishing: set[QueueConnection] = set()
         """Connections of an association being set up: their commands go straight out (the
@@ -464,6 +470,21 @@ class Controller:
         freed command id goes to a parked command, then the caller's ``done`` runs."""
         if exc is None and cmd.status:
             exc = NvmeError(cmd.status, describe_command(cmd.sqe, cmd.admin), cmd.dw0)
+        if not cmd.admin:
+            # The send time is the deadline less the timeout, so this is the one clock read
+            # added; a command failed before it was ever sent has an infinite deadline.
+            elapsed = self._loop.time() + cmd.timeout - cmd.deadline
+            elapsed_ns = int(elapsed * 1e9) if elapsed > 0 else 0
+            kind = KIND_BY_OPCODE[cmd.sqe[_OPCODE]]
+            data = cmd.data_in if cmd.data_in is not None else cmd.data_out
+            counters = self.counters
+            counters.ops[kind] += 1
+            if data is not None:
+                counters.bytes[kind] += len(data)
+            counters.latency_ns += elapsed_ns
+            counters.buckets[(elapsed_ns >> 10).bit_length()] += 1
+            if exc is not None:
+                counters.add_error(cmd.status or type(exc).__name__)
         if self._parked_io or self._parked_admin:
             self._unpark()
         cmd.done(exc)

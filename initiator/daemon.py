@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
+import time
 from typing import Any, Awaitable, Callable
 
 import structlog
 
+from blockd import control_socket
+from blockd.control_socket import RequestError
 from initiator.control import CHUNK, socket_path
 from initiator.controller import Controller
 from initiator.errors import ConnectError, NvmeError, QueueLost
@@ -19,10 +21,6 @@ log = structlog.get_logger("blockd.initiator.daemon")
 
 PIPELINE = 8
 """Chunks of a read kept in flight at once."""
-
-
-class RequestError(Exception):
-    """A request the daemon refuses, with a message for the user."""
 
 
 class InitiatorDaemon:
@@ -37,6 +35,7 @@ class InitiatorDaemon:
             "connect": self.op_connect,
             "disconnect": self.op_disconnect,
             "list": self.op_list,
+            "counters": self.op_counters,
             "id-ctrl": self.op_id_ctrl,
             "id-ns": self.op_id_ns,
             "mount": self.mounts.op_mount,
@@ -45,16 +44,7 @@ class InitiatorDaemon:
         }
 
     async def start(self) -> None:
-        directory = os.path.dirname(self.path)
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        if os.path.exists(self.path):
-            os.unlink(self.path)
-        old = os.umask(0o077)
-        try:
-            self.server = await asyncio.start_unix_server(self._client, self.path, limit=CHUNK * 2)
-        finally:
-            os.umask(old)
-        os.chmod(self.path, 0o600)
+        self.server = await control_socket.listen_private(self.path, self._client, limit=CHUNK * 2)
         log.info("initiator listening", socket=self.path)
 
     async def stop(self) -> None:
@@ -65,8 +55,7 @@ class InitiatorDaemon:
             await ctrl.close()
             log.info("disconnected", name=name)
         self.connections.clear()
-        if os.path.exists(self.path):
-            os.unlink(self.path)
+        control_socket.remove(self.path)
 
     def find(self, name: str) -> Controller:
         """A connection by its name, or by its subsystem NQN when that is unambiguous."""
@@ -82,39 +71,19 @@ class InitiatorDaemon:
     # -- request loop ---------------------------------------------------------------------------------
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await reader.readline()
-            if not line:
-                return
-            try:
-                req = json.loads(line)
-                op = req.pop("op")
-            except (ValueError, KeyError, AttributeError):
-                raise RequestError("malformed request") from None
+        async def dispatch(op: str, req: dict[str, Any]) -> dict[str, Any] | None:
             if op == "read":
                 await self.op_read(writer, **req)
-            elif op == "write":
+                return None
+            if op == "write":
                 await self.op_write(reader, writer, **req)
-            elif op in self.handlers:
-                reply = await self.handlers[op](**req) or {}
-                writer.write(json.dumps({"ok": True, **reply}).encode() + b"\n")
-            else:
+                return None
+            handler = self.handlers.get(op)
+            if handler is None:
                 raise RequestError(f"unknown request {op!r}")
-        except (RequestError, ConnectError, NvmeError, QueueLost, ValueError, TimeoutError) as exc:
-            writer.write(json.dumps({"ok": False, "error": str(exc)}).encode() + b"\n")
-        except TypeError as exc:
-            writer.write(json.dumps({"ok": False, "error": f"bad request: {exc}"}).encode() + b"\n")
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        except Exception as exc:  # the daemon keeps serving whatever one request does
-            log.exception("request failed")
-            writer.write(json.dumps({"ok": False, "error": f"internal error: {exc}"}).encode() + b"\n")
-        finally:
-            try:
-                await writer.drain()
-                writer.close()
-            except ConnectionError:
-                pass
+            return await handler(**req) or {}
+
+        await control_socket.serve_request(reader, writer, dispatch, (ConnectError, NvmeError, QueueLost), log)
 
     # -- operations -----------------------------------------------------------------------------------
 
@@ -144,6 +113,13 @@ class InitiatorDaemon:
 
     async def op_list(self) -> dict[str, Any]:
         return {"connections": [{"name": n, **self._describe(n, c)} for n, c in self.connections.items()]}
+
+    async def op_counters(self) -> dict[str, Any]:
+        """Each connection's cumulative I/O counters (blockd.iostats), with the monotonic time
+        they were read at: ``blockctl iostat --initiator`` makes intervals of two."""
+        return {"time_ns": time.monotonic_ns(),
+                "connections": [{"name": n, "nqn": c.params.subnqn, "cntlid": c.cntlid,
+                                 **c.counters.snapshot()} for n, c in self.connections.items()]}
 
     def _describe(self, name: str, ctrl: Controller) -> dict[str, Any]:
         p = ctrl.params

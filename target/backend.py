@@ -58,6 +58,11 @@ class Backend(Protocol):
     async def write_zeroes(self, offset: int, length: int) -> None:
         """Zero a range."""
 
+    def resize(self, size: int | None) -> int:
+        """Make the capacity ``size`` bytes (None: what the storage holds now, after it grew
+        outside the target) and return it. Growing adds zeroes; the caller has made sure no
+        host uses what a shrink takes away."""
+
     def close(self) -> None:
         """Release the storage; further calls are errors."""
 
@@ -87,16 +92,32 @@ class FileBackend:
         self.fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
         st = os.fstat(self.fd)
         self.is_block_device = stat.S_ISBLK(st.st_mode)
+        try:
+            self.size = 0
+            self.resize(None if self.is_block_device else size)  # a device is its own size
+        except ValueError:
+            os.close(self.fd)
+            raise
+
+    def resize(self, size: int | None) -> int:
+        """A block device is as large as the kernel says (``size`` must match or be None); a
+        file grows to ``size`` (sparse) unless read-only, and never shrinks on disk: a smaller
+        namespace leaves the bytes past its end alone."""
         if self.is_block_device:
-            buf = fcntl.ioctl(self.fd, _BLKGETSIZE64, b"\0" * 8)
-            self.size = struct.unpack("<Q", buf)[0]
-        else:
-            if size is not None and st.st_size < size and not read_only:
-                os.ftruncate(self.fd, size)
-            self.size = size if size is not None else st.st_size
-            if os.fstat(self.fd).st_size < self.size:
-                os.close(self.fd)
-                raise ValueError(f"{path} is smaller than the configured size {self.size}")
+            actual = struct.unpack("<Q", fcntl.ioctl(self.fd, _BLKGETSIZE64, b"\0" * 8))[0]
+            if size is not None and size != actual:
+                raise ValueError(f"{self.path} is a block device of {actual} bytes, not {size}")
+            self.size = actual
+            return actual
+        actual = os.fstat(self.fd).st_size
+        if size is not None and actual < size and not self.read_only:
+            os.ftruncate(self.fd, size)
+            actual = size
+        new = size if size is not None else actual
+        if actual < new:
+            raise ValueError(f"{self.path} is smaller than the configured size {new}")
+        self.size = new
+        return new
 
     async def read_into(self, offset: int, buf: memoryview) -> None:
         got = os.preadv(self.fd, [buf], offset)
@@ -152,6 +173,13 @@ class MemoryBackend:
         self.size = size
         self.read_only = read_only
         self.data = bytearray(size)
+
+    def resize(self, size: int | None) -> int:
+        if size is not None:
+            if size > len(self.data):
+                self.data.extend(bytes(size - len(self.data)))
+            self.size = size
+        return self.size
 
     async def read_into(self, offset: int, buf: memoryview) -> None:
         buf[:] = self.data[offset:offset + len(buf)]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from blockd.iostats import IoCounters
 from protocol.constants import (
     CC_EN, CC_SHN_MASK, CSTS_CFS, CSTS_RDY, CSTS_SHST_COMPLETE, CTRATT_HOST_ID_128, CTRATT_TBKAS, DISCOVERY_NQN,
     OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, ONCS_DSM, ONCS_WRITE_ZEROES, AdminOpcode, Cns, FeatureId, IoOpcode,
@@ -118,6 +119,10 @@ class Controller:
         attribute store per command, where a timestamp would be a clock call per command)."""
         self.restart_keep_alive()
         self.dead = False
+        self.connected_ns = time.time_ns()
+        """Wall-clock time of the admin Connect (shown as "connected since")."""
+        self.counters = IoCounters()
+        """This host's I/O commands on this controller (every I/O queue adds here)."""
         self._namespaces = subsystem.namespaces
         self.admin_commands: CommandTable = {
             AdminOpcode.KEEP_ALIVE: (_no_data, self._keep_alive),
@@ -446,6 +451,10 @@ class Controller:
         ns = self._namespaces.get(req.nsid)
         if ns is None:
             return _INVALID_NS
+        # Held from here, refused or not, until it completes (TargetQueue._complete), so a
+        # refused command also counts on its namespace (blockd.iostats).
+        req.ns = ns
+        ns.in_flight += 1
         fields = req.fields
         nlb = fields[IO_NLB]
         if fields[IO_SLBA] + nlb + 1 > ns.blocks:
@@ -454,11 +463,7 @@ class Controller:
         if opc != _READ and ns.backend.read_only:  # not ns.read_only: a property call per write
             return _WRITE_PROTECTED
         expected = 0 if opc == _WRITE_ZEROES else (nlb + 1) << ns.lba_shift
-        if req.length != expected:
-            return _BAD_LENGTH
-        req.ns = ns
-        ns.in_flight += 1  # released when the command completes (TargetQueue._complete)
-        return _SUCCESS
+        return _BAD_LENGTH if req.length != expected else _SUCCESS
 
     def _check_write_zeroes(self, req: Request) -> int:
         status = self._check_rw(req)
@@ -476,15 +481,14 @@ class Controller:
         return _SUCCESS
 
     def _check_dsm(self, req: Request) -> int:
-        ns = self._namespaces.get(req.nsid)
+        ns = req.ns = self._namespaces.get(req.nsid)
         if ns is None:
             return _INVALID_NS
+        ns.in_flight += 1  # held until it completes, refused or not (as _check_rw)
         if ns.read_only:
             return _WRITE_PROTECTED
         if req.length < _dsm_ranges(req) * DSM_RANGE_FAST.size or req.direction is not Direction.HOST_TO_CONTROLLER:
             return _BAD_LENGTH
-        req.ns = ns
-        ns.in_flight += 1
         return _SUCCESS
 
     async def _read(self, req: Request) -> None:

@@ -55,5 +55,8 @@ class BackendFilter:
     async def write_zeroes(self, offset: int, length: int) -> None:
         await self.inner.write_zeroes(offset, length)
 
+    def resize(self, size: int | None) -> int:
+        return self.inner.resize(size)
+
     def close(self) -> None:
         self.inner.close()

@@ -12,8 +12,9 @@ owns the request's life (states in :mod:`target.request`):
 3. run the handler at once (:func:`blockd.eager.start`); only a command that really waits (an
    fsync, a slow backend, an AER) becomes a Task, tracked here and in ``Target.tasks`` for
    shutdown;
-4. build the completion and hand it to the transport's ``queue_response``, which reports it
-   sent with :meth:`TargetQueue.response_sent`.
+4. build the completion, count an I/O command on its host and namespace (:mod:`blockd.iostats`)
+   and hand the response to the transport's ``queue_response``, which reports it sent with
+   :meth:`TargetQueue.response_sent`.
 
 The queue opens no socket; with a backend that completes at once (``MemoryBackend``) a whole
 command runs inside ``submit`` without an event loop.
@@ -21,11 +22,13 @@ command runs inside ``submit`` without an event loop.
 
 from __future__ import annotations
 
+from time import monotonic_ns
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 import structlog
 
 from blockd import eager
+from blockd.iostats import KIND_BY_OPCODE, IoCounters
 from protocol.auth import AUTH_COMMAND, SECP_DHCHAP, SPSP_DHCHAP
 from protocol.constants import PSDT_SGL, AdminOpcode, FabricsType, SglId
 from protocol.fabrics import (
@@ -126,6 +129,9 @@ class TargetQueue:
         self.locked = False
         """Every command but Connect and Authentication Send/Receive is refused: the host has
         a secret and this queue has not authenticated (or its authentication failed)."""
+        self.counters: IoCounters | None = None
+        """The host's counters once this is a connected I/O queue (admin commands are not
+        counted: they are the host's housekeeping, not its load)."""
         self.tasks: set[asyncio.Task[None]] = set()
         """This queue's commands that wait (a transport tearing down waits for them)."""
         self._data_sgl_ids = info.data_sgl_ids
@@ -147,7 +153,7 @@ class TargetQueue:
                transport_ctx: object = None) -> None:
         """Take one command capsule and drive the command as far as it goes now."""
         fields = _unpack_command(sqe)
-        req = Request(bytes(sqe[:SQE_SIZE]), fields, transport_ctx)
+        req = Request(bytes(sqe[:SQE_SIZE]), fields, transport_ctx, monotonic_ns())
         self.in_flight += 1
         if fields[IO_FLAGS] & FLAGS_PSDT_FUSE_MASK != PSDT_SGL:
             self._fail(req, _INVALID_FIELD)
@@ -242,7 +248,7 @@ class TargetQueue:
     def capsule_data_failed(self, sqe: bytes | memoryview, transport_ctx: object = None) -> None:
         """A command arrived with corrupt in-capsule data (data digest): it fails with Data
         Transfer Error (NVMe/TCP 7.4.6) and the queue carries on."""
-        req = Request(bytes(sqe[:SQE_SIZE]), _unpack_command(sqe), transport_ctx)
+        req = Request(bytes(sqe[:SQE_SIZE]), _unpack_command(sqe), transport_ctx, monotonic_ns())
         self.in_flight += 1
         self._fail(req, Status.DATA_TRANSFER_ERROR)
 
@@ -285,12 +291,36 @@ class TargetQueue:
             self.sqhd = (self.sqhd + 1) % (self.sqsize + 1)
         req.set_state(_COMPLETING)
         ns = req.ns
+        counters = self.counters
+        if counters is not None:
+            # Integer adds into lists that exist already; one bit_length picks the bucket.
+            elapsed = monotonic_ns() - req.start_ns
+            kind = KIND_BY_OPCODE[req.opcode]
+            length = req.length
+            bucket = (elapsed >> 10).bit_length()
+            counters.ops[kind] += 1
+            counters.bytes[kind] += length
+            counters.latency_ns += elapsed
+            counters.buckets[bucket] += 1
+            if ns is not None:
+                counters = ns.counters
+                counters.ops[kind] += 1
+                counters.bytes[kind] += length
+                counters.latency_ns += elapsed
+                counters.buckets[bucket] += 1
+            if status:
+                self._count_error(req, status)
         if ns is not None:
             ns.in_flight -= 1
             if ns.removed:
                 self.target.namespace_released(ns)
         req.cqe = _pack_cqe(req.dw0, req.dw1, self.sqhd, self.qid or 0, req.cid, to_wire(status))
         self._queue_response(req)
+
+    def _count_error(self, req: Request, status: int) -> None:
+        self.counters.add_error(status)
+        if req.ns is not None:
+            req.ns.counters.add_error(status)
 
     def close(self) -> None:
         """The connection is gone: detach from the controller."""
@@ -349,6 +379,7 @@ class TargetQueue:
             self.sqhd_disabled = bool(fields.cattr & CATTR_DISABLE_SQFLOW)
             if qid:  # I/O queues take the transport's (larger) in-capsule data from now on
                 self.inline_size = self.transport.info.io_inline
+                self.counters = ctrl.counters
             auth = ctrl.subsystem.auth.get(data.hostnqn)
             if auth is not None:
                 self.auth = QueueAuth(auth, data.hostnqn, data.subnqn)

@@ -72,9 +72,9 @@ class Request:
 
     __slots__ = ("cid", "opcode", "nsid", "sqe", "fields", "state", "direction", "length",
                  "sgl_id", "sgl_address", "sgl_key", "data", "reply", "buffer", "status", "dw0",
-                 "dw1", "cqe", "execute", "ns", "transport_ctx")
+                 "dw1", "cqe", "execute", "ns", "transport_ctx", "start_ns")
 
-    def __init__(self, sqe: bytes, fields: tuple[int, ...], transport_ctx: Any) -> None:
+    def __init__(self, sqe: bytes, fields: tuple[int, ...], transport_ctx: Any, start_ns: int) -> None:
         self.sqe = sqe
         self.fields = fields
         """The SQE unpacked as :data:`protocol.nvme.IO_COMMAND`."""
@@ -106,6 +106,8 @@ class Request:
         """The namespace an I/O command addresses, looked up once at parsing."""
         self.transport_ctx = transport_ctx
         """Whatever the transport needs to remember (R2T tag, RDMA slot…)."""
+        self.start_ns = start_ns
+        """``monotonic_ns`` when the queue took the capsule: the start of its counted latency."""
 
     def set_state(self, new: RequestState) -> None:
         """Move to ``new``; :class:`IllegalTransition` if the table does not allow it."""

@@ -7,11 +7,16 @@ subsystems and namespaces that did not change keep their connections.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from typing import Any, Iterator
 
 import structlog
 
 from blockd.config import NamespaceConfig, PortConfig, SubsystemConfig, TargetConfig
+from blockd.control_socket import RequestError
 from target.backend import FileBackend
+from target.control import ControlServer
+from target.metrics import MetricsServer
 from target.subsystem import Namespace, Subsystem
 from target.target import PortInfo, Target
 from target.transport import Listener, listen
@@ -23,6 +28,12 @@ DRAIN_TIMEOUT = 30.0
 
 def _port_info(p: PortConfig) -> PortInfo:
     return PortInfo(p.port_id, p.transport, p.address, str(p.port))
+
+
+def _resized_only(before: NamespaceConfig, after: NamespaceConfig | None) -> bool:
+    """``after`` is ``before`` but for its size, or both leave the size to the file."""
+    return after is not None and (
+        dataclasses.replace(before, size=after.size) == after and (before.size != after.size or after.size is None))
 
 
 def _open_namespace(sub: Subsystem, nc: NamespaceConfig) -> Namespace:
@@ -45,9 +56,23 @@ class TargetService:
         self.config = config
         self.target = Target(max_io_queues=config.max_io_queues, limits=config.limits)
         self.listeners: dict[int, Listener] = {}
+        self.control: ControlServer | None = (
+            ControlServer(self, config.control_socket) if config.control_socket else None)
+        """The control socket (``blockctl target ...``); its path is not reloadable."""
+        self.metrics: MetricsServer | None = (
+            MetricsServer(self.target, config.metrics.address, config.metrics.port)
+            if config.metrics is not None else None)
+        """The Prometheus endpoint; its address is not reloadable."""
+        if self.control is not None:
+            self.control.add_verb("resize", self.op_resize)
 
     async def start(self) -> None:
-        """Open every namespace, then listen on every port (the service is then ready)."""
+        """Open every namespace, then listen on every port (the service is then ready); the
+        control socket and the metrics endpoint open first, so a failing port can be looked at."""
+        if self.control is not None:
+            await self.control.start()
+        if self.metrics is not None:
+            await self.metrics.start()
         for sc in self.config.subsystems:
             self._add_subsystem(sc)
         for pc in self.config.ports:
@@ -85,8 +110,15 @@ class TargetService:
         self.target.add_subsystem(sub)
 
     async def reload(self, new: TargetConfig) -> None:
-        """Apply ``new``: only what changed is touched."""
+        """Apply ``new``: only what changed is touched. A namespace whose size alone changed
+        (or whose file grew, when the configuration gives no size) is resized in place, its
+        hosts told by an event; a refused resize refuses the whole reload before any change."""
         old = self.config
+        for sub, nc in self._resizes(old, new):
+            try:
+                self.target.check_resize(sub, nc.nsid, nc.size)
+            except ValueError as exc:
+                raise RuntimeError(str(exc)) from None
         old_ports = {p.port_id: p for p in old.ports}
         new_ports = {p.port_id: p for p in new.ports}
         for pid, pc in old_ports.items():
@@ -104,11 +136,28 @@ class TargetService:
                 log.info("subsystem added", nqn=nqn)
             elif before != sc:
                 self._update_subsystem(before, sc)
+        self._apply_resizes(old, new)
         for pid, pc in new_ports.items():
             if old_ports.get(pid) != pc:
                 await self._add_port(pc)
+        if (new.control_socket, new.metrics) != (old.control_socket, old.metrics):
+            log.warning("[control] and [metrics] changes take effect at the next start")
         self.config = new
         log.info("configuration reloaded", status=self.describe())
+
+    def _resizes(self, old: TargetConfig, new: TargetConfig) -> Iterator[tuple[Subsystem, NamespaceConfig]]:
+        """Namespaces that stay and may change size: only ``size`` differs, or it is not
+        configured (the file's own size, which may have grown)."""
+        old_subs = {s.nqn: s for s in old.subsystems}
+        for sc in new.subsystems:
+            before = old_subs.get(sc.nqn)
+            if before is None:
+                continue
+            old_ns = {n.nsid: n for n in before.namespaces}
+            for nc in sc.namespaces:
+                was = old_ns.get(nc.nsid)
+                if was is not None and _resized_only(was, nc):
+                    yield self.target.subsystems[sc.nqn], nc
 
     def _update_subsystem(self, before: SubsystemConfig, after: SubsystemConfig) -> None:
         sub = self.target.subsystems[after.nqn]
@@ -120,13 +169,33 @@ class TargetService:
         old_ns = {n.nsid: n for n in before.namespaces}
         new_ns = {n.nsid: n for n in after.namespaces}
         for nsid, nc in old_ns.items():
-            if new_ns.get(nsid) != nc:
+            if new_ns.get(nsid) != nc and not _resized_only(nc, new_ns.get(nsid)):
                 self.target.remove_namespace(sub, nsid)
                 log.info("namespace removed", nqn=sub.nqn, nsid=nsid)
         for nsid, nc in new_ns.items():
-            if old_ns.get(nsid) != nc:
+            if old_ns.get(nsid) is None or old_ns[nsid] != nc and not _resized_only(old_ns[nsid], nc):
                 self.target.add_namespace(sub, _open_namespace(sub, nc))
                 log.info("namespace added", nqn=sub.nqn, nsid=nsid, path=nc.path)
+
+    def _apply_resizes(self, old: TargetConfig, new: TargetConfig) -> None:
+        for sub, nc in self._resizes(old, new):
+            try:
+                self.target.resize_namespace(sub, nc.nsid, nc.size)
+            except (ValueError, OSError) as exc:  # the file changed under us: keep the rest
+                log.error("namespace not resized", nqn=sub.nqn, nsid=nc.nsid, error=str(exc))
+
+    async def op_resize(self, nqn: str, nsid: int, size: int | None = None) -> dict[str, Any]:
+        """Control verb ``resize``: the namespace's new size in bytes (None: its file's size
+        now). The configuration file is not rewritten: give the size there too, or a reload
+        brings the old one back."""
+        sub = self.target.subsystems.get(nqn)
+        if sub is None or sub.is_discovery:
+            raise RequestError(f"no subsystem {nqn!r}")
+        try:
+            old, new = self.target.resize_namespace(sub, nsid, size)
+        except (ValueError, OSError) as exc:
+            raise RequestError(str(exc)) from None
+        return {"nqn": nqn, "nsid": nsid, "old_size": old, "size": new}
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight commands finish, tear down, flush, close files."""
@@ -141,4 +210,8 @@ class TargetService:
             if not_done:
                 log.warning("commands still running after the drain timeout", count=len(not_done))
         await self.target.close()
+        if self.metrics is not None:
+            await self.metrics.stop()
+        if self.control is not None:
+            await self.control.stop()
         log.info("target stopped")

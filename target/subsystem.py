@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from blockd.config import HostAuthConfig
+from blockd.iostats import IoCounters
 from protocol.constants import DISCOVERY_NQN
 from target.backend import Backend
 
@@ -25,6 +26,8 @@ class Namespace:
     block_size: int = 512
     subsystem_nqn: str = ""
     path: str = ""
+    counters: IoCounters = field(default_factory=IoCounters, compare=False, repr=False)
+    """Every host's I/O commands on this namespace."""
     in_flight: int = field(default=0, init=False, repr=False, compare=False)
     """Commands parsed against this namespace and not yet completed: the backend stays open
     while any holds it (as nvmet's per-namespace ``ns->ref``). The core counts them, not the

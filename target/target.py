@@ -61,6 +61,8 @@ class Target:
         self.genctr = 1
         self._next_cntlid = 1
         self._reaper: asyncio.Task[None] | None = None
+        self.keep_alive_expiries = 0
+        """Controllers torn down because their host went silent (a metric)."""
         self.tasks: set[asyncio.Task[None]] = set()
         """Commands that wait (an fsync, a slow backend, an AER), on every queue: drained at
         shutdown."""
@@ -102,6 +104,50 @@ class Target:
         ns = sub.namespaces.pop(nsid)
         self._retire(ns)
         self._ns_changed(sub, nsid)
+
+    def check_resize(self, sub: Subsystem, nsid: int, size: int | None) -> None:
+        """Refuse (ValueError, the message for the user) a size the namespace cannot take now:
+        not whole blocks, or smaller while a host is connected to its subsystem (a host may
+        have data or a file system past the new end; nvmet leaves this to the administrator,
+        we refuse it)."""
+        ns = sub.namespaces.get(nsid)
+        if ns is None:
+            raise ValueError(f"{sub.nqn} has no namespace {nsid}")
+        if size is None:
+            return
+        if size <= 0 or size % ns.block_size:
+            raise ValueError(f"{sub.nqn} namespace {nsid}: size {size} is not a positive multiple "
+                             f"of the block size {ns.block_size}")
+        if size < ns.backend.size and self._users(sub, ns):
+            raise ValueError(
+                f"{sub.nqn} namespace {nsid}: will not shrink from {ns.backend.size} to {size} "
+                f"bytes while {self._users(sub, ns)} host(s) are connected (data past the new end "
+                f"may be in use); disconnect them first")
+
+    def _users(self, sub: Subsystem, ns: Namespace) -> int:
+        """Hosts connected to ``sub`` (1 at least while a command still holds ``ns``)."""
+        return max(sum(c.subsystem is sub for c in self.controllers.values()), bool(ns.in_flight))
+
+    def resize_namespace(self, sub: Subsystem, nsid: int, size: int | None) -> tuple[int, int]:
+        """Give namespace ``nsid`` a new capacity (None: its storage's current size, after the
+        file grew) and tell every connected host with a Namespace Attribute Changed event and
+        the Changed Namespace List, as nvmet's ``nvmet_ns_revalidate``; Identify Namespace
+        reads the new size at once. Returns (old size, new size)."""
+        self.check_resize(sub, nsid, size)
+        ns = sub.namespaces[nsid]
+        old = ns.backend.size
+        new = ns.backend.resize(size)
+        if new % ns.block_size:
+            ns.backend.resize(old)
+            raise ValueError(f"{sub.nqn} namespace {nsid}: {ns.path} is {new} bytes, not whole "
+                             f"{ns.block_size}-byte blocks")
+        if new < old and self._users(sub, ns):
+            ns.backend.resize(old)  # the file shrank under us: serve the old size (zeroes back)
+            raise ValueError(f"{sub.nqn} namespace {nsid}: {ns.path} shrank to {new} bytes while in use")
+        if new != old:
+            log.info("namespace resized", nqn=sub.nqn, nsid=nsid, old=old, new=new)
+            self._ns_changed(sub, nsid)
+        return old, new
 
     def _retire(self, ns: Namespace) -> None:
         ns.removed = True
@@ -242,6 +288,7 @@ class Target:
             now = time.monotonic()
             for ctrl in list(self.controllers.values()):
                 if ctrl.keep_alive_expired(now):
+                    self.keep_alive_expiries += 1
                     ctrl.shutdown("keep-alive timeout")
 
     async def close(self) -> None:

@@ -1,4 +1,5 @@
-"""``blockctl``: discover targets and drive the initiator daemon's connections.
+"""``blockctl``: discover targets and drive the initiator daemon's connections; look at a
+running target (``blockctl target ...``, ``blockctl iostat``: :mod:`blockd.cli.targetctl`).
 
 Connection flags follow nvme-cli (-t/-a/-s/-n/-q/-i/-Q/-k/-l/-g/-G) and come from the one
 declaration of the connect parameters, ``initiator.params.ConnectParams``. Every user mistake ends in one line
@@ -16,6 +17,7 @@ import sys
 import time
 from typing import Any, BinaryIO, Iterator
 
+from blockd.cli import targetctl
 from initiator.control import CHUNK, ControlClient, ControlError
 from initiator.params import CONNECT_OPTIONS, OPTIONS_BY_KEY, ConnectOption
 from protocol.constants import DEFAULT_IO_PORT, DEFAULT_TCP_DISCOVERY_PORT
@@ -99,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     n = sub.add_parser("id-ns", help="Identify Namespace")
     n.add_argument("name")
     n.add_argument("-N", "--nsid", type=int, default=1)
+    targetctl.add_parsers(sub)
     return parser
 
 
@@ -367,6 +370,7 @@ COMMANDS = {
     "discover": cmd_discover, "connect": cmd_connect, "disconnect": cmd_disconnect,
     "list": cmd_list, "read": cmd_read, "write": cmd_write, "id-ctrl": cmd_id_ctrl,
     "id-ns": cmd_id_ns, "mount": cmd_mount, "umount": cmd_umount, "mounts": cmd_mounts,
+    "target": targetctl.cmd_target, "iostat": targetctl.cmd_iostat,
 }
 
 

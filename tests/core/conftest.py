@@ -57,9 +57,14 @@ def sub(nqn: str = NQN, namespaces: list[dict[str, Any]] | None = None, **kw: An
     return d
 
 
-def config(ports: list[int], subsystems: list[dict[str, Any]]) -> Any:
+def config(ports: list[int], subsystems: list[dict[str, Any]], control: str = "",
+           metrics: dict[str, Any] | None = None) -> Any:
+    """A target configuration; no control socket unless ``control`` names one (tests run side
+    by side and must not share the default path)."""
     raw = {"port": [{"transport": "tcp", "address": "127.0.0.1", "port": p} for p in ports],
-           "subsystem": subsystems}
+           "subsystem": subsystems, "control": {"socket": control}}
+    if metrics is not None:
+        raw["metrics"] = metrics
     return parse(raw, "test")
 
 

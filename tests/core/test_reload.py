@@ -173,7 +173,12 @@ def test_resize_namespace_with_writes_in_flight(tmp_path: Path) -> None:
             await service.reload(after)
             await asyncio.wait_for(changed.wait(), 5)
             assert host.namespaces[1].blocks == last + 1
-            await release(gated, tasks)
+            # grown in place (only the size changed): the held writes finish on the same,
+            # still open backend
+            gated.gate.set()
+            await asyncio.gather(*tasks)
+            assert service.target.subsystems[NQN].namespaces[1].backend is gated
+            assert not gated.closed
             # the grown namespace: its new end is writable, the held writes read back
             await host.write(1, last, b"\x11" * 512)
             assert await host.read(1, last, 1) == b"\x11" * 512

@@ -55,6 +55,8 @@ class Stack:
         self.port = free_port()
         self.backing = Path(backing) if backing else self.dir / "vol.img"
         self.socket = self.dir / "initiator.sock"
+        self.target_socket = self.dir / "target.sock"
+        """The target's control socket (its own, not the system's default path)."""
         self.mnt = self.dir / "mnt"
         self.file = self.mnt / "ns1"
         self.target: subprocess.Popen | None = None
@@ -67,6 +69,9 @@ class Stack:
         cfg.write_text(f"""
 [logging]
 level = "{self.log_level}"
+
+[control]
+socket = "{self.target_socket}"
 
 [[port]]
 transport = "tcp"

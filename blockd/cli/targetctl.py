@@ -1,0 +1,194 @@
+"""``blockctl target ...`` and ``blockctl iostat``: look at a running target through its
+control socket (:mod:`target.control`), or with ``iostat --initiator`` at the initiator
+daemon's connections.
+
+Human tables by default, the control socket's own JSON with ``--json``. An entry point on top
+of the layers, as the rest of ``blockd/cli/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Callable
+
+from blockd.config import parse_size
+from blockd.iostats import interval
+from initiator.control import ControlClient
+from target.control import counters_interval, socket_path
+
+
+def add_parsers(sub: Any) -> None:
+    """``target`` (with its verbs) and ``iostat`` on blockctl's subcommand parser."""
+    t = sub.add_parser("target", help="look at a running target (its control socket)")
+    t.add_argument("--target-socket", help="target control socket (default $BLOCKD_TARGET_SOCKET "
+                                           "or /run/blockd/target.sock)")
+    verbs = t.add_subparsers(dest="verb", required=True)
+    for verb, helptext in (("status", "ports, namespaces and connected hosts"),
+                           ("hosts", "connected hosts: NQN, controller, peer, queues, keep-alive"),
+                           ("namespaces", "namespaces: size, block size, backend, read-only"),
+                           ("stats", "per-namespace and per-host counters over an interval")):
+        v = verbs.add_parser(verb, help=helptext)
+        v.add_argument("--json", action="store_true", help="the control socket's JSON reply")
+        if verb == "stats":
+            v.add_argument("-i", "--interval", type=float, default=1.0, help="seconds (default 1)")
+
+    r = verbs.add_parser("resize", help="grow a namespace online (hosts are told at once); "
+                                        "shrinking is refused while hosts are connected")
+    r.add_argument("nqn", help="subsystem NQN")
+    r.add_argument("nsid", type=int)
+    r.add_argument("size", nargs="?", type=_size_arg, help="new size (e.g. 20GiB); default: the file's size now, "
+                                           "after you grew it")
+
+    io = sub.add_parser("iostat", help="per-second IOPS, MB/s and latency per namespace of a running "
+                                       "target (or per connection of the initiator daemon)")
+    io.add_argument("--target-socket", help="target control socket")
+    io.add_argument("--initiator", action="store_true",
+                    help="the initiator daemon's connections (its socket: blockctl --socket)")
+    io.add_argument("interval", nargs="?", type=_positive, default=1.0, help="seconds between reports (default 1)")
+    io.add_argument("count", nargs="?", type=int, help="reports to print (default: until interrupted)")
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be more than 0")
+    return value
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text, "size")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _call(args: argparse.Namespace, request: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+    with ControlClient(socket_path(args.target_socket), timeout=timeout, daemon="target") as client:
+        return client.call(request)
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    """Left-aligned columns, two spaces apart (numbers right-aligned)."""
+    cells = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [all(isinstance(r[i], (int, float)) for r in rows) and bool(rows) for i in range(len(headers))]
+    return "\n".join("  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric)).rstrip()
+                     for r in cells)
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and not n % (1 << (shift - 10)):
+            return f"{n / (1 << shift):g}{unit}"
+    return f"{n}B"
+
+
+def _ports_text(ports: list[dict[str, Any]]) -> str:
+    return _table(["PORT", "TRANSPORT", "ADDRESS"],
+                  [[p["id"], p["transport"], f"{p['address']}:{p['service']}"] for p in ports])
+
+
+def _namespaces_text(nss: list[dict[str, Any]]) -> str:
+    return _table(["SUBSYSTEM", "NSID", "SIZE", "BLOCK", "BACKEND", "RO", "PATH"],
+                  [[n["subsystem"], n["nsid"], _size(n["size"]), n["block_size"], n["backend"],
+                    "yes" if n["read_only"] else "no", n["path"]] for n in nss])
+
+
+def _hosts_text(hosts: list[dict[str, Any]]) -> str:
+    rows = []
+    for h in hosts:
+        io = [q for q in h["queues"] if q["qid"]]
+        depth = f"{len(io)}x{io[0]['depth']}" if io else "0"
+        rows.append([h["hostnqn"], h["cntlid"], h["subsystem"], h["peer"], h["transport"], depth,
+                     sum(q["in_flight"] for q in io), f"{h['keep_alive_ms'] / 1000:g}s", h["connected_since"]])
+    return _table(["HOST", "CNTLID", "SUBSYSTEM", "PEER", "TRANSPORT", "IOQ", "INFLIGHT", "KATO", "SINCE"], rows)
+
+
+def _stats_rows(entries: list[dict[str, Any]], first: Callable[[dict[str, Any]], list[Any]]) -> list[list[Any]]:
+    rows = []
+    for e in entries:
+        ops, nbytes = e["ops"], e["bytes"]
+        rows.append([*first(e), round(e["iops"]["read"], 1), round(e["iops"]["write"], 1),
+                     round(e["bytes_per_s"]["read"] / 1e6, 2), round(e["bytes_per_s"]["write"] / 1e6, 2),
+                     ops["flush"], ops["other"], round(e["mean_latency_us"], 1), round(e["p99_latency_us"], 1),
+                     ",".join(f"{k}:{v}" for k, v in e["errors"].items()) or "-"])
+    return rows
+
+
+_STATS_HEADERS = ["r/s", "w/s", "rMB/s", "wMB/s", "flush", "other", "lat_us", "p99_us", "errors"]
+
+
+def _stats_text(iv: dict[str, Any]) -> str:
+    return "\n\n".join([
+        _table(["SUBSYSTEM", "NSID", *_STATS_HEADERS],
+               _stats_rows(iv["namespaces"], lambda e: [e["subsystem"], e["nsid"]])),
+        _table(["HOST", "CNTLID", *_STATS_HEADERS],
+               _stats_rows(iv["hosts"], lambda e: [e["hostnqn"], e["cntlid"]])),
+    ])
+
+
+def cmd_target(args: argparse.Namespace) -> int:
+    if args.verb == "resize":
+        reply = _call(args, {"op": "resize", "nqn": args.nqn, "nsid": args.nsid, "size": args.size})
+        print(f"{reply['nqn']} namespace {reply['nsid']}: {_size(reply['old_size'])} -> {_size(reply['size'])}")
+        return 0
+    if args.verb == "stats":
+        reply = _call(args, {"op": "stats", "interval": args.interval}, timeout=args.interval + 30)
+    else:
+        reply = _call(args, {"op": args.verb})
+    reply.pop("ok", None)
+    if args.json:
+        json.dump(reply, sys.stdout, indent=2)
+        print()
+    elif args.verb == "status":
+        print(reply["status"])
+        print(f"\n{_ports_text(reply['ports'])}\n\n{_namespaces_text(reply['namespaces'])}\n\n"
+              f"{_hosts_text(reply['hosts'])}")
+    elif args.verb == "hosts":
+        print(_hosts_text(reply["hosts"]))
+    elif args.verb == "namespaces":
+        print(_namespaces_text(reply["namespaces"]))
+    else:
+        print(f"over {reply['interval']['seconds']:.2f}s:\n{_stats_text(reply['interval'])}")
+    return 0
+
+
+def _host_counters(args: argparse.Namespace) -> dict[str, Any]:
+    with ControlClient(args.socket, timeout=30) as client:
+        return client.call({"op": "counters"})
+
+
+def _host_table(before: dict[str, Any], after: dict[str, Any]) -> str:
+    seconds = (after["time_ns"] - before["time_ns"]) / 1e9
+    old = {c["name"]: c for c in before["connections"]}
+    rows = [{**c, **interval(old.get(c["name"]), c, seconds)} for c in after["connections"]]
+    return _table(["CONNECTION", "CNTLID", *_STATS_HEADERS], _stats_rows(rows, lambda e: [e["name"], e["cntlid"]]))
+
+
+def _target_table(before: dict[str, Any], after: dict[str, Any]) -> str:
+    iv = counters_interval(before, after)
+    return _table(["SUBSYSTEM", "NSID", *_STATS_HEADERS],
+                  _stats_rows(iv["namespaces"], lambda e: [e["subsystem"], e["nsid"]]))
+
+
+def cmd_iostat(args: argparse.Namespace) -> int:
+    """Like ``iostat -x INTERVAL [COUNT]``: one table per interval, per namespace of the target
+    (or per connection of the initiator daemon)."""
+    if args.initiator:
+        fetch, table = (lambda: _host_counters(args)), _host_table
+    else:
+        fetch, table = (lambda: _call(args, {"op": "counters"})), _target_table
+    before = fetch()
+    printed = 0
+    while args.count is None or printed < args.count:
+        time.sleep(args.interval)
+        after = fetch()
+        print(time.strftime("%H:%M:%S"))
+        print(table(before, after))
+        print(flush=True)
+        before = after
+        printed += 1
+    return 0
