@@ -1,204 +1,24 @@
-"""Target configuration (TOML): ports, subsystems, namespaces, allowed hosts.
+"""What the target's and the initiator's configuration files share: one error type worded for
+the person who wrote the file, TOML reading, sizes such as ``"64MiB"``, the checks of a table's
+keys and types, and the rule that a file holding secrets is not readable by others.
 
-Example::
-
-    [logging]
-    format = "console"        # or "json"
-    level = "info"
-
-    [target]
-    max_io_queues = 16
-    max_unsent = "4MiB"       # limits against a hostile host: see docs/security.md
-    r2t_budget = "16MiB"
-    r2t_budget_total = "256MiB"
-    hello_timeout = 5.0
-    pdu_timeout = 30.0
-    max_connections = 1024
-    max_connections_per_host = 128
-
-    [control]
-    socket = "/run/blockd/target.sock"   # root-only; "" turns the control socket off
-
-    [metrics]                 # Prometheus text format over HTTP (docs/operations.md)
-    enabled = false
-    address = "127.0.0.1"     # loopback unless you mean to expose it
-    port = 9469
-
-    [[port]]
-    id = 1                    # optional, defaults to the position (1, 2, ...)
-    transport = "tcp"         # or "rdma"
-    address = "127.0.0.1"
-    port = 4420
-
-    [[subsystem]]
-    nqn = "nqn.2026-11.io.blockd:vol1"
-    serial = "BLOCKD0001"
-    model = "blockd"
-    allow_any_host = false
-    hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]
-    ports = [1]               # optional: default every port
-
-    [[subsystem.host_auth]]   # DH-HMAC-CHAP for one host (docs/security.md, Authentication)
-    nqn = "nqn.2014-08.org.nvmexpress:uuid:..."     # allowed even if not in hosts
-    dhchap_key = "DHHC-1:01:...:"                   # the host's secret (nvme gen-dhchap-key)
-    dhchap_ctrl_key = "DHHC-1:00:...:"              # optional: the host authenticates us too
-    dhchap_hashes = ["sha256", "sha384", "sha512"]  # optional, preferred first
-    dhchap_dhgroups = ["ffdhe2048", "null"]         # optional, preferred first
-
-    [[subsystem.namespace]]
-    nsid = 1
-    path = "/var/lib/blockd/vol1.img"
-    size = "10GiB"            # files are created at this size when missing
-    block_size = 512          # or 4096
-    read_only = false
-
-Every mistake is reported as one :class:`ConfigError` line naming the offending entry. A file
-holding secrets must not be readable by others (mode o-r), or it is refused; the secrets
-themselves never appear in an error or a log line.
+Each end's own settings live with that end: :mod:`target.config` and :mod:`initiator.config`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import stat
 import tomllib
-from dataclasses import dataclass, field
 from typing import Any
-
-from blockd.dhchap_secret import Secret, SecretError, parse_secret
-from protocol.auth import DhGroup, HashId
-from protocol.constants import DEFAULT_IO_PORT, DISCOVERY_NQN
-from target.transport import DEFAULT_MAX_TRANSFER
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
-DEFAULT_CONTROL_SOCKET = "/run/blockd/target.sock"
-DEFAULT_METRICS_PORT = 9469
-"""blockd's exporter port (beside node_exporter's 9100 range; not taken in Prometheus's list
-of default ports)."""
-_NQN = re.compile(r"^nqn\.\d{4}-\d{2}\.[^:]+(:.+)?$")
 
 
 class ConfigError(ValueError):
     """A configuration mistake, worded for the person who made it."""
-
-
-@dataclass(frozen=True)
-class PortConfig:
-    port_id: int
-    transport: str
-    address: str
-    port: int
-
-
-@dataclass(frozen=True)
-class NamespaceConfig:
-    nsid: int
-    path: str
-    size: int | None
-    block_size: int = 512
-    read_only: bool = False
-
-
-HASH_NAMES = {"sha256": HashId.SHA256, "sha384": HashId.SHA384, "sha512": HashId.SHA512}
-DHGROUP_NAMES = {"null": DhGroup.NULL, "ffdhe2048": DhGroup.FFDHE2048,
-                 "ffdhe3072": DhGroup.FFDHE3072, "ffdhe4096": DhGroup.FFDHE4096,
-                 "ffdhe6144": DhGroup.FFDHE6144, "ffdhe8192": DhGroup.FFDHE8192}
-"""The names nvmet's configfs uses for ``dhchap_hash`` (without ``hmac()``) and ``dhchap_dhgroup``."""
-
-
-@dataclass(frozen=True)
-class HostAuthConfig:
-    """What the target requires of one host: its secret, the controller's secret when the host
-    may authenticate the controller, and the hashes and DH groups allowed, preferred first."""
-    secret: Secret
-    ctrl_secret: Secret | None
-    hashes: tuple[int, ...]
-    dh_groups: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SubsystemConfig:
-    nqn: str
-    serial: str
-    model: str
-    allow_any_host: bool
-    hosts: frozenset[str]
-    ports: frozenset[int] | None
-    namespaces: tuple[NamespaceConfig, ...]
-    host_auth: dict[str, HostAuthConfig] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class MetricsConfig:
-    address: str = "127.0.0.1"
-    port: int = DEFAULT_METRICS_PORT
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one host may make the target hold; docs/security.md says why each default."""
-
-    max_unsent: int = 4 << 20
-    """Replies a queue may have waiting to be sent (bytes) before it stops reading commands."""
-    r2t_budget: int = 16 << 20
-    """Write data buffers (asked for with R2T) one queue may hold; later writes wait."""
-    r2t_budget_total: int = 256 << 20
-    """The same over all queues of the daemon."""
-    hello_timeout: float = 5.0
-    """Seconds from accept until ICReq and Connect must have succeeded."""
-    pdu_timeout: float = 30.0
-    """Seconds one PDU may take to arrive once its first byte has."""
-    max_connections: int = 1024
-    """Connections open at once, over all ports; more are closed at accept."""
-    max_connections_per_host: int = 128
-    """Connections open at once from one source address."""
-
-
-_LIMIT_KINDS = {"max_unsent": "size", "r2t_budget": "size", "r2t_budget_total": "size",
-                "hello_timeout": "seconds", "pdu_timeout": "seconds",
-                "max_connections": "count", "max_connections_per_host": "count"}
-
-
-def _limits(table: dict[str, Any], where: str) -> Limits:
-    values: dict[str, Any] = {}
-    for key, kind in _LIMIT_KINDS.items():
-        if key not in table:
-            continue
-        if kind == "size":
-            values[key] = parse_size(table[key], f"{where} {key}")
-        elif kind == "seconds":
-            value = _take(table, key, (int, float), where)
-            if not 0 < value <= 3600:
-                raise ConfigError(f"{where}: {key} must be more than 0 and at most 3600 seconds")
-            values[key] = float(value)
-        else:
-            value = _take(table, key, int, where)
-            if value < 1:
-                raise ConfigError(f"{where}: {key} must be at least 1")
-            values[key] = value
-    # a budget smaller than the largest write could never let such a write through
-    if min(values.get("r2t_budget", Limits.r2t_budget),
-           values.get("r2t_budget_total", Limits.r2t_budget_total)) < DEFAULT_MAX_TRANSFER:
-        raise ConfigError(f"{where}: r2t_budget and r2t_budget_total must hold one largest write (1MiB)")
-    return Limits(**values)
-
-
-@dataclass(frozen=True)
-class TargetConfig:
-    ports: tuple[PortConfig, ...]
-    subsystems: tuple[SubsystemConfig, ...]
-    log_format: str = "console"
-    log_level: str = "info"
-    max_io_queues: int = 16
-    limits: Limits = Limits()
-    control_socket: str = DEFAULT_CONTROL_SOCKET
-    """The control socket's path; empty: none."""
-    metrics: MetricsConfig | None = None
-    """The Prometheus endpoint; None: off."""
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 def parse_size(value: int | str, where: str) -> int:
@@ -215,7 +35,9 @@ def parse_size(value: int | str, where: str) -> int:
     return size
 
 
-def _take(table: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str, default: Any = ...) -> Any:
+def take(table: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str, default: Any = ...) -> Any:
+    """``table[key]`` checked to be of ``kind`` (a bool is no int); ``default`` when missing, or
+    a ConfigError naming ``where`` when there is none."""
     if key not in table:
         if default is ...:
             raise ConfigError(f"{where}: missing '{key}'")
@@ -227,7 +49,8 @@ def _take(table: dict[str, Any], key: str, kind: type | tuple[type, ...], where:
     return value
 
 
-def _unknown(table: dict[str, Any], known: set[str], where: str) -> None:
+def unknown(table: dict[str, Any], known: set[str], where: str) -> None:
+    """A ConfigError naming the keys of ``table`` that are not ``known`` (a typo is not ignored)."""
     extra = set(table) - known
     if extra:
         raise ConfigError(f"{where}: unknown setting(s) {', '.join(sorted(extra))}")
@@ -244,151 +67,8 @@ def read_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: {exc}") from None
 
 
-def load(path: str) -> TargetConfig:
-    """Read and validate a target configuration file; one holding secrets must not be readable
-    by others."""
-    config = parse(read_toml(path), path)
-    if any(s.host_auth for s in config.subsystems):
-        refuse_readable_secrets(path)
-    return config
-
-
 def refuse_readable_secrets(path: str) -> None:
     """A file holding DH-HMAC-CHAP secrets must not be readable by others."""
     if os.stat(path).st_mode & stat.S_IROTH:
         raise ConfigError(f"{path} holds DH-HMAC-CHAP secrets but is readable by others "
                           f"(chmod o-r {path})")
-
-
-def _secret(table: dict[str, Any], key: str, where: str) -> Secret | None:
-    text = _take(table, key, str, where, None)
-    if text is None:
-        return None
-    try:
-        return parse_secret(text)
-    except SecretError as exc:  # the message never quotes the secret
-        raise ConfigError(f"{where}: {key}: {exc}") from None
-
-
-def _names(table: dict[str, Any], key: str, known: dict[str, int], where: str) -> tuple[int, ...]:
-    names = _take(table, key, list, where, list(known))
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise ConfigError(f"{where}: {key} must list some of {', '.join(known)}")
-    return tuple(known[n] for n in names)
-
-
-def _host_auth(entries: list[Any], where: str) -> dict[str, HostAuthConfig]:
-    result: dict[str, HostAuthConfig] = {}
-    for k, h in enumerate(entries):
-        hwhere = f"{where} host_auth #{k + 1}"
-        _unknown(h, {"nqn", "dhchap_key", "dhchap_ctrl_key", "dhchap_hashes", "dhchap_dhgroups"},
-                 hwhere)
-        nqn = _take(h, "nqn", str, hwhere)
-        secret = _secret(h, "dhchap_key", hwhere)
-        if secret is None:
-            raise ConfigError(f"{hwhere}: missing 'dhchap_key'")
-        if nqn in result:
-            raise ConfigError(f"{hwhere}: host {nqn} appears twice")
-        result[nqn] = HostAuthConfig(secret, _secret(h, "dhchap_ctrl_key", hwhere),
-                                     _names(h, "dhchap_hashes", HASH_NAMES, hwhere),
-                                     _names(h, "dhchap_dhgroups", DHGROUP_NAMES, hwhere))
-    return result
-
-
-def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
-    _unknown(raw, {"port", "subsystem", "logging", "target", "control", "metrics"}, source)
-    logging_t = _take(raw, "logging", dict, source, {})
-    _unknown(logging_t, {"format", "level"}, f"{source} [logging]")
-    log_format = _take(logging_t, "format", str, f"{source} [logging]", "console")
-    if log_format not in ("console", "json"):
-        raise ConfigError(f"{source} [logging]: format must be 'console' or 'json'")
-    target_t = _take(raw, "target", dict, source, {})
-    _unknown(target_t, {"max_io_queues", *_LIMIT_KINDS}, f"{source} [target]")
-    max_io_queues = _take(target_t, "max_io_queues", int, f"{source} [target]", 16)
-    if not 1 <= max_io_queues <= 1024:
-        raise ConfigError(f"{source} [target]: max_io_queues must be 1..1024")
-    limits = _limits(target_t, f"{source} [target]")
-    control_t = _take(raw, "control", dict, source, {})
-    _unknown(control_t, {"socket"}, f"{source} [control]")
-    control_socket = _take(control_t, "socket", str, f"{source} [control]", DEFAULT_CONTROL_SOCKET)
-    if control_socket and not control_socket.startswith("/"):
-        raise ConfigError(f"{source} [control]: socket must be an absolute path (or \"\" for none)")
-    metrics = _metrics(_take(raw, "metrics", dict, source, {}), f"{source} [metrics]")
-
-    ports: list[PortConfig] = []
-    for i, p in enumerate(_take(raw, "port", list, source, [])):
-        where = f"{source} port #{i + 1}"
-        _unknown(p, {"id", "transport", "address", "port"}, where)
-        transport = _take(p, "transport", str, where, "tcp")
-        if transport not in ("tcp", "rdma"):
-            raise ConfigError(f"{where}: transport must be 'tcp' or 'rdma', not {transport!r}")
-        address = _take(p, "address", str, where)
-        if transport == "rdma" and address in ("0.0.0.0", "::"):
-            raise ConfigError(f"{where}: RDMA ports must name a local address, not the wildcard {address}")
-        number = _take(p, "port", int, where, DEFAULT_IO_PORT)
-        if not 1 <= number <= 65535:
-            raise ConfigError(f"{where}: port {number} is out of range")
-        ports.append(PortConfig(_take(p, "id", int, where, i + 1), transport, address, number))
-    ids = [p.port_id for p in ports]
-    if len(set(ids)) != len(ids):
-        raise ConfigError(f"{source}: port ids must be unique")
-
-    subsystems: list[SubsystemConfig] = []
-    for i, s in enumerate(_take(raw, "subsystem", list, source, [])):
-        where = f"{source} subsystem #{i + 1}"
-        _unknown(s, {"nqn", "serial", "model", "allow_any_host", "hosts", "ports", "namespace",
-                     "host_auth"}, where)
-        nqn = _take(s, "nqn", str, where)
-        where = f"{source} subsystem {nqn}"
-        if not _NQN.match(nqn) or len(nqn.encode()) > 223 or nqn == DISCOVERY_NQN:
-            raise ConfigError(f"{where}: not a valid subsystem NQN (nqn.yyyy-mm.reverse.domain:name, at most 223 bytes)")
-        host_auth = _host_auth(_take(s, "host_auth", list, where, []), where)
-        hosts = _take(s, "hosts", list, where, []) + list(host_auth)
-        allow_any = _take(s, "allow_any_host", bool, where, not hosts)
-        sub_ports = _take(s, "ports", list, where, None)
-        if sub_ports is not None and not set(sub_ports) <= set(ids):
-            raise ConfigError(f"{where}: ports {sorted(set(sub_ports) - set(ids))} are not configured")
-        serial = _take(s, "serial", str, where, hashlib.sha1(nqn.encode()).hexdigest()[:20])
-        if len(serial) > 20 or not serial.isascii():
-            raise ConfigError(f"{where}: serial must be at most 20 ASCII characters")
-        model = _take(s, "model", str, where, "blockd")
-        if len(model) > 40 or not model.isascii():
-            raise ConfigError(f"{where}: model must be at most 40 ASCII characters")
-        namespaces = []
-        for j, n in enumerate(_take(s, "namespace", list, where, [])):
-            nwhere = f"{where} namespace #{j + 1}"
-            _unknown(n, {"nsid", "path", "size", "block_size", "read_only"}, nwhere)
-            nsid = _take(n, "nsid", int, nwhere, j + 1)
-            size = n.get("size")
-            block_size = _take(n, "block_size", int, nwhere, 512)
-            if block_size not in (512, 4096):
-                raise ConfigError(f"{nwhere}: block_size must be 512 or 4096")
-            size_b = parse_size(size, nwhere) if size is not None else None
-            if size_b is not None and size_b % block_size:
-                raise ConfigError(f"{nwhere}: size must be a multiple of the block size {block_size}")
-            namespaces.append(NamespaceConfig(nsid, _take(n, "path", str, nwhere), size_b,
-                                              block_size, _take(n, "read_only", bool, nwhere, False)))
-        nsids = [n.nsid for n in namespaces]
-        if len(set(nsids)) != len(nsids) or any(not 1 <= x < 0xFFFFFFFF for x in nsids):
-            raise ConfigError(f"{where}: namespace ids must be unique and between 1 and 4294967294")
-        subsystems.append(SubsystemConfig(nqn, serial, model, allow_any, frozenset(hosts),
-                                          frozenset(sub_ports) if sub_ports is not None else None,
-                                          tuple(namespaces), host_auth))
-    nqns = [s.nqn for s in subsystems]
-    if len(set(nqns)) != len(nqns):
-        raise ConfigError(f"{source}: subsystem NQNs must be unique")
-    return TargetConfig(tuple(ports), tuple(subsystems), log_format,
-                        _take(logging_t, "level", str, f"{source} [logging]", "info"), max_io_queues,
-                        limits, control_socket, metrics)
-
-
-def _metrics(table: dict[str, Any], where: str) -> MetricsConfig | None:
-    _unknown(table, {"enabled", "address", "port"}, where)
-    address = _take(table, "address", str, where, "127.0.0.1")
-    port = _take(table, "port", int, where, DEFAULT_METRICS_PORT)
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"{where}: port {port} is out of range")
-    if not _take(table, "enabled", bool, where, False):
-        return None
-    return MetricsConfig(address, port)

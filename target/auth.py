@@ -17,7 +17,7 @@ from blockd.dhchap import (
     DhError, DhExchange, augment, controller_response, dh_value_length, hash_length,
     host_response, next_seqnum, same,
 )
-from blockd.config import HostAuthConfig
+from target.config import HostAuthConfig
 from protocol.auth import (
     SC_C_NONE, AuthMessage, AuthMessageError, AuthType, FailureExplanation, build_challenge,
     build_failure, build_success1, parse_head, parse_negotiate, parse_reply,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import structlog
 
 from blockd import control_socket
-from blockd.config import DEFAULT_CONTROL_SOCKET
+from target.config import DEFAULT_CONTROL_SOCKET
 from blockd.control_socket import RequestError
 from blockd.iostats import interval
 

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import structlog
 
-from blockd.config import NamespaceConfig, PortConfig, SubsystemConfig, TargetConfig
+from target.config import NamespaceConfig, PortConfig, SubsystemConfig, TargetConfig
 from blockd.control_socket import RequestError
 from target.backend import FileBackend
 from target.control import ControlServer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from blockd.config import HostAuthConfig
+from target.config import HostAuthConfig
 from blockd.iostats import IoCounters
 from protocol.constants import DISCOVERY_NQN
 from target.backend import Backend

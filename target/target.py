@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from blockd.config import Limits
+from target.config import Limits
 from protocol.constants import (
     AEN_DISCOVERY_CHANGED, AEN_NS_ATTR_CHANGED, DISCOVERY_NQN, DYNAMIC_CNTLID,
     TREQ_SECURE_CHANNEL_NOT_SPECIFIED, TREQ_SQFLOW_DISABLE_SUPPORTED, AddressFamily, SubsystemType,

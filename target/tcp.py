@@ -65,7 +65,7 @@ class TcpTargetConnection(PduProtocol):
     Received data lands where it belongs: in-capsule data in a buffer of the command's own,
     H2CData in the write's request buffer (see :class:`PduReader`).
 
-    What a host can make it hold is bounded (issue 12, limits in :class:`blockd.config.Limits`):
+    What a host can make it hold is bounded (issue 12, limits in :class:`target.config.Limits`):
     nothing but the header staging before ICReq, in-capsule data only up to the queue's size,
     write buffers only for R2Ts sent within a per-queue and a global budget, and replies the
     host does not read only up to ``max_unsent``, after which the socket is not read."""

@@ -18,7 +18,8 @@ import structlog
 
 from blockd import eventloop
 from blockd import log as blog
-from blockd.config import ConfigError, load
+from blockd.config import ConfigError
+from target.config import load
 from blockd.sdnotify import Notifier
 
 log = structlog.get_logger("blockd")

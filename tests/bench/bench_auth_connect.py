@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from blockd.config import parse  # noqa: E402
+from target.config import parse  # noqa: E402
 from blockd.dhchap_secret import generate_secret  # noqa: E402
 from initiator.controller import ConnectParams, Controller  # noqa: E402
 from target.service import TargetService  # noqa: E402

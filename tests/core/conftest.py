@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from blockd.config import parse
+from target.config import parse
 from initiator.controller import ConnectParams, Controller
 from protocol.constants import SglId
 from protocol.fabrics import CONNECT_DATA

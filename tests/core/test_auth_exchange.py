@@ -12,7 +12,7 @@ import pytest
 from blockd.dhchap_secret import generate_secret
 from initiator.auth import AuthFailed, HostAuth
 from protocol.auth import AuthMessage, FailureExplanation, build_negotiate, parse_failure, parse_head
-from blockd.config import HostAuthConfig
+from target.config import HostAuthConfig
 from target.auth import QueueAuth
 
 HOST = "nqn.2014-08.org.nvmexpress:uuid:0c0c0c0c-1111-2222-3333-444455556666"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from blockd.config import ConfigError, load
+from target.config import ConfigError, load
 from blockd.dhchap_secret import generate_secret
 from initiator.controller import ConnectError, Controller
 from initiator.errors import NvmeError

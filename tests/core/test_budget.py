@@ -511,7 +511,7 @@ def test_command_slot_returns_only_once_the_response_has_left() -> None:
 # -- the limits as configuration -----------------------------------------------------------------------
 
 def test_limits_from_the_config_file() -> None:
-    from blockd.config import ConfigError, Limits, parse
+    from target.config import ConfigError, Limits, parse
 
     assert parse({}).limits == Limits()
     got = parse({"target": {"max_unsent": "8MiB", "r2t_budget": "2MiB", "r2t_budget_total": "1GiB",
