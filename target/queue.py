@@ -95,6 +95,7 @@ class TargetQueue:
         self.sqhd_disabled = False
         """The host disabled SQ flow control at Connect (CATTR bit 2)."""
         self.in_flight = 0
+        self._teardown: tuple[str, dict[str, str]] | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         """This queue's commands that wait (a transport tearing down waits for them)."""
         self._data_sgl_ids = info.data_sgl_ids
@@ -248,8 +249,19 @@ class TargetQueue:
         req.cqe = _pack_cqe(req.dw0, req.dw1, self.sqhd, self.qid or 0, req.cid, to_wire(status))
         self._queue_response(req)
 
+    def note_teardown(self, cause: str, **detail: str) -> None:
+        """Record why this queue goes away, for the one line :meth:`close` logs. The first cause
+        wins: what follows it (the transport closing, the controller shutting down) is its
+        consequence."""
+        if self._teardown is None:
+            self._teardown = (cause, detail)
+
     def close(self) -> None:
-        """The connection is gone: detach from the controller."""
+        """The connection is gone: say why, detach from the controller."""
+        cause, detail = self._teardown or ("connection closed", {})
+        log.info("queue torn down", peer=self.peer, transport=self.transport.info.name,
+                 qid=self.qid, cntlid=self.controller.cntlid if self.controller else None,
+                 cause=cause, **detail)
         if self.controller is not None:
             self.controller.queue_closed(self)
 

@@ -91,6 +91,10 @@ class TcpTargetConnection(PduProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.queue is not None:
+            if exc is None:
+                self.queue.note_teardown("peer disconnect")
+            else:
+                self.queue.note_teardown("connection error", error=str(exc))
             self.queue.close()
         self.r2t_pending.clear()
 
@@ -106,7 +110,7 @@ class TcpTargetConnection(PduProtocol):
                     elif ptype == PduType.IC_REQ and not self.initialized:
                         self._icreq(pdu.header)
                     elif ptype == PduType.H2C_TERM_REQ:
-                        log.info("host terminated the connection", peer=self.queue.peer)
+                        self.queue.note_teardown("peer terminated (H2CTermReq)")
                         self.close()
                         return
                     else:
@@ -219,14 +223,15 @@ class TcpTargetConnection(PduProtocol):
         queue.response_sent(req)
 
     def _terminate(self, exc: FramingError) -> None:
-        log.warning("closing connection after a framing error", peer=self.queue.peer,
-                    fes=exc.fes, fei=exc.fei, error=str(exc))
+        self.queue.note_teardown("framing error", fes=str(exc.fes), fei=str(exc.fei), error=str(exc))
         self.out.send([term_req(PduType.C2H_TERM_REQ, exc.fes, exc.fei, exc.header)])
         self.close()
 
     def close(self) -> None:
         """Send what is queued, then close."""
         if self.transport is not None and not self.transport.is_closing():
+            if self.queue is not None:
+                self.queue.note_teardown("local shutdown")
             self.out.flush()
             self.transport.close()
 
