@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
+import functools
 import ipaddress
 import os
 import socket
@@ -47,8 +48,8 @@ from typing import Any
 
 import structlog
 
-from blockd.rdma.abi import (SEND_SIGNALED, WR_RDMA_READ, WR_RDMA_WRITE, WR_SEND, WR_SEND_WITH_INV,
-                             wc_status_name)
+from blockd.rdma.abi import (SEND_SIGNALED, WC_WR_FLUSH_ERR, WR_RDMA_READ, WR_RDMA_WRITE, WR_SEND,
+                             WR_SEND_WITH_INV, wc_status_name)
 from protocol.constants import SglId, TransportType
 from protocol.logpage import TSAS_RDMA
 from target.controller import MQES
@@ -65,12 +66,13 @@ _KIND_SHIFT = 48
 _RECV, _READ, _SEND, _WRITE = 1, 2, 3, 4
 _MASK = (1 << _KIND_SHIFT) - 1
 _SGL_INVALIDATE = int(SglId.KEYED_DATA_BLOCK_INVALIDATE)
+_READ_FAILED = -1  # _Cmd.posted once a piece of its RDMA READ has failed
 RDMA_INLINE = 4096
 READ_CHUNK = 128 << 10
 """Largest RDMA READ we post: what the kernel's rdma_rw makes of a 1 MiB transfer on rxe (32
 SGEs of 4 KiB per work request), so the host's responder answers in pieces as it does for nvmet."""
 READ_BYTES_IN_FLIGHT = 256 << 10
-"""RDMA READ bytes one queue has outstanding at most (one READ always goes, whatever its size).
+"""RDMA READ bytes one queue has outstanding at most (at least ``READ_CHUNK``).
 
 Measured (docs/rdma-read-pacing.md): Soft-RoCE's responder sends a READ's whole answer from one
 softirq run, a packet per MTU (1 KiB on the VM bed's veth), and everything it sends in that run
@@ -89,6 +91,9 @@ INFO = TransportInfo(
 TSAS: reliable connected QP, no RDMA provider type, rdma_cm."""
 # shared data buffers per device: (slot size, count); 2 + 4 + 8 MiB registered once
 DATA_CLASSES = [(8192, 256), (128 << 10, 32), (INFO.max_transfer, 8)]
+
+FLUSH_GRACE = 1.0
+"""Seconds a flushed work completion waits for the CM event that explains it (see _wc_failed)."""
 
 _data_slots: dict[str, Any] = {}
 
@@ -189,6 +194,7 @@ class RdmaTargetConnection:
         self.qp = dev.create_qp(self.cq, max_send_wr=4 * depth + 8, max_recv_wr=depth + 1)
         self.closing = False
         self.destroyed = False
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._held: list = []
         self.cm = None
         self.reads_in_flight = 0
@@ -249,7 +255,7 @@ class RdmaTargetConnection:
                 try:
                     if kind == _RECV:
                         if status:
-                            self._fatal("completion error", wc="RECV", wc_status=wc_status_name(status))
+                            self._wc_failed("RECV", status)
                             continue
                         if not self.closing:
                             self._command(idx, wc.byte_len)
@@ -258,8 +264,7 @@ class RdmaTargetConnection:
                     elif kind == _READ:
                         self._read_done(idx, status)
                     elif kind == _WRITE and status:  # unsignalled: only an error completes it
-                        self._fatal("completion error", wc="RDMA WRITE",
-                                    wc_status=wc_status_name(status))
+                        self._wc_failed("RDMA WRITE", status)
                 except Exception as exc:  # never let one completion stall the rest
                     log.exception("rdma completion handling failed", peer=self.peer)
                     self._fatal("internal error", error=str(exc))
@@ -287,6 +292,20 @@ class RdmaTargetConnection:
         """Close the queue for ``cause`` (the queue's teardown line logs it)."""
         self.queue.note_teardown(cause, **detail)
         self.close()
+
+    def _wc_failed(self, wr: str, status: int, **detail: str) -> None:
+        """A work request completed in error: the QP is in the error state, the queue is gone.
+
+        A flushed one is a consequence, not a cause: something else moved the QP to the error
+        state, most often the host's DREQ, whose DISCONNECTED event may be read just after these
+        completions. It gets ``FLUSH_GRACE`` seconds to name the cause first."""
+        if self.closing:
+            return
+        if status != WC_WR_FLUSH_ERR:
+            self._fatal("completion error", wc=wr, wc_status=wc_status_name(status), **detail)
+        elif self._flush_timer is None:
+            self._flush_timer = self.loop.call_later(FLUSH_GRACE, functools.partial(
+                self._fatal, "completion error", wc=wr, wc_status=wc_status_name(status), **detail))
 
     def _command(self, idx: int, nbytes: int) -> None:
         if nbytes < SQE_SIZE:
@@ -336,7 +355,7 @@ class RdmaTargetConnection:
             req = cmd.req
             off = cmd.posted
             n = min(READ_CHUNK, req.length - off)
-            if n > self.read_bytes_free and self.reads_in_flight:
+            if n > self.read_bytes_free:
                 return  # the next READ completion makes room
             slot = cmd.data
             tok = self._token(cmd, n)
@@ -372,11 +391,14 @@ class RdmaTargetConnection:
             return
         req = cmd.req
         if status:
-            self.queue.data_failed(req)
+            if cmd.posted != _READ_FAILED:  # its first failed piece fails the command
+                if self.read_wait and self.read_wait[0] is cmd:
+                    self.read_wait.popleft()
+                cmd.posted = _READ_FAILED
+                self.queue.data_failed(req)
             # an RC requester error puts the QP in the error state: the queue is gone
-            self._fatal("completion error", wc="RDMA READ", wc_status=wc_status_name(status),
-                        cid=str(req.cid), addr=hex(req.sgl_address), key=hex(req.sgl_key),
-                        length=str(req.length))
+            self._wc_failed("RDMA READ", status, cid=str(req.cid), addr=hex(req.sgl_address),
+                            key=hex(req.sgl_key), length=str(req.length))
             return
         if not cmd.reading and cmd.posted == req.length:
             req.data = cmd.data.view[:req.length]  # zero copy: the core reads it in place
@@ -462,7 +484,7 @@ class RdmaTargetConnection:
         self.resp_pool.put(self.resp_pool.slots[idx])
         self._drop(cmd)
         if status and not self.closing:
-            self._fatal("completion error", wc="SEND", wc_status=wc_status_name(status))
+            self._wc_failed("SEND", status)
             return
         self.queue.response_sent(cmd.req)
         if self.resp_wait:
@@ -523,6 +545,8 @@ class RdmaTargetConnection:
             self._destroy()
 
     def _destroy(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
         self.cq.detach()
         if self.cm is not None:
             self.cm.close()  # destroys the QP: no more DMA into any of our buffers

@@ -21,6 +21,8 @@ WC_STATUS = (
     "REM_ABORT_ERR", "INV_EECN_ERR", "INV_EEC_STATE_ERR", "FATAL_ERR", "RESP_TIMEOUT_ERR",
     "GENERAL_ERR", "TM_ERR", "TM_RNDV_INCOMPLETE")
 
+WC_WR_FLUSH_ERR = WC_STATUS.index("WR_FLUSH_ERR")
+
 
 def wc_status_name(status: int) -> str:
     """``IBV_WC_RETRY_EXC_ERR (12)`` for a work completion's status, for logs."""
