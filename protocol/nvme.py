@@ -100,7 +100,6 @@ Data Block (a keyed descriptor splits address/length/key differently, see
 :func:`parse_sgl_keyed`) and the Read/Write/Write Zeroes dwords (meaningless for others)."""
 IO_COMMAND_FAST = fixed_layout(IO_COMMAND)
 IO_OPCODE, IO_FLAGS, IO_CID, IO_NSID = (IO_COMMAND_FAST.index(n) for n in ("opcode", "flags", "cid", "nsid"))
-IO_SGL_ADDRESS, IO_SGL_LENGTH, IO_SGL_ID = (IO_COMMAND_FAST.index(n) for n in ("sgl_address", "sgl_length", "sgl_id"))
 IO_SLBA, IO_NLB, IO_CONTROL = (IO_COMMAND_FAST.index(n) for n in ("slba", "nlb", "control"))
 """Positions in the tuple :data:`IO_COMMAND_FAST` unpacks, derived from the layout."""
 SGL1_OFFSET = 24
@@ -153,7 +152,6 @@ IDENTIFY_COMMAND = at_offsets(SQE_SIZE, NVM_COMMAND_HEAD + [
     (44, "cnssid", c.Int16ul),
     (47, "csi", c.Int8ul),
 ])
-IDENTIFY_COMMAND_FAST = fixed_layout(IDENTIFY_COMMAND)
 
 
 def build_sqe(opcode: int, cid: int, *, flags: int = 0x40, nsid: int = 0, dptr: bytes = bytes(16),

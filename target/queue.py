@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 import structlog
 
 from blockd import eager
-from protocol.constants import PSDT_SGL, FabricsType, SglId
+from protocol.constants import PSDT_SGL, AdminOpcode, FabricsType, SglId
 from protocol.fabrics import (
     CATTR_DISABLE_SQFLOW, CONNECT_COMMAND, CONNECT_DATA, CONNECT_DATA_SIZE, FABRICS_COMMAND,
     IPO_CONNECT_SQSIZE, IPO_CONNECT_SUBNQN,
@@ -55,7 +55,7 @@ Handler = Callable[[Request], Awaitable[None]]
 CommandTable = dict[int, tuple[Check, Handler]]
 """Opcode (FCTYPE for fabrics) -> (checks, handler): one per command set."""
 
-_FABRICS = 0x7F
+_FABRICS = int(AdminOpcode.FABRICS)
 _FCTYPE = field_offset(FABRICS_COMMAND, "fctype")
 _CONNECT, _PROPERTY_GET, _PROPERTY_SET = (
     int(FabricsType.CONNECT), int(FabricsType.PROPERTY_GET), int(FabricsType.PROPERTY_SET))
@@ -79,12 +79,15 @@ class TargetQueue:
     """Admin (qid 0) or I/O queue of one controller, bound to one transport connection."""
 
     def __init__(self, target: Target, transport: TargetTransport, port_id: int,
-                 peer: str = "", local_address: str = "") -> None:
+                 peer: str = "", local_address: str = "", inline_size: int | None = None) -> None:
         info = transport.info
         self.target = target
         self.transport = transport
         self.port_id = port_id
-        self.inline_size = info.admin_inline
+        self.inline_size = info.admin_inline if inline_size is None else inline_size
+        """In-capsule data accepted now: the admin size until an I/O Connect, unless the
+        transport knows the queue's kind from the start (RDMA: the QID in the CM request sized
+        the receive buffers, and an I/O queue's Connect data comes in the capsule)."""
         self.peer = peer
         self.local_address = local_address
         """Our address on this connection: the discovery log's TRADDR for wildcard ports."""
@@ -101,13 +104,11 @@ class TargetQueue:
         self._data_sgl_ids = info.data_sgl_ids
         self._keyed = info.keyed_sgls
         self._max_transfer = info.max_transfer
-        # with keyed SGLs read data leaves by RDMA WRITE from the transport's registered memory:
-        # the backend reads straight into it
-        self._read_buffer = transport.read_buffer if info.keyed_sgls else None
+        self._read_buffer = transport.read_buffer
         self._queue_response = transport.queue_response
         self._fabrics: CommandTable = {
             _CONNECT: (self._check_connect, self._connect),
-            _PROPERTY_GET: (self._check_property_get, self._property_get),
+            _PROPERTY_GET: (self._check_property, self._property_get),
             _PROPERTY_SET: (self._check_property_set, self._property_set),
         }
 
@@ -270,17 +271,17 @@ class TargetQueue:
     def _check_connect(self, req: Request) -> int:
         if self.controller is not None:
             return _SEQUENCE_ERROR
-        if req.length != CONNECT_DATA_SIZE or req.direction is not _TO_CONTROLLER:
+        if req.length != CONNECT_DATA_SIZE:
             return _BAD_LENGTH
         return _SUCCESS
 
-    def _check_property_get(self, req: Request) -> int:
+    def _check_property(self, req: Request) -> int:
         if self.qid != 0:
             return _INVALID_FIELD
         return _BAD_LENGTH if req.length else _SUCCESS
 
     def _check_property_set(self, req: Request) -> int:
-        return self._check_property_get(req) or self.controller.check_property_set(req)
+        return self._check_property(req) or self.controller.check_property_set(req)
 
     async def _property_get(self, req: Request) -> None:
         self.controller.property_get(req)

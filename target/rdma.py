@@ -87,8 +87,8 @@ INFO = TransportInfo(
     data_sgl_ids=frozenset({SglId.KEYED_DATA_BLOCK, SglId.KEYED_DATA_BLOCK_INVALIDATE}),
     keyed_sgls=True, admin_inline=0, io_inline=RDMA_INLINE, max_transfer=DEFAULT_MAX_TRANSFER,
     sgls=0x00100005, tsas=TSAS_RDMA.build(dict(qptype=1, prtype=1, cms=1, pkey=0)))
-"""The admin queue takes 64-byte capsules only, as nvmet; SGLS adds Keyed SGL Data Block;
-TSAS: reliable connected QP, no RDMA provider type, rdma_cm."""
+"""The admin queue takes 64-byte capsules only, as nvmet; SGLS adds bit 2 (Keyed SGL Data
+Block) to TCP's; TSAS: reliable connected QP, no RDMA provider type, rdma_cm."""
 # shared data buffers per device: (slot size, count); 2 + 4 + 8 MiB registered once
 DATA_CLASSES = [(8192, 256), (128 << 10, 32), (INFO.max_transfer, 8)]
 
@@ -218,9 +218,7 @@ class RdmaTargetConnection:
         self.peer = _peer_of(creq.cmid)
         port = listener.port
         self.queue = TargetQueue(listener.target, self, port.port_id, peer=self.peer,
-                                 local_address=creq.listener.addr)
-        # the CM request already named the queue: an I/O queue's Connect itself comes in-capsule
-        self.queue.inline_size = self.inline
+                                 local_address=creq.listener.addr, inline_size=self.inline)
         try:
             self.cm = creq.accept_nvme(self.qp, crqsize=depth, before_rtr=self._post_all_recvs,
                                        on_disconnect=self._cm_closed)
@@ -612,7 +610,7 @@ class RdmaListener:
             self.channel = None
             self.listeners = []
             raise
-        log.info("listening", transport="rdma", address=",".join(addrs), port=self.port.service)
+        log.info("listening", transport=INFO.name, address=",".join(addrs), port=self.port.service)
 
     def _on_request(self, creq) -> None:
         from protocol import rdma_cm as pcm

@@ -19,8 +19,8 @@ from blockd.tcp_pdu import (
 from protocol.constants import SglId, TransportType
 from protocol.nvme import SQE_SIZE
 from protocol.tcp import (
-    CAPSULE_RESP_HLEN, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_PDU_HEADER, DATA_PDU_HEADER_FAST, IC_REQ, IC_REQ_FAST, IC_RESP, PduFlags,
-    PduType, TermReqFes, fei_of,
+    CAPSULE_RESP_HLEN, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_PDU_HEADER, DATA_PDU_HEADER_FAST,
+    IC_REQ, IC_REQ_FAST, IC_RESP, PduFlags, PduType, TermReqFes, fei_of,
 )
 from target.queue import TargetQueue
 from target.request import Request
@@ -37,7 +37,8 @@ INFO = TransportInfo(
     name="tcp", trtype=TransportType.TCP, data_sgl_ids=frozenset({SglId.TRANSPORT_DATA_BLOCK}),
     keyed_sgls=False, admin_inline=TCP_ADMIN_INLINE, io_inline=TCP_IO_INLINE,
     max_transfer=DEFAULT_MAX_TRANSFER, sgls=0x00100001, tsas=bytes(256))
-"""SGLS: SGLs supported (no alignment), Transport SGL Data Block; TSAS: none for TCP without TLS."""
+"""SGLS bits 0 (SGLs supported) and 20 (a Data Block's address may be an offset: in-capsule
+data); TSAS: none, for NVMe/TCP without TLS."""
 MAXH2CDATA = DEFAULT_MAX_TRANSFER
 _CAPSULE_SQE = slice(COMMON_HEADER_SIZE, COMMON_HEADER_SIZE + SQE_SIZE)
 _H2C_TYPES = frozenset({PduType.IC_REQ, PduType.H2C_TERM_REQ, PduType.CAPSULE_CMD, PduType.H2C_DATA})
@@ -60,6 +61,8 @@ class TcpTargetConnection(PduProtocol):
     H2CData in the write's request buffer (see :class:`PduReader`)."""
 
     info = INFO
+    read_buffer = None
+    """C2HData is sent from whatever buffer the read used."""
 
     def __init__(self, target: Target, port: PortInfo) -> None:
         self.target = target
@@ -104,7 +107,7 @@ class TcpTargetConnection(PduProtocol):
                 for pdu in self.reader.buffer_updated(nbytes):
                     ptype = pdu.pdu_type
                     if ptype == _CAPSULE_CMD and self.initialized:
-                        self._capsule(pdu.header, pdu.data)
+                        self.queue.submit(pdu.header[_CAPSULE_SQE], pdu.data)
                     elif ptype == _H2C_DATA and self.initialized and pdu.placed:
                         self._h2c_data(pdu.header, pdu.flags)
                     elif ptype == PduType.IC_REQ and not self.initialized:
@@ -143,9 +146,6 @@ class TcpTargetConnection(PduProtocol):
             pdu_type=PduType.IC_RESP, flags=0, hlen=128, pdo=0, plen=128, pfv=0, cpda=0,
             dgst=dgst & 3, maxh2cdata=MAXH2CDATA)))
 
-    def _capsule(self, header: memoryview, data: memoryview | None) -> None:
-        self.queue.submit(header[_CAPSULE_SQE], data)
-
     def fetch_data(self, req: Request) -> None:
         """Ask for the write's data with one R2T; ``_place`` puts the H2CData in ``req.data``."""
         ttag = self._next_ttag
@@ -153,10 +153,6 @@ class TcpTargetConnection(PduProtocol):
         self.r2t_pending[ttag] = (req, 0)
         req.data = bytearray(req.length)
         self.out.send(self.writer.r2t(req.cid, ttag, 0, req.length))
-
-    def read_buffer(self, req: Request) -> memoryview | None:
-        """Never asked (no keyed SGLs): C2HData is sent from whatever buffer the read used."""
-        return None
 
     def _place(self, ptype: int, header: memoryview, length: int) -> memoryview | None:
         """Where a PDU's data goes: a new buffer for in-capsule data, the request's own buffer
@@ -249,7 +245,7 @@ class TcpListener:
         self.server = await loop.create_server(
             lambda: TcpTargetConnection(self.target, self.port),
             self.port.address, int(self.port.service), reuse_address=True)
-        log.info("listening", transport="tcp", address=self.port.address, port=self.port.service)
+        log.info("listening", transport=INFO.name, address=self.port.address, port=self.port.service)
 
     async def stop(self) -> None:
         if self.server is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
     from target.request import Request
@@ -61,6 +61,10 @@ class TargetTransport(Protocol):
     """One transport connection carrying one queue (admin or I/O)."""
 
     info: TransportInfo
+    read_buffer: Callable[[Request], memoryview | None] | None
+    """Memory a read on an I/O queue may fill in place (exactly ``req.length`` bytes, e.g.
+    the registered memory RDMA WRITE sends from), or None when there is none free now; the
+    attribute itself is None for a transport that sends from any buffer (NVMe/TCP)."""
 
     def fetch_data(self, req: Request) -> None:
         """Get the host's data for ``req`` into ``req.data``; end in ``queue.data_ready(req)``
@@ -69,11 +73,6 @@ class TargetTransport(Protocol):
     def queue_response(self, req: Request) -> None:
         """Send ``req.reply`` (when not None) and the completion ``req.cqe``; call
         ``queue.response_sent(req)`` when it has left. A closing connection drops it."""
-
-    def read_buffer(self, req: Request) -> memoryview | None:
-        """Memory a read on an I/O queue may fill in place (exactly ``req.length`` bytes, e.g.
-        registered memory the RDMA WRITE goes from), or None. Called only when
-        ``info.keyed_sgls``: an NVMe/TCP send copies nothing, so it needs none."""
 
     def close(self) -> None:
         """End the connection (the controller is torn down, or the host misbehaved)."""

@@ -15,6 +15,7 @@ import pytest
 
 from protocol.constants import DISCOVERY_NQN, SglId, TransportType
 from protocol.fabrics import IPO_CONNECT_CNTLID, IPO_CONNECT_SQSIZE, IPO_CONNECT_SUBNQN
+from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_ENTRY_SIZE, DISCOVERY_HEADER_SIZE, TSAS_RDMA
 from protocol.nvme import CQE_FAST, build_sgl_data_block, build_sqe
 from protocol.status import Status, to_wire
 from target.backend import MemoryBackend
@@ -39,6 +40,7 @@ class FakeTransport:
     ``host_data`` (by CID) and is handed over at once, or on :meth:`deliver` when ``hold``."""
 
     info = FAKE
+    read_buffer = None
 
     def __init__(self) -> None:
         self.queue: TargetQueue | None = None
@@ -64,9 +66,6 @@ class FakeTransport:
         assert cid == req.cid
         self.responses.append((cid, status, dw0, bytes(req.reply) if req.reply is not None else None))
         self.queue.response_sent(req)
-
-    def read_buffer(self, req: Request) -> memoryview | None:
-        raise AssertionError("asked for a read buffer without keyed SGLs")
 
     def close(self) -> None:
         self.closed = True
@@ -346,5 +345,50 @@ def test_properties_and_discovery_identify() -> None:
         # A discovery controller has no namespaces.
         status, _, _ = complete(q, build_sqe(0x06, 6, nsid=1, dptr=transport_sgl(4096), cdw10=0))
         assert status == to_wire(Status.INVALID_FIELD)
+        return target
+    run(body)
+
+
+def test_in_capsule_size_before_connect() -> None:
+    """Until an I/O Connect a queue takes the transport's admin in-capsule size, unless the
+    transport already knows the queue's kind (RDMA sizes its receives from the CM request's
+    QID, and an I/O queue's Connect data comes in the capsule)."""
+    class NoAdminInline(FakeTransport):
+        info = TransportInfo(**{**FAKE.__dict__, "admin_inline": 0})
+
+    def body() -> Target:
+        target, _ = make_target()
+        transport = NoAdminInline()
+        q = transport.queue = TargetQueue(target, transport, 1)
+        assert complete(q, connect_sqe(), connect_data())[0] == to_wire(Status.SGL_INVALID_OFFSET)
+        transport = NoAdminInline()
+        q = transport.queue = TargetQueue(target, transport, 1, inline_size=4096)
+        assert complete(q, connect_sqe(), connect_data())[0] == 0
+        return target
+    run(body)
+
+
+def test_discovery_log_describes_each_port_by_its_transport() -> None:
+    """TRTYPE and TSAS come from the transport the port's configuration names (the registry
+    in target.transport), not from the core."""
+    def body() -> Target:
+        target, _ = make_target()
+        target.add_port(PortInfo(2, "rdma", "192.0.2.1", "4420"))
+        q, _ = new_queue(target)
+        assert complete(q, connect_sqe(), connect_data(nqn=DISCOVERY_NQN))[0] == 0
+        assert complete(q, prop_sqe(1, False, 0x14, value=0x00460001))[0] == 0
+        length = DISCOVERY_HEADER_SIZE + 3 * DISCOVERY_ENTRY_SIZE
+        sqe = build_sqe(0x02, 2, dptr=transport_sgl(length), cdw10=0x70 | ((length // 4 - 1) << 16))
+        status, _, page = complete(q, sqe)
+        assert status == 0
+        entries = [DISCOVERY_ENTRY.parse(page[off:off + DISCOVERY_ENTRY_SIZE])
+                   for off in range(DISCOVERY_HEADER_SIZE, length, DISCOVERY_ENTRY_SIZE)]
+        by_port = {(e.portid, e.subnqn): e for e in entries}
+        assert set(by_port) == {(1, DISCOVERY_NQN), (1, NQN), (2, NQN)}
+        assert by_port[1, NQN].trtype == TransportType.TCP and by_port[1, NQN].tsas == bytes(256)
+        rdma = by_port[2, NQN]
+        assert rdma.trtype == TransportType.RDMA and rdma.traddr == "192.0.2.1"
+        assert TSAS_RDMA.parse(rdma.tsas) == TSAS_RDMA.parse(
+            TSAS_RDMA.build(dict(qptype=1, prtype=1, cms=1, pkey=0)))  # RC QP, rdma_cm
         return target
     run(body)
