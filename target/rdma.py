@@ -156,7 +156,7 @@ def _peer_of(cmid) -> str:
 class _Cmd:
     """Transport state of one command (its ``req.transport_ctx``): the request once the core
     hands it back, its receive slot, data slot (and the view of it the controller reads into),
-    bytes to RDMA WRITE, response slot."""
+    bytes to RDMA WRITE, response slot, and how far its RDMA READ has gone."""
 
     __slots__ = ("req", "recv", "data", "view", "nbytes", "resp", "posted", "reading")
 
