@@ -352,7 +352,9 @@ class RdmaTargetConnection:
             cmd = wait[0]
             req = cmd.req
             off = cmd.posted
-            n = min(READ_CHUNK, req.length - off)
+            n = req.length - off
+            if n > READ_CHUNK:
+                n = READ_CHUNK
             if n > self.read_bytes_free:
                 return  # the next READ completion makes room
             slot = cmd.data
