@@ -8,6 +8,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+import pytest
+
 from blockd.rdma.abi import WR_RDMA_READ
 from target import rdma
 from target.rdma import READ_BYTES_IN_FLIGHT, READ_CHUNK, RdmaTargetConnection, _Cmd
@@ -58,12 +60,12 @@ class _CM:
     initiator_depth = 128
 
 
-def _connection() -> RdmaTargetConnection:
+def _connection(budget: int = READ_BYTES_IN_FLIGHT) -> RdmaTargetConnection:
     """The READ path's state only, as __init__ sets it (no device, CM or core behind it)."""
     c = object.__new__(RdmaTargetConnection)
     c.cm, c.qp, c.queue = _CM(), _QP(), _Queue()
     c.peer, c.closing = "test", False
-    c.reads_in_flight, c.read_bytes_free = 0, READ_BYTES_IN_FLIGHT
+    c.reads_in_flight, c.read_bytes_free = 0, budget
     c.read_wait = collections.deque()
     c.tokens, c._next_token = {}, 0
     c.close = lambda: setattr(c, "closing", True)
@@ -79,25 +81,27 @@ def _submit(c: RdmaTargetConnection, cid: int, length: int) -> _Cmd:
 
 def _complete_all(c: RdmaTargetConnection) -> list[tuple]:
     """Complete posted READs oldest first, checking the bounds at every step; all posted WRs."""
+    budget = c.read_bytes_free + sum(wr[4] for wr in c.qp.posted)  # none completed yet
     done = 0
     while done < len(c.qp.posted):
         outstanding = c.qp.posted[done:]
         assert len(outstanding) <= c.cm.initiator_depth
-        assert sum(wr[4] for wr in outstanding) <= READ_BYTES_IN_FLIGHT
+        assert sum(wr[4] for wr in outstanding) <= budget
         c._read_done(outstanding[0][0] & rdma._MASK, 0)
         done += 1
     return c.qp.posted
 
 
-def test_large_writes_are_read_in_bounded_pieces_in_order() -> None:
-    c = _connection()
+@pytest.mark.parametrize("budget", [READ_BYTES_IN_FLIGHT, 3 * READ_CHUNK])
+def test_large_writes_are_read_in_bounded_pieces_in_order(budget: int) -> None:
+    c = _connection(budget)
     sizes = {1: 1 << 20, 2: 4096, 3: 3 * READ_CHUNK + 512, 4: 1 << 20}
     for cid, n in sizes.items():
         _submit(c, cid, n)
-    assert sum(wr[4] for wr in c.qp.posted) <= READ_BYTES_IN_FLIGHT  # the rest wait
+    assert sum(wr[4] for wr in c.qp.posted) <= budget  # the rest wait
     posted = _complete_all(c)
     assert c.queue.ready == [1, 2, 3, 4] and not c.queue.failed
-    assert c.read_bytes_free == READ_BYTES_IN_FLIGHT and c.reads_in_flight == 0 and not c.tokens
+    assert c.read_bytes_free == budget and c.reads_in_flight == 0 and not c.tokens
     assert all(wr[1] == WR_RDMA_READ and wr[4] <= READ_CHUNK for wr in posted)
     for cid, n in sizes.items():  # each command's pieces cover its SGL exactly, local = remote
         pieces = [(wr[3] - ((cid + 1) << 24), wr[7] - ((cid + 1) << 32), wr[4])
@@ -140,7 +144,7 @@ class _Loop:
 
 def test_a_flushed_piece_waits_for_the_event_that_explains_it() -> None:
     """A flush is a consequence: the host's DREQ read in the grace period names the cause."""
-    c = _connection()
+    c = _connection(2 * READ_CHUNK)  # two pieces of one command in flight
     c.loop, c._flush_timer = _Loop(), None
     _submit(c, 1, 1 << 20)
     tokens = [wr[0] & rdma._MASK for wr in c.qp.posted]
