@@ -195,6 +195,7 @@ class Controller:
                  hostnqn=self.hostnqn, reason=reason)
         self.cancel_async_events()
         for queue in list(self.queues.values()):
+            queue.note_teardown(reason)
             queue.transport.close()
         self.target.remove_controller(self)
 

@@ -132,6 +132,7 @@ class TargetQueue:
         self.counters: IoCounters | None = None
         """The host's counters once this is a connected I/O queue (admin commands are not
         counted: they are the host's housekeeping, not its load)."""
+        self._teardown: tuple[str, dict[str, str]] | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         """This queue's commands that wait (a transport tearing down waits for them)."""
         self._data_sgl_ids = info.data_sgl_ids
@@ -322,8 +323,19 @@ class TargetQueue:
         if req.ns is not None:
             req.ns.counters.add_error(status)
 
+    def note_teardown(self, cause: str, **detail: str) -> None:
+        """Record why this queue goes away, for the one line :meth:`close` logs. The first cause
+        wins: what follows it (the transport closing, the controller shutting down) is its
+        consequence."""
+        if self._teardown is None:
+            self._teardown = (cause, detail)
+
     def close(self) -> None:
-        """The connection is gone: detach from the controller."""
+        """The connection is gone: say why, detach from the controller."""
+        cause, detail = self._teardown or ("connection closed", {})
+        log.info("queue torn down", peer=self.peer, transport=self.transport.info.name,
+                 qid=self.qid, cntlid=self.controller.cntlid if self.controller else None,
+                 cause=cause, **detail)
         if self.controller is not None:
             self.controller.queue_closed(self)
 

@@ -12,9 +12,10 @@ answers each command, calling back ``fetch_data`` and ``queue_response`` (see
   I/O queues; the admin queue takes 64-byte capsules only, as nvmet) are posted *before* the
   accept, which carries CRQSIZE = HSQSIZE+1.
 * Command (RECV): the SQE and any in-capsule data go to ``queue.submit``.  Host-to-controller
-  data behind a keyed SGL is fetched (``fetch_data``) with one RDMA READ of exactly the SGL's
-  (validated) address/length/key into a registered slot, at most ``initiator_depth`` READs in
-  flight per QP (the rest wait in FIFO order); then ``queue.data_ready``.
+  data behind a keyed SGL is fetched (``fetch_data``) with RDMA READs of the SGL's (validated)
+  address/length/key into a registered slot, in pieces of at most ``READ_CHUNK`` bytes, with at
+  most ``initiator_depth`` READs and ``READ_BYTES_IN_FLIGHT`` bytes in flight per QP (the rest
+  wait in FIFO order); then ``queue.data_ready``.
 * Execution: the core runs the command at once, in the completion handler; only a command
   that really waits (an fsync, a slow backend) becomes a Task.
 * Reply (``queue_response``): a read goes straight into a registered slot when one is free
@@ -39,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
+import functools
 import ipaddress
 import os
 import socket
@@ -46,12 +48,13 @@ from typing import Any
 
 import structlog
 
-from blockd.rdma.abi import SEND_SIGNALED, WR_RDMA_READ, WR_RDMA_WRITE, WR_SEND, WR_SEND_WITH_INV
+from blockd.rdma.abi import (SEND_SIGNALED, WC_WR_FLUSH_ERR, WR_RDMA_READ, WR_RDMA_WRITE, WR_SEND,
+                             WR_SEND_WITH_INV, wc_status_name)
 from protocol.constants import SglId, TransportType
 from protocol.logpage import TSAS_RDMA
 from target.controller import MQES
 from target.queue import TargetQueue
-from target.request import Request
+from target.request import Request, RequestState
 from target.target import ADMIN_QUEUE_MAX, PortInfo, Target
 from target.transport import DEFAULT_MAX_TRANSFER, TransportInfo
 
@@ -63,7 +66,23 @@ _KIND_SHIFT = 48
 _RECV, _READ, _SEND, _WRITE = 1, 2, 3, 4
 _MASK = (1 << _KIND_SHIFT) - 1
 _SGL_INVALIDATE = int(SglId.KEYED_DATA_BLOCK_INVALIDATE)
+_READ_FAILED = -1  # _Cmd.posted once a piece of its RDMA READ has failed
 RDMA_INLINE = 4096
+READ_CHUNK = 128 << 10
+"""Largest RDMA READ we post: what the kernel's rdma_rw makes of a 1 MiB transfer on rxe (32
+SGEs of 4 KiB per work request), so the host's responder answers in pieces as it does for nvmet."""
+READ_BYTES_IN_FLIGHT = 128 << 10
+"""RDMA READ bytes one queue has outstanding at most (at least ``READ_CHUNK``).
+
+Measured (docs/rdma-read-pacing.md): Soft-RoCE's responder sends a READ's whole answer from one
+softirq run, a packet per MTU (1 KiB on the VM bed's veth), and everything it sends in that run
+waits in the CPU's netdev backlog (``net.core.netdev_max_backlog``, 1000 packets), which is
+drained only after the run.  With up to ``initiator_depth`` (128) READs of up to 1 MiB requested
+at once, the host dropped its own READ responses and ACKs (rxe ``send_err``, dmesg ``Failed
+sending ACK``), our requester retried (``completer_retry_err``) until the retry count ran out and
+the QP failed.  The initiator depth alone (a count, not bytes) does not prevent it; 256 KiB per
+queue still let 28 packets drop in one of three runs, 128 KiB (one piece, or several small
+READs) none in the runs since."""
 INFO = TransportInfo(
     name="rdma", trtype=TransportType.RDMA,
     data_sgl_ids=frozenset({SglId.KEYED_DATA_BLOCK, SglId.KEYED_DATA_BLOCK_INVALIDATE}),
@@ -73,6 +92,9 @@ INFO = TransportInfo(
 Block) to TCP's; TSAS: reliable connected QP, no RDMA provider type, rdma_cm."""
 # shared data buffers per device: (slot size, count); 2 + 4 + 8 MiB registered once
 DATA_CLASSES = [(8192, 256), (128 << 10, 32), (INFO.max_transfer, 8)]
+
+FLUSH_GRACE = 1.0
+"""Seconds a flushed work completion waits for the CM event that explains it (see _wc_failed)."""
 
 _data_slots: dict[str, Any] = {}
 
@@ -132,12 +154,15 @@ def _peer_of(cmid) -> str:
     return ""
 
 
+_NEED_DATA = RequestState.NEED_DATA
+
+
 class _Cmd:
     """Transport state of one command (its ``req.transport_ctx``): the request once the core
     hands it back, its receive slot, data slot (and the view of it the controller reads into),
-    bytes to RDMA WRITE, response slot."""
+    bytes to RDMA WRITE, response slot, and how far its RDMA READ has gone."""
 
-    __slots__ = ("req", "recv", "data", "view", "nbytes", "resp")
+    __slots__ = ("req", "recv", "data", "view", "nbytes", "resp", "posted", "reading")
 
     def __init__(self, recv: int) -> None:
         self.req: Request | None = None
@@ -146,6 +171,10 @@ class _Cmd:
         self.view = None
         self.nbytes = 0
         self.resp = -1
+        self.posted = 0
+        """Bytes of the host's data RDMA READs have been posted for."""
+        self.reading = 0
+        """RDMA READs of this command in flight."""
 
 
 class RdmaTargetConnection:
@@ -169,12 +198,14 @@ class RdmaTargetConnection:
         self.qp = dev.create_qp(self.cq, max_send_wr=4 * depth + 8, max_recv_wr=depth + 1)
         self.closing = False
         self.destroyed = False
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._held: list = []
         self.cm = None
         self.reads_in_flight = 0
+        self.read_bytes_free = READ_BYTES_IN_FLIGHT
         self.read_wait: collections.deque[_Cmd] = collections.deque()
         self.resp_wait: collections.deque[_Cmd] = collections.deque()
-        self.tokens: dict[int, _Cmd] = {}  # RDMA READs in flight
+        self.tokens: dict[int, tuple[_Cmd, int]] = {}  # RDMA READs in flight: command, bytes
         self._next_token = 0
         self.cmds: set[_Cmd] = set()
         # work requests as the fast post path takes them, built once
@@ -207,10 +238,10 @@ class RdmaTargetConnection:
     def _post_all_recvs(self, qp) -> None:
         qp.post_recvs(self._recv_wrs)
 
-    def _token(self, cmd: _Cmd) -> int:
+    def _token(self, cmd: _Cmd, nbytes: int) -> int:
         t = self._next_token
         self._next_token = (t + 1) & _MASK
-        self.tokens[t] = cmd
+        self.tokens[t] = (cmd, nbytes)
         return t
 
     # -- completions ----------------------------------------------------------------------------
@@ -226,8 +257,7 @@ class RdmaTargetConnection:
                 try:
                     if kind == _RECV:
                         if status:
-                            if not self.closing:
-                                self._fatal(f"receive failed: status {status}")
+                            self._wc_failed("RECV", status)
                             continue
                         if not self.closing:
                             self._command(idx, wc.byte_len)
@@ -236,10 +266,10 @@ class RdmaTargetConnection:
                     elif kind == _READ:
                         self._read_done(idx, status)
                     elif kind == _WRITE and status:  # unsignalled: only an error completes it
-                        self._fatal(f"RDMA WRITE to host failed with status {status}")
+                        self._wc_failed("RDMA WRITE", status)
                 except Exception as exc:  # never let one completion stall the rest
                     log.exception("rdma completion handling failed", peer=self.peer)
-                    self._fatal(f"internal error: {exc}")
+                    self._fatal("internal error", error=str(exc))
         finally:
             self._batching = False
             if self._send_out or self._recv_out:
@@ -255,19 +285,33 @@ class RdmaTargetConnection:
                 if sends:
                     self.qp.post_sends(sends)
         except Exception as exc:
-            self._fatal(f"posting the responses failed: {exc}")
+            self._fatal("posting the responses failed", error=str(exc))
         finally:
             recvs.clear()
             sends.clear()
 
-    def _fatal(self, why: str) -> None:
-        if not self.closing:
-            log.warning("closing rdma queue", peer=self.peer, qid=self.queue.qid, reason=why)
+    def _fatal(self, cause: str, **detail: str) -> None:
+        """Close the queue for ``cause`` (the queue's teardown line logs it)."""
+        self.queue.note_teardown(cause, **detail)
         self.close()
+
+    def _wc_failed(self, wr: str, status: int, **detail: str) -> None:
+        """A work request completed in error: the QP is in the error state, the queue is gone.
+
+        A flushed one is a consequence, not a cause: something else moved the QP to the error
+        state, most often the host's DREQ, whose DISCONNECTED event may be read just after these
+        completions. It gets ``FLUSH_GRACE`` seconds to name the cause first."""
+        if self.closing:
+            return
+        if status != WC_WR_FLUSH_ERR:
+            self._fatal("completion error", wc=wr, wc_status=wc_status_name(status), **detail)
+        elif self._flush_timer is None:
+            self._flush_timer = self.loop.call_later(FLUSH_GRACE, functools.partial(
+                self._fatal, "completion error", wc=wr, wc_status=wc_status_name(status), **detail))
 
     def _command(self, idx: int, nbytes: int) -> None:
         if nbytes < SQE_SIZE:
-            self._fatal(f"capsule of {nbytes} bytes is shorter than an SQE")
+            self._fatal("framing error", error=f"capsule of {nbytes} bytes is shorter than an SQE")
             return
         view = self.recv_pool.slots[idx].view
         cmd = _Cmd(idx)
@@ -304,41 +348,63 @@ class RdmaTargetConnection:
         self._pump_reads()
 
     def _pump_reads(self) -> None:
+        """Post the waiting commands' READs, in order, as far as the READ count and byte bounds
+        allow (see ``READ_BYTES_IN_FLIGHT``)."""
         limit = self.cm.initiator_depth
-        while self.read_wait and self.reads_in_flight < limit and not self.closing:
-            cmd = self.read_wait.popleft()
+        wait = self.read_wait
+        while wait and self.reads_in_flight < limit and not self.closing:
+            cmd = wait[0]
             req = cmd.req
+            off = cmd.posted
+            n = req.length - off
+            if n > READ_CHUNK:
+                n = READ_CHUNK
+            if n > self.read_bytes_free:
+                return  # the next READ completion makes room
             slot = cmd.data
-            tok = self._token(cmd)
+            tok = self._token(cmd, n)
             try:
-                # exactly the SGL the core validated: address, key, length (<= MAX_TRANSFER)
+                # within the SGL the core validated: address, key, length (<= MAX_TRANSFER)
                 self.qp.post_sends([((_READ << _KIND_SHIFT) | tok, WR_RDMA_READ, SEND_SIGNALED,
-                                     slot.addr, req.length, slot.lkey, 0, req.sgl_address,
+                                     slot.addr + off, n, slot.lkey, 0, req.sgl_address + off,
                                      req.sgl_key)])
             except Exception as exc:
                 self.tokens.pop(tok, None)
+                wait.popleft()
                 self.queue.data_failed(req)
-                log.warning("RDMA READ post failed", peer=self.peer, error=str(exc))
-                continue
+                self._fatal("RDMA READ post failed", error=str(exc))
+                return
             self.reads_in_flight += 1
+            self.read_bytes_free -= n
+            cmd.reading += 1
+            cmd.posted = off = off + n
+            if off == req.length:
+                wait.popleft()
 
     def _read_done(self, tok: int, status: int) -> None:
-        cmd = self.tokens.pop(tok, None)
         self.reads_in_flight -= 1
-        if cmd is None:
+        entry = self.tokens.pop(tok, None)
+        if entry is None:
             return
+        cmd, nbytes = entry
+        self.read_bytes_free += nbytes
+        cmd.reading -= 1
         if self.closing:
-            self._drop(cmd)
+            if not cmd.reading:
+                self._drop(cmd)
             return
         req = cmd.req
         if status:
-            log.warning("RDMA READ from host failed", peer=self.peer, cid=req.cid,
-                        status=status, addr=hex(req.sgl_address), key=hex(req.sgl_key),
-                        length=req.length)
-            self.queue.data_failed(req)
+            if cmd.posted != _READ_FAILED:  # its first failed piece fails the command
+                if self.read_wait and self.read_wait[0] is cmd:
+                    self.read_wait.popleft()
+                cmd.posted = _READ_FAILED
+                self.queue.data_failed(req)
             # an RC requester error puts the QP in the error state: the queue is gone
-            self._fatal(f"RDMA READ failed with status {status}")
-        else:
+            self._wc_failed("RDMA READ", status, cid=str(req.cid), addr=hex(req.sgl_address),
+                            key=hex(req.sgl_key), length=str(req.length))
+            return
+        if not cmd.reading and cmd.posted == req.length:
             req.data = cmd.data.view[:req.length]  # zero copy: the core reads it in place
             self.queue.data_ready(req)
         self._pump_reads()
@@ -422,7 +488,7 @@ class RdmaTargetConnection:
         self.resp_pool.put(self.resp_pool.slots[idx])
         self._drop(cmd)
         if status and not self.closing:
-            self._fatal(f"response SEND failed with status {status}")
+            self._wc_failed("SEND", status)
             return
         self.queue.response_sent(cmd.req)
         if self.resp_wait:
@@ -441,13 +507,20 @@ class RdmaTargetConnection:
 
     # -- teardown -------------------------------------------------------------------------------
 
-    def _cm_closed(self, _conn) -> None:
+    def _cm_closed(self, conn) -> None:
+        """The CM ended the connection: the host's DREQ, or another terminal CM event."""
+        ev = conn.end_event
+        if ev == "RDMA_CM_EVENT_DISCONNECTED":
+            self.queue.note_teardown("peer disconnect", cm_event=ev)
+        else:
+            self.queue.note_teardown("CM event", cm_event=ev or "none", cm_status=str(conn.end_status))
         self.close()
 
     def close(self) -> None:
         """End the connection (host gone, fatal error, controller shut down)."""
         if self.closing:
             return
+        self.queue.note_teardown("local shutdown")
         self.closing = True
         self._held = []
         self.listener.connections.discard(self)
@@ -476,12 +549,20 @@ class RdmaTargetConnection:
             self._destroy()
 
     def _destroy(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
         self.cq.detach()
         if self.cm is not None:
             self.cm.close()  # destroys the QP: no more DMA into any of our buffers
         else:
             self.qp.close()
         self.cq.close()
+        # writes still waiting for their data (a slot, or RDMA READs) end here, with no response
+        # on the closed connection, so they let go of their namespace: a removed one may then
+        # close (as the NVMe/TCP transport does for writes waiting for H2CData)
+        for cmd in list(self.cmds):
+            if cmd.req is not None and cmd.req.state is _NEED_DATA:
+                self.queue.data_failed(cmd.req)
         # data slots still owned by commands (READ sinks / WRITE sources) are now free
         held, self._held = self._held, []
         for cmd in list(self.cmds):

@@ -130,6 +130,10 @@ class TcpTargetConnection(PduProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.queue is None:  # refused at accept
             return
+        if exc is None:
+            self.queue.note_teardown("peer disconnect")
+        else:
+            self.queue.note_teardown("connection error", error=str(exc))
         self.target.connections.release(self.host)
         self._timer.cancel()
         # writes still waiting for their H2CData end here (no response goes out on a closed
@@ -170,8 +174,7 @@ class TcpTargetConnection(PduProtocol):
         """The hello deadline: a connection not yet connected (ICReq and Connect) is closed; a
         connected one is watched for stuck PDUs from now on."""
         if self.queue.controller is None:
-            log.warning("closing a connection that did not connect in time", peer=self.queue.peer,
-                        timeout=self.limits.hello_timeout)
+            self.queue.note_teardown("no ICReq and Connect in time", timeout=str(self.limits.hello_timeout))
             self.close()
             return
         self._pdu_tick()
@@ -182,8 +185,7 @@ class TcpTargetConnection(PduProtocol):
         completed = self.reader.completed
         in_pdu = not self.paused and self.reader.in_pdu()
         if in_pdu and completed == self._seen:  # mid-PDU at the last tick too, none completed since
-            log.warning("closing a connection stuck in the middle of a PDU", peer=self.queue.peer,
-                        timeout=self.limits.pdu_timeout)
+            self.queue.note_teardown("stuck in the middle of a PDU", timeout=str(self.limits.pdu_timeout))
             self.close()
             return
         self._seen = completed if in_pdu else -1
@@ -203,8 +205,8 @@ class TcpTargetConnection(PduProtocol):
                         self._h2c_data(pdu.header, pdu.flags)
                     elif ptype == PduType.IC_REQ:
                         self._icreq(pdu.header)
-                    else:
-                        log.info("host terminated the connection", peer=self.queue.peer)
+                    else:  # H2CTermReq
+                        self.queue.note_teardown("peer terminated (H2CTermReq)")
                         self.close()
                         return
                 return
@@ -339,14 +341,15 @@ class TcpTargetConnection(PduProtocol):
         queue.response_sent(req)
 
     def _terminate(self, exc: FramingError) -> None:
-        log.warning("closing connection after a framing error", peer=self.queue.peer,
-                    fes=exc.fes, fei=exc.fei, error=str(exc))
+        self.queue.note_teardown("framing error", fes=str(exc.fes), fei=str(exc.fei), error=str(exc))
         self.out.send([term_req(PduType.C2H_TERM_REQ, exc.fes, exc.fei, exc.header)])
         self.close()
 
     def close(self) -> None:
         """Send what is queued, then close."""
         if self.transport is not None and not self.transport.is_closing():
+            if self.queue is not None:
+                self.queue.note_teardown("local shutdown")
             self.out.flush()
             self.transport.close()
 

@@ -67,6 +67,10 @@ RDMA_MAX_INIT_DEPTH = 0xFF
 IBV_EVENT_COMM_EST = 5
 
 EV = {v: k for k, v in vars(ce).items() if k.startswith("RDMA_CM_EVENT_")}
+_TERMINAL = frozenset({ce.RDMA_CM_EVENT_DISCONNECTED, ce.RDMA_CM_EVENT_DEVICE_REMOVAL,
+                       ce.RDMA_CM_EVENT_CONNECT_ERROR, ce.RDMA_CM_EVENT_UNREACHABLE,
+                       ce.RDMA_CM_EVENT_REJECTED})
+"""Events after which the connection is over (``RdmaConnection.end_event`` names the first)."""
 
 
 class CmError(ConnectionError):
@@ -383,6 +387,9 @@ class RdmaConnection:
         self._ptr = channel._register(cmid, self)
         self._disconnect_sent = False
         self._destroyed = False
+        self.end_event: str | None = None
+        """The CM event that ended the connection (its name), None while none has."""
+        self.end_status = 0
 
     @property
     def dev_name(self) -> str:
@@ -393,6 +400,8 @@ class RdmaConnection:
         if self._setup is not None and not self.established.done():
             self._setup.put_nowait(ev)
             return
+        if t in _TERMINAL and self.end_event is None:
+            self.end_event, self.end_status = ev.name, ev.status
         if t == ce.RDMA_CM_EVENT_ESTABLISHED:
             if not self.established.done():
                 self.established.set_result(None)
@@ -402,9 +411,7 @@ class RdmaConnection:
             if not self._disconnect_sent and not self._destroyed:
                 self.disconnect()
             self._terminate(None)
-        elif t in (ce.RDMA_CM_EVENT_DEVICE_REMOVAL,
-                   ce.RDMA_CM_EVENT_CONNECT_ERROR, ce.RDMA_CM_EVENT_UNREACHABLE,
-                   ce.RDMA_CM_EVENT_REJECTED):
+        elif t in _TERMINAL:
             self._terminate(CmError(f"connection ended: {ev.name} (status {ev.status})"))
         elif t == ce.RDMA_CM_EVENT_TIMEWAIT_EXIT:
             pass
