@@ -247,9 +247,17 @@ def test_target_restart_mid_io_never_corrupts(fresh_stack: Stack) -> None:
     records = 2048
     done: dict[int, bytes] = {}
     failures: list[int] = []
+    errors: list[BaseException] = []
+    """What ended the writer thread early: an assertion there fails the test, not only the thread."""
     stop = threading.Event()
 
     def writer() -> None:
+        try:
+            write_records()
+        except BaseException as exc:
+            errors.append(exc)
+
+    def write_records() -> None:
         fd = os.open(s.file, os.O_RDWR | os.O_DIRECT)
         buf = mmap.mmap(-1, 4096)
         n = 0
@@ -280,11 +288,17 @@ def test_target_restart_mid_io_never_corrupts(fresh_stack: Stack) -> None:
     stop.set()
     t.join(30)
     assert not t.is_alive()
+    assert not errors, f"the writer thread failed: {errors[0]!r}"
     assert len(done) > 100
-    fd = os.open(s.file, os.O_RDONLY | os.O_DIRECT)
+    fd = os.open(s.file, os.O_RDWR | os.O_DIRECT)
     try:
         for rec, payload in done.items():
             assert os.pread(fd, 4096, rec * 4096) == payload, f"record {rec} corrupt"
+        # the mount works afterwards: a new record written now reads back
+        after = mmap.mmap(-1, 4096)
+        after.write(b"after the restart".ljust(4096, b"."))
+        assert os.pwritev(fd, [after], records * 4096) == 4096
+        assert os.pread(fd, 4096, records * 4096) == bytes(after)
     finally:
         os.close(fd)
     assert "reconnected" in s.log("initiator", 200)
