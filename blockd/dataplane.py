@@ -18,7 +18,10 @@ COMPILED = False
 REASON = ""
 """Why the Python path runs (empty when compiled): said in the daemons' start-up line."""
 
-if os.environ.get(PURE_ENV, "") not in ("", "0"):
+FORCED_PURE = os.environ.get(PURE_ENV, "") not in ("", "0")
+"""The Python path was asked for; otherwise running it means the extension is missing (a warning)."""
+
+if FORCED_PURE:
     REASON = f"{PURE_ENV} is set"
 else:
     try:
