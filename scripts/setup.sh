@@ -38,3 +38,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
   touch "$stamp"
 fi
+# pip -q hides the build's own warning: say it here when the compiled data plane did not build
+if ! env -u BLOCKD_PURE .venv/bin/blockd --version | grep -q 'data plane: compiled'; then
+  echo "setup: WARNING: the compiled data plane did not build (no C compiler or Python headers?);" \
+       "blockd runs its pure-Python data plane" >&2
+fi
