@@ -35,6 +35,16 @@ cdef Py_ssize_t _O_FLAGS = field_offset(COMMON_HEADER, "flags")
 cdef Py_ssize_t _O_HLEN = field_offset(COMMON_HEADER, "hlen")
 cdef Py_ssize_t _O_PDO = field_offset(COMMON_HEADER, "pdo")
 cdef Py_ssize_t _O_PLEN = field_offset(COMMON_HEADER, "plen")
+# The reads in _next take one byte each for type, flags, HLEN and PDO and a little-endian 32-bit
+# PLEN at those offsets: a header built by protocol/ must read back. If protocol/ ever changes the
+# layout, the ImportError makes blockd run the Python reader (with the start-up warning) rather
+# than read it wrongly.
+_sample = {"pdu_type": 0x11, "flags": 0x22, "hlen": 0x33, "pdo": 0x44, "plen": 0x55667788}
+_built = COMMON_HEADER.build(_sample)
+if (_built[_O_TYPE], _built[_O_FLAGS], _built[_O_HLEN], _built[_O_PDO],
+        int.from_bytes(_built[_O_PLEN:_O_PLEN + 4], "little")) != tuple(_sample.values()):
+    raise ImportError("protocol.tcp.COMMON_HEADER's layout is not the one blockd/_pdu_reader.pyx reads")
+
 cdef int _FES_HEADER = TermReqFes.INVALID_HEADER_FIELD
 cdef int _FES_SEQUENCE = TermReqFes.PDU_SEQUENCE_ERROR
 cdef int _FES_HDGST = TermReqFes.HEADER_DIGEST_ERROR
@@ -105,7 +115,7 @@ cdef class PduReader:
         self._set_buffer(bytearray(_STAGING))
         self._start = 0
         self._end = 0
-        self._need = 8
+        self._need = _HDR
         self._pl_dest = None
 
     @property
@@ -201,7 +211,7 @@ cdef class PduReader:
             self._start += _DIGEST
         dest = self._pl_dest
         self._pl_dest = None
-        self._need = 8
+        self._need = _HDR
         if self._pl_digest and got != crc32c(dest):  # the stream goes on after it
             raise DataDigestError(self._pl_type, self._pl_header)
         return _new_tuple(Pdu, (self._pl_type, self._pl_flags, memoryview(self._pl_header), dest, True))
@@ -214,8 +224,8 @@ cdef class PduReader:
         cdef int ptype, flags, hlen, pdo, hd, dd
         cdef Py_ssize_t plen, header_end, data_len, start
         cdef bint digests
-        if avail < 8:
-            self._need = 8
+        if avail < _HDR:
+            self._need = _HDR
             return None
         h = self._p + pos
         ptype = h[_O_TYPE]
@@ -275,7 +285,7 @@ cdef class PduReader:
                 self._start = pos + plen
                 raise DataDigestError(ptype, bytes(header))
         self._start = pos + plen
-        self._need = 8
+        self._need = _HDR
         return _new_tuple(Pdu, (ptype, flags, header, data, False))
 
     cdef object _refused(self, int fes, int fei, str message):
@@ -304,7 +314,7 @@ cdef class PduReader:
         if have >= data_len + dd:
             bad = dd and _le32(self._p + start + data_len) != crc32c(dest)
             self._start = start + data_len + dd  # the stream goes on after it, even after a bad digest
-            self._need = 8
+            self._need = _HDR
             if bad:
                 raise DataDigestError(ptype, bytes(header))
             return _new_tuple(Pdu, (ptype, flags, header, dest, True))
