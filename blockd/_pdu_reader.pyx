@@ -15,7 +15,7 @@ import (bound below to C variables), so nothing is typed twice.
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING
-from libc.string cimport memcpy, memmove
+from libc.string cimport memcpy, memmove, memset
 
 from blockd.tcp_frames import (
     CARRIES_DATA, HLEN, MIN_FREE, NO_DIGEST, STAGING, TERM_REQS, DataDigestError, FramingError, Pdu,
@@ -71,9 +71,10 @@ cdef inline unsigned int _le32(const unsigned char* p) noexcept:
 
 
 cdef void _fill_table(unsigned char* table, types) except *:
-    cdef int t
-    for t in range(256):
-        table[t] = t in types
+    memset(table, 0, 256)
+    for t in types:
+        if 0 <= t < 256:
+            table[<int>t] = 1
 
 
 cdef class PduReader:

@@ -10,7 +10,7 @@ output batching live in :mod:`blockd.tcp_asyncio`.
 from __future__ import annotations
 
 from blockd.dataplane import COMPILED
-from blockd.tcp_frames import DataDigestError, FramingError, Pdu
+from blockd.tcp_frames import DataDigestError, FramingError
 from protocol.tcp import (
     COMMON_HEADER_FAST, DATA_HLEN, DATA_PDU_HEADER_FAST, DIGEST_SIZE, MAX_TERM_COPY, TERM_HLEN, PduFlags, PduType,
     crc32c,
@@ -21,7 +21,7 @@ if COMPILED:
 else:
     from blockd.pdu_reader import PduReader
 
-__all__ = ["DataDigestError", "FramingError", "Pdu", "PduReader", "PduWriter", "term_req"]
+__all__ = ["DataDigestError", "FramingError", "PduReader", "PduWriter", "term_req"]
 
 _pack_common = COMMON_HEADER_FAST.pack
 _pack_data_header = DATA_PDU_HEADER_FAST.pack
