@@ -5,8 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# gcc (build-essential) and python3-dev compile the data plane (setup.py, Cython); without them
+# pip still installs blockd, with a warning, and it runs its pure-Python data plane.
 APT_PACKAGES=(
-  python3 python3-venv python3-dev python3-pyverbs
+  python3 python3-venv python3-dev python3-pyverbs build-essential
   rdma-core ibverbs-utils perftest librdmacm1
   fio nbdkit libnbd-bin nvme-cli fuse3
   qemu-system-x86 busybox-static cpio kmod iproute2
@@ -29,7 +31,15 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import pyverbs' 2>/dev/nu
   /usr/bin/python3 -m venv --system-site-packages .venv
 fi
 stamp=.venv/.blockd-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+# setup.py and the .pyx sources: a changed compiled data plane is rebuilt (pip install -e builds
+# the extensions in place).
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+   || [ -n "$(find blockd -name '*.pyx' -newer "$stamp")" ] || ! ls blockd/_*.so >/dev/null 2>&1; then
   .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
   touch "$stamp"
+fi
+# pip -q hides the build's own warning: say it here when the compiled data plane did not build
+if ! env -u BLOCKD_PURE .venv/bin/blockd --version | grep -q 'data plane: compiled'; then
+  echo "setup: WARNING: the compiled data plane did not build (no C compiler or Python headers?);" \
+       "blockd runs its pure-Python data plane" >&2
 fi

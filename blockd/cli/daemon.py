@@ -16,7 +16,7 @@ import sys
 
 import structlog
 
-from blockd import eventloop
+from blockd import dataplane, eventloop
 from blockd import log as blog
 from blockd.config import ConfigError
 from target.config import load
@@ -25,8 +25,29 @@ from blockd.sdnotify import Notifier
 log = structlog.get_logger("blockd")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("blockd")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
+def _data_plane_line() -> None:
+    """The start-up line saying which data plane runs, and why the Python one when it does (a
+    warning unless asked for: a missing extension costs speed)."""
+    if dataplane.COMPILED:
+        log.info(dataplane.DATA_PLANE)
+    elif dataplane.FORCED_PURE:
+        log.info(dataplane.DATA_PLANE, reason=dataplane.REASON)
+    else:
+        log.warning(dataplane.DATA_PLANE, reason=dataplane.REASON)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockd", description="NVMe over Fabrics target and initiator daemons")
+    parser.add_argument("--version", action="version", version=f"blockd {_version()}, {dataplane.DATA_PLANE}")
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("target", help="run the NVMe-oF target")
     t.add_argument("--config", "-c", default="/etc/blockd/target.toml", help="TOML configuration file")
@@ -45,6 +66,7 @@ async def run_target(config_path: str, log_format: str | None, log_level: str | 
 
     config = load(config_path)
     blog.setup(log_format or config.log_format, log_level or config.log_level)
+    _data_plane_line()
     service = TargetService(config)
     notify = Notifier.from_env(unset=True)
     try:
@@ -113,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "target":
             return eventloop.run(run_target(args.config, args.log_format, args.log_level))
         blog.setup(args.log_format, args.log_level)
+        _data_plane_line()
         return eventloop.run(run_initiator(args.socket, args.config))
     except ConfigError as exc:
         print(f"blockd: {exc}", file=sys.stderr)

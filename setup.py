@@ -1,0 +1,37 @@
+"""Builds the compiled data plane (``blockd/_*.pyx``, Cython 3) beside the Python package.
+
+The extensions are optional: where there is no C compiler or no Python headers the build warns
+and the install goes on, and blockd runs its Python twins (``blockd/dataplane.py``).
+``scripts/setup.sh`` installs gcc and python3-dev so that the README's set-up compiles them.
+"""
+
+import sys
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class OptionalBuildExt(build_ext):
+    """A failed compile is a warning that says what it means, not a failed install."""
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # the compiler's errors come as several distutils and OS types
+            print(f"WARNING: blockd: cannot compile {ext.name} ({exc}); blockd will run its pure-Python "
+                  "data plane (install gcc and python3-dev, e.g. with scripts/setup.sh, then reinstall)",
+                  file=sys.stderr)
+
+
+EXTENSIONS = [
+    Extension("blockd._pdu_reader", ["blockd/_pdu_reader.pyx"], extra_compile_args=["-O2"]),
+]
+
+compiled = cythonize(EXTENSIONS, language_level=3, quiet=True)
+for ext in compiled:
+    # cythonize drops Extension(optional=True); setuptools needs it to skip copying a module that
+    # did not build (an editable install copies each one into the source tree)
+    ext.optional = True
+
+setup(ext_modules=compiled, cmdclass={"build_ext": OptionalBuildExt})
