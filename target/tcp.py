@@ -296,7 +296,8 @@ class TcpTargetConnection(PduProtocol):
         self.queue.data_ready(req)
 
     def _digest_error(self, exc: DataDigestError) -> None:
-        """A corrupt data PDU fails its command with Data Transfer Error (spec 7.4.6)."""
+        """A corrupt data PDU fails its command with Data Transfer Error (docs/wire-facts.md,
+        "Digests")."""
         header = exc.header
         if exc.pdu_type == PduType.H2C_DATA:
             entry = self.r2t_pending.pop(_unpack_data_header(header)[_TTAG], None)

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("protocol", "blockd", "target", "initiator")
 CLI = "blockd.cli"
 
-SANS_IO = ("protocol", "blockd.tcp_pdu")
+SANS_IO = ("protocol", "blockd.tcp_pdu", "initiator.queue")
 """Modules (or packages) driven by bytes in, bytes out: no event loop, no socket."""
 IO_MODULES = frozenset({"asyncio", "socket", "selectors", "ssl", "uvloop"})
 
