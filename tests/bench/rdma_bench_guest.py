@@ -149,7 +149,7 @@ block_size = 4096
     target = Daemon("bench-blockd-target", [tool("blockd"), "target", "--config", str(cfg)])
     fuse: tuple[Daemon, list[str], Path] | None = None
     try:
-        wait_log(target, "listening")
+        wait_log(target, "target ready")  # every port listens (not the control socket's line)
         devs = {"nvmet": sh(f"nvmeh_connect rdma {ADDR0} {KERNEL_PORT} {KERNEL_NQN}", timeout=180).split()[-1],
                 "blockd": sh(f"nvmeh_connect rdma {ADDR0} {BLOCKD_PORT} {BLOCKD_NQN}", timeout=180).split()[-1]}
         # I/O queues of the kernel host's controller (queue_count includes the admin queue;
