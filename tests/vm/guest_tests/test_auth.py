@@ -16,7 +16,7 @@ import pytest
 from blockd.dhchap_secret import generate_secret
 from initiator.controller import ConnectError, ConnectParams, Controller
 
-from .util import ADDR0, RESULTS, Daemon, sh, tool, wait_tcp
+from .util import ADDR0, RESULTS, sh, start_target, wait_tcp
 
 NQN = "nqn.2026-11.io.blockd:auth"
 KNQN = "nqn.2026-11.io.blockd:kernel-auth"
@@ -66,12 +66,7 @@ def auth_target(rxe):
     cfg.write_text(_target_toml())
     cfg.chmod(0o600)
     Path(VOL).unlink(missing_ok=True)
-    d = Daemon("blockd-auth-target", [tool("blockd"), "target", "--config", str(cfg)])
-    try:
-        wait_tcp(ADDR0, 4420, timeout=120, proc=d.proc, what="blockd target")
-    except AssertionError as e:
-        d.stop()
-        raise AssertionError(f"{e}\n--- blockd target log\n{d.log_tail()}") from None
+    d = start_target("blockd-auth-target", cfg)
     yield d
     d.stop()
 

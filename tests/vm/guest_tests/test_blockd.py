@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from .util import ADDR0, RESULTS, Daemon, sh, tool, wait_path, wait_tcp
+from .util import ADDR0, RESULTS, Daemon, sh, start_target, tool, wait_path, wait_tcp
 
 NQN = "nqn.2026-11.io.blockd:vmtest"
 SERIAL = "BLOCKDVM0001"
@@ -176,12 +176,7 @@ def blockd_target(rxe):
     for vol, size in ((VOL, VOL_SIZE), (VOL4K, 16 << 20)):
         Path(vol).unlink(missing_ok=True)
         sh(f"truncate -s {size} {vol}")
-    d = Daemon("blockd-target", [tool("blockd"), "target", "--config", str(cfg)])
-    try:
-        wait_tcp(ADDR0, 4420, timeout=120, proc=d.proc, what="blockd target")
-    except AssertionError as e:
-        d.stop()
-        raise AssertionError(f"{e}\n--- blockd target log\n{d.log_tail()}") from None
+    d = start_target("blockd-target", cfg)
     yield d
     rc = d.stop()
     print(f"blockd target exit status {rc}")

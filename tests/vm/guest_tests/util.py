@@ -114,3 +114,15 @@ class Daemon:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def start_target(name: str, config: Path, port: int = 4420) -> Daemon:
+    """``blockd target --config CONFIG`` as daemon ``name``, returned once it accepts NVMe/TCP
+    connections on ADDR0:``port``; when it does not, stopped, with its log tail in the error."""
+    d = Daemon(name, [tool("blockd"), "target", "--config", str(config)])
+    try:
+        wait_tcp(ADDR0, port, timeout=120, proc=d.proc, what="blockd target")
+    except AssertionError as e:
+        d.stop()
+        raise AssertionError(f"{e}\n--- blockd target log\n{d.log_tail()}") from None
+    return d
