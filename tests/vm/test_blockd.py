@@ -102,3 +102,9 @@ def test_discover_treq_as_nvmet(guest_case):
 
 def test_ctratt_and_error_statuses_as_nvmet(guest_case):
     """CTRATT 0x41; failing admin commands' statuses (More bit) and error-log entries as nvmet's."""
+
+
+# kernel nvme-tcp host -> `blockd target`: online resize
+def test_khost_sees_a_namespace_grow_without_reconnecting(guest_case):
+    """truncate + SIGHUP, then blockctl target resize: blockdev --getsize64 and nvme id-ns show
+    each new size on the same controller (the Namespace Attribute Changed event)."""

@@ -445,3 +445,78 @@ def test_ctratt_and_error_statuses_as_nvmet(blockd_target, kernel_target):
                           *((e["status_field"], e["parm_error_location"]) for e in (feature_entry, opcode_entry)))
         assert seen["blockd"] == seen["nvmet"], seen
         assert seen["blockd"] == (0x41, 0x600F, 0x6001, (0x400F, 24), (0x4001, 0)), seen
+
+
+# ---------------------------------- kernel host -> blockd target: online resize ---
+RESIZE_NQN = "nqn.2026-11.io.blockd:vmresize"
+RESIZE_VOL = "/tmp/vol-resize.img"
+RESIZE_PORT = 4430
+RESIZE_SOCK = "/run/blockd/resize-target.sock"
+RESIZE_TOML = f"""\
+[control]
+socket = "{RESIZE_SOCK}"
+
+[[port]]
+id = 1
+transport = "tcp"
+address = "{ADDR0}"
+port = {RESIZE_PORT}
+
+[[subsystem]]
+nqn = "{RESIZE_NQN}"
+serial = "BLOCKDVMRS01"
+model = "{MODEL}"
+allow_any_host = true
+
+[[subsystem.namespace]]
+nsid = 1
+path = "{RESIZE_VOL}"
+block_size = {BLOCK}
+"""
+"""No ``size``: the namespace is the file's size, so a reload after ``truncate`` grows it."""
+
+
+def _khost_sees(k: dict[str, str], size: int, timeout: float = 60) -> None:
+    """Wait until the kernel host's block device has ``size`` bytes, then check Identify
+    Namespace (read afresh by nvme-cli) says so too."""
+    deadline = time.monotonic() + timeout
+    while (now := int(sh(f"blockdev --getsize64 {k['dev']}").strip())) != size:
+        assert time.monotonic() < deadline, f"{k['dev']} is {now} bytes after {timeout}s, not {size}"
+        time.sleep(0.5)
+    ns = json.loads(sh(f"nvme id-ns {k['dev']} -o json"))
+    assert ns["nsze"] == ns["ncap"] == size // BLOCK, ns
+
+
+def test_khost_sees_a_namespace_grow_without_reconnecting(rxe):
+    """A namespace grows twice under the connected kernel host: the file grown with
+    ``truncate -s`` and the target reloaded (SIGHUP), then ``blockctl target resize``. Each time
+    the target sends Namespace Attribute Changed with the Changed Namespace List, and the kernel
+    rescans: ``blockdev --getsize64`` and ``nvme id-ns`` show the new size, on the same
+    controller (same device and controller id, never reconnected)."""
+    cfg = RESULTS / "resize-target.toml"
+    cfg.parent.mkdir(parents=True, exist_ok=True)
+    cfg.write_text(RESIZE_TOML)
+    Path(RESIZE_VOL).unlink(missing_ok=True)
+    sh(f"truncate -s {16 << 20} {RESIZE_VOL}")
+    d = start_target("blockd-resize-target", cfg, port=RESIZE_PORT)
+    try:
+        with kernel_host("tcp", RESIZE_PORT, RESIZE_NQN) as k:
+            sysfs = f"/sys/class/nvme/{k['ctrl']}"
+            cntlid = sh(f"cat {sysfs}/cntlid").strip()
+            _khost_sees(k, 16 << 20)
+            sh(f"truncate -s {24 << 20} {RESIZE_VOL}")
+            d.proc.send_signal(signal.SIGHUP)
+            _khost_sees(k, 24 << 20)
+            out = sh(shlex.join([tool("blockctl"), "target", "--target-socket", RESIZE_SOCK,
+                                 "resize", RESIZE_NQN, "1", "32MiB"]))
+            assert "24MiB -> 32MiB" in out, out
+            _khost_sees(k, 32 << 20)
+            assert sh(f"cat {sysfs}/cntlid").strip() == cntlid, "the kernel host reconnected"
+            assert sh(f"cat {sysfs}/state").strip() == "live"
+            assert sh(f"nvmeh_ctrl {RESIZE_NQN}").strip() == k["ctrl"]
+            # the new blocks are usable: write the last MiB and read it back
+            s = _scratch("resize")
+            sh(f"head -c {1 << 20} /dev/urandom >{s}/tail && dd if={s}/tail of={k['dev']} bs=1M "
+               f"seek=31 oflag=direct status=none && cmp {s}/tail <(tail -c {1 << 20} {RESIZE_VOL})")
+    finally:
+        print(f"resize target exit status {d.stop()}")
