@@ -83,10 +83,12 @@ def hosts(target: Target) -> list[dict[str, Any]]:
 
 
 def counters(target: Target) -> dict[str, Any]:
-    """Cumulative counters of every namespace and every connected host, with the monotonic
-    time they were read at (two of these make an interval: :func:`blockd.iostats.interval`)."""
+    """Cumulative counters of every namespace and every connected host, and the refusals by
+    reason (:mod:`target.rejections`), with the monotonic time they were read at (two of these
+    make an interval: :func:`blockd.iostats.interval`)."""
     return {
         "time_ns": time.monotonic_ns(),
+        "rejections": dict(target.rejections.counts),
         "namespaces": [{"subsystem": sub.nqn, "nsid": ns.nsid, **ns.counters.snapshot()}
                        for sub in target.subsystems.values() for ns in sub.namespaces.values()],
         "hosts": [{"hostnqn": c.hostnqn, "cntlid": c.cntlid, "subsystem": c.subsystem.nqn,
@@ -107,7 +109,9 @@ def counters_interval(before: dict[str, Any] | None, after: dict[str, Any]) -> d
                  **interval(old.get(key(e)), e, seconds)}
                 for e in after[kind]]
 
+    old_rejections = before["rejections"] if before else {}
     return {"seconds": seconds,
+            "rejections": {k: v - old_rejections.get(k, 0) for k, v in after["rejections"].items()},
             "namespaces": pair("namespaces", lambda e: (e["subsystem"], e["nsid"])),
             "hosts": pair("hosts", lambda e: (e["subsystem"], e["cntlid"]))}
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from target.rejections import CONNECTIONS_PER_HOST, CONNECTIONS_TOTAL, Rejections
+
 
 class DataBudget:
     """Bytes of host data buffers held at once by all queues together.
@@ -47,9 +49,10 @@ class DataBudget:
 class ConnectionCount:
     """Connections open now, in all and per source address, against their maxima."""
 
-    def __init__(self, max_total: int, max_per_host: int) -> None:
+    def __init__(self, max_total: int, max_per_host: int, rejections: Rejections) -> None:
         self.max_total = max_total
         self.max_per_host = max_per_host
+        self.rejections = rejections
         self.total = 0
         self.by_host: dict[str, int] = {}
 
@@ -57,6 +60,7 @@ class ConnectionCount:
         """Count a new connection from ``host``, or say no when a maximum is reached."""
         n = self.by_host.get(host, 0)
         if self.total >= self.max_total or n >= self.max_per_host:
+            self.rejections.add(CONNECTIONS_TOTAL if self.total >= self.max_total else CONNECTIONS_PER_HOST)
             return False
         self.total += 1
         self.by_host[host] = n + 1

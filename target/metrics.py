@@ -23,6 +23,7 @@ from prometheus_client.core import (
 
 from blockd.iostats import BUCKETS, bucket_bound_ns
 from target.control import counters, hosts, namespaces
+from target.rejections import KEEP_ALIVE_TIMEOUT
 
 if TYPE_CHECKING:
     from target.target import Target
@@ -76,8 +77,14 @@ class TargetCollector:
             depth.add_metric(labels, sum(q["in_flight"] for q in h["queues"] if q["qid"]))
         yield queues
         yield depth
+        rejected = target.rejections.counts
         yield CounterMetricFamily(f"{PREFIX}_keep_alive_expiries", "Controllers torn down by keep-alive timeout",
-                                  value=target.keep_alive_expiries)
+                                  value=rejected[KEEP_ALIVE_TIMEOUT])
+        rejections = CounterMetricFamily(f"{PREFIX}_rejections", "Hostile or over-limit input refused, by reason",
+                                         labels=["reason"])
+        for reason, n in sorted(rejected.items()):
+            rejections.add_metric([reason], n)
+        yield rejections
 
 
 def _io_families(what: str, names: list[str], rows: list[tuple[list[str], dict[str, Any]]]) -> Iterator[Metric]:

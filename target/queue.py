@@ -42,6 +42,7 @@ from protocol.nvme import (
 )
 from protocol.status import MORE, Status, to_wire
 from target.auth import QueueAuth
+from target.rejections import AUTH_FAILED, COMMAND_POOL_EXHAUSTED, connect_refused
 from target.request import Direction, IllegalTransition, Request, RequestState
 
 if TYPE_CHECKING:
@@ -179,6 +180,8 @@ class TargetQueue:
             self._fail(req, _INVALID_OPCODE)
             return
         elif not ctrl.ready or self.in_flight > self.pool:
+            if ctrl.ready:
+                self.target.rejections.add(COMMAND_POOL_EXHAUSTED)
             self._fail(req, _SEQUENCE_ERROR)
             return
         elif self.locked:
@@ -363,6 +366,12 @@ class TargetQueue:
         self.controller.property_set(req)
 
     async def _connect(self, req: Request) -> None:
+        self._connect_queue(req)
+        if req.status:
+            self.target.rejections.add(connect_refused(req.status))
+
+    def _connect_queue(self, req: Request) -> None:
+        """Connect's work; a refusal is ``req.status`` (and ``req.dw0``)."""
         fields = CONNECT_COMMAND.parse(req.sqe)
         recfmt, qid, sqsize, kato = fields.recfmt, fields.qid, fields.sqsize, fields.kato
         if recfmt != 0:
@@ -426,5 +435,6 @@ class TargetQueue:
         auth = self.auth
         self.locked = not auth.authenticated
         if auth.failed:
+            self.target.rejections.add(AUTH_FAILED)
             # the host NQN is a name, not a secret; the secret never reaches a log line
             log.warning("authentication failed", hostnqn=auth.hostnqn, qid=self.qid, peer=self.peer)

@@ -19,6 +19,7 @@ from protocol.status import Status
 from target.controller import MQES, Controller
 from target.limits import ConnectionCount, DataBudget
 from target.queue import TargetQueue
+from target.rejections import KEEP_ALIVE_TIMEOUT, Rejections
 from target.subsystem import Namespace, Subsystem
 from target.transport import transport_info
 
@@ -55,14 +56,15 @@ class Target:
         self.ports: dict[int, PortInfo] = {}
         self.max_io_queues = max_io_queues
         self.limits = limits
-        self.connections = ConnectionCount(limits.max_connections, limits.max_connections_per_host)
+        self.rejections = Rejections()
+        """Hostile or over-limit input refused, by reason (a metric)."""
+        self.connections = ConnectionCount(limits.max_connections, limits.max_connections_per_host,
+                                           self.rejections)
         self.r2t_budget = DataBudget(limits.r2t_budget_total)
         """Write data buffers asked for with R2T, over every queue (see target.limits)."""
         self.genctr = 1
         self._next_cntlid = 1
         self._reaper: asyncio.Task[None] | None = None
-        self.keep_alive_expiries = 0
-        """Controllers torn down because their host went silent (a metric)."""
         self.tasks: set[asyncio.Task[None]] = set()
         """Commands that wait (an fsync, a slow backend, an AER), on every queue: drained at
         shutdown."""
@@ -288,7 +290,7 @@ class Target:
             now = time.monotonic()
             for ctrl in list(self.controllers.values()):
                 if ctrl.keep_alive_expired(now):
-                    self.keep_alive_expiries += 1
+                    self.rejections.add(KEEP_ALIVE_TIMEOUT)
                     ctrl.shutdown("keep-alive timeout")
 
     async def close(self) -> None:

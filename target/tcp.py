@@ -25,6 +25,7 @@ from protocol.tcp import (
     IC_REQ, IC_REQ_FAST, IC_RESP, PduFlags, PduType, TermReqFes, fei_of,
 )
 from target.queue import TargetQueue
+from target.rejections import FRAMING, HELLO_TIMEOUT, INCAPSULE_TOO_LARGE, PDU_TIMEOUT, R2T_BUDGET_WAIT
 from target.request import Request
 from target.target import PortInfo, Target
 from target.transport import DEFAULT_MAX_TRANSFER, TransportInfo
@@ -174,6 +175,7 @@ class TcpTargetConnection(PduProtocol):
         """The hello deadline: a connection not yet connected (ICReq and Connect) is closed; a
         connected one is watched for stuck PDUs from now on."""
         if self.queue.controller is None:
+            self.target.rejections.add(HELLO_TIMEOUT)
             self.queue.note_teardown("no ICReq and Connect in time", timeout=str(self.limits.hello_timeout))
             self.close()
             return
@@ -185,6 +187,7 @@ class TcpTargetConnection(PduProtocol):
         completed = self.reader.completed
         in_pdu = not self.paused and self.reader.in_pdu()
         if in_pdu and completed == self._seen:  # mid-PDU at the last tick too, none completed since
+            self.target.rejections.add(PDU_TIMEOUT)
             self.queue.note_teardown("stuck in the middle of a PDU", timeout=str(self.limits.pdu_timeout))
             self.close()
             return
@@ -241,6 +244,8 @@ class TcpTargetConnection(PduProtocol):
         ``_place`` puts the H2CData in ``req.data``."""
         self._r2t_waiting.append(req)
         self._send_r2ts()
+        if self._r2t_waiting:  # this write (the last in line) waits for budget
+            self.target.rejections.add(R2T_BUDGET_WAIT)
 
     def _send_r2ts(self) -> None:
         """Send the R2Ts of waiting writes, oldest first, while this queue's budget and the
@@ -267,6 +272,7 @@ class TcpTargetConnection(PduProtocol):
         R2T asked for) for H2CData. Checked once the header is in, before anything is allocated."""
         if ptype == _CAPSULE_CMD:
             if length > self.queue.inline_size:
+                self.target.rejections.add(INCAPSULE_TOO_LARGE)
                 raise FramingError(TermReqFes.DATA_OUT_OF_RANGE, _FEI_PLEN,
                                    f"{length} bytes of in-capsule data, more than {self.queue.inline_size}",
                                    bytes(header))
@@ -342,6 +348,7 @@ class TcpTargetConnection(PduProtocol):
         queue.response_sent(req)
 
     def _terminate(self, exc: FramingError) -> None:
+        self.target.rejections.add(FRAMING[exc.fes])
         self.queue.note_teardown("framing error", fes=str(exc.fes), fei=str(exc.fei), error=str(exc))
         self.out.send([term_req(PduType.C2H_TERM_REQ, exc.fes, exc.fei, exc.header)])
         self.close()

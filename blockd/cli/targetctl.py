@@ -121,12 +121,19 @@ def _stats_rows(entries: list[dict[str, Any]], first: Callable[[dict[str, Any]],
 _STATS_HEADERS = ["r/s", "w/s", "rMB/s", "wMB/s", "flush", "other", "lat_us", "p99_us", "errors"]
 
 
-def _stats_text(iv: dict[str, Any]) -> str:
+def _rejections_text(iv: dict[str, Any], totals: dict[str, Any]) -> str:
+    """Refusals by reason: in the interval and since the start, only the reasons seen."""
+    rows = [[reason, iv["rejections"].get(reason, 0), n] for reason, n in sorted(totals["rejections"].items()) if n]
+    return _table(["REJECTED", "INTERVAL", "TOTAL"], rows) if rows else "rejected: none"
+
+
+def _stats_text(iv: dict[str, Any], totals: dict[str, Any]) -> str:
     return "\n\n".join([
         _table(["SUBSYSTEM", "NSID", *_STATS_HEADERS],
                _stats_rows(iv["namespaces"], lambda e: [e["subsystem"], e["nsid"]])),
         _table(["HOST", "CNTLID", *_STATS_HEADERS],
                _stats_rows(iv["hosts"], lambda e: [e["hostnqn"], e["cntlid"]])),
+        _rejections_text(iv, totals),
     ])
 
 
@@ -152,7 +159,7 @@ def cmd_target(args: argparse.Namespace) -> int:
     elif args.verb == "namespaces":
         print(_namespaces_text(reply["namespaces"]))
     else:
-        print(f"over {reply['interval']['seconds']:.2f}s:\n{_stats_text(reply['interval'])}")
+        print(f"over {reply['interval']['seconds']:.2f}s:\n{_stats_text(reply['interval'], reply['totals'])}")
     return 0
 
 

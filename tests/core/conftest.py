@@ -58,13 +58,15 @@ def sub(nqn: str = NQN, namespaces: list[dict[str, Any]] | None = None, **kw: An
 
 
 def config(ports: list[int], subsystems: list[dict[str, Any]], control: str = "",
-           metrics: dict[str, Any] | None = None) -> Any:
+           metrics: dict[str, Any] | None = None, target: dict[str, Any] | None = None) -> Any:
     """A target configuration; no control socket unless ``control`` names one (tests run side
-    by side and must not share the default path)."""
+    by side and must not share the default path). ``target``: the ``[target]`` table (limits)."""
     raw = {"port": [{"transport": "tcp", "address": "127.0.0.1", "port": p} for p in ports],
            "subsystem": subsystems, "control": {"socket": control}}
     if metrics is not None:
         raw["metrics"] = metrics
+    if target is not None:
+        raw["target"] = target
     return parse(raw, "test")
 
 
