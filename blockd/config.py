@@ -1,6 +1,7 @@
 """What the target's and the initiator's configuration files share: one error type worded for
 the person who wrote the file, TOML reading, sizes such as ``"64MiB"``, the checks of a table's
-keys and types, and the rule that a file holding secrets is not readable by others.
+keys and types, the rule that a file holding secrets is not readable by others, and the
+``[metrics]`` table of both daemons.
 
 Each end's own settings live with that end: :mod:`target.config` and :mod:`initiator.config`.
 """
@@ -11,6 +12,7 @@ import os
 import re
 import stat
 import tomllib
+from dataclasses import dataclass
 from typing import Any
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
@@ -72,3 +74,24 @@ def refuse_readable_secrets(path: str) -> None:
     if os.stat(path).st_mode & stat.S_IROTH:
         raise ConfigError(f"{path} holds DH-HMAC-CHAP secrets but is readable by others "
                           f"(chmod o-r {path})")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Where a daemon serves its Prometheus metrics (``[metrics]``, off unless ``enabled``)."""
+
+    address: str
+    port: int
+
+
+def metrics_config(table: dict[str, Any], where: str, default_port: int) -> MetricsConfig | None:
+    """A ``[metrics]`` table (``enabled``, ``address``, ``port``): None unless enabled; bound
+    to loopback unless ``address`` says otherwise."""
+    unknown(table, {"enabled", "address", "port"}, where)
+    address = take(table, "address", str, where, "127.0.0.1")
+    port = take(table, "port", int, where, default_port)
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{where}: port {port} is out of range")
+    if not take(table, "enabled", bool, where, False):
+        return None
+    return MetricsConfig(address, port)

@@ -26,6 +26,11 @@ Example::
     connection = "vol1"
     mountpoint = "/mnt/vol1"
 
+    [metrics]                 # Prometheus text format over HTTP (docs/operations.md)
+    enabled = false
+    address = "127.0.0.1"     # loopback unless you mean to expose it
+    port = 9470
+
 The daemon connects every entry at start and keeps retrying one that fails (the target may
 boot later than the host); once connected, the initiator library reconnects by itself for
 ``ctrl_loss_tmo`` seconds after a target restart.
@@ -36,9 +41,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from blockd.config import ConfigError, read_toml, refuse_readable_secrets
+from blockd.config import ConfigError, MetricsConfig, metrics_config, read_toml, refuse_readable_secrets, take
 from initiator.params import CONNECT_OPTIONS, OPTIONS_BY_KEY, check_option
 
+DEFAULT_METRICS_PORT = 9470
+"""The target's is 9469: both daemons may run on one machine."""
 BOOT_CTRL_LOSS_TMO = -1.0
 """Boot-time connections keep reconnecting forever unless their table says otherwise (a storage
 host must not give up on its volumes because a target took a few minutes to come back): the one
@@ -71,6 +78,7 @@ class MountConfig:
 class InitiatorConfig:
     connections: tuple[ConnectionConfig, ...] = ()
     mounts: tuple[MountConfig, ...] = ()
+    metrics: MetricsConfig | None = None
 
 
 def _table(table: Any, where: str) -> dict[str, Any]:
@@ -111,7 +119,7 @@ def _mount(table: Any, where: str) -> MountConfig:
 
 
 def parse(raw: dict[str, Any], source: str = "initiator config") -> InitiatorConfig:
-    extra = set(raw) - {"connection", "mount"}
+    extra = set(raw) - {"connection", "mount", "metrics"}
     if extra:
         raise ConfigError(f"{source}: unknown setting(s) {', '.join(sorted(extra))}")
     conns = [_connection(t, f"{source} connection #{i + 1}") for i, t in enumerate(raw.get("connection", []))]
@@ -124,7 +132,8 @@ def parse(raw: dict[str, Any], source: str = "initiator config") -> InitiatorCon
         if m.connection not in keys:
             raise ConfigError(f"{source} mount #{i + 1}: no [[connection]] named {m.connection!r}")
         mounts.append(m)
-    return InitiatorConfig(tuple(conns), tuple(mounts))
+    metrics = metrics_config(take(raw, "metrics", dict, source, {}), f"{source} [metrics]", DEFAULT_METRICS_PORT)
+    return InitiatorConfig(tuple(conns), tuple(mounts), metrics)
 
 
 def load(path: str) -> InitiatorConfig:

@@ -228,6 +228,8 @@ class Controller:
         association is not live yet) and fail, never retry."""
         self._held: list[QueueConnection] = []
         self._reconnect_task: asyncio.Task[None] | None = None
+        self.reconnects = 0
+        """Associations re-established after a lost connection (a metric)."""
         self._keep_alive_task: asyncio.Task[None] | None = None
         self._aer_task: asyncio.Task[None] | None = None
         self.namespace_listeners: list[Callable[[], None]] = []
@@ -742,6 +744,7 @@ class Controller:
                 except (OSError, NvmeError, asyncio.TimeoutError, ConnectionError) as exc:
                     last = exc
                     continue
+                self.reconnects += 1
                 log.info("reconnected", subnqn=p.subnqn, cntlid=self.cntlid,
                          retrying=len(self._parked_io) + len(self._parked_admin))
                 self._unpark()

@@ -10,11 +10,14 @@ from typing import Any, Awaitable, Callable
 import structlog
 
 from blockd import control_socket
+from blockd.config import MetricsConfig
 from blockd.control_socket import RequestError
+from blockd.prometheus import MetricsServer
 from initiator.control import CHUNK, socket_path
 from initiator.controller import Controller
 from initiator.errors import ConnectError, NvmeError, QueueLost
 from initiator.fuse import FuseMounts
+from initiator.metrics import initiator_metrics_server
 from initiator.params import connect_params
 
 log = structlog.get_logger("blockd.initiator.daemon")
@@ -26,7 +29,7 @@ PIPELINE = 8
 class InitiatorDaemon:
     """Named connections plus the control socket server."""
 
-    def __init__(self, path: str | None = None) -> None:
+    def __init__(self, path: str | None = None, metrics: MetricsConfig | None = None) -> None:
         self.path = socket_path(path)
         self.connections: dict[str, Controller] = {}
         self.server: asyncio.base_events.Server | None = None
@@ -42,14 +45,21 @@ class InitiatorDaemon:
             "umount": self.mounts.op_umount,
             "mounts": self.mounts.op_mounts,
         }
+        self.metrics: MetricsServer | None = (
+            initiator_metrics_server(self, metrics.address, metrics.port) if metrics is not None else None)
+        """The Prometheus endpoint, when the configuration enables it."""
 
     async def start(self) -> None:
         self.server = await control_socket.listen_private(self.path, self._client, limit=CHUNK * 2)
         log.info("initiator listening", socket=self.path)
+        if self.metrics is not None:
+            await self.metrics.start()
 
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
+        if self.metrics is not None:
+            await self.metrics.stop()
         await self.mounts.stop()
         for name, ctrl in list(self.connections.items()):
             await ctrl.close()

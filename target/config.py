@@ -64,7 +64,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from blockd.config import ConfigError, parse_size, read_toml, refuse_readable_secrets, take, unknown
+from blockd.config import (
+    ConfigError, MetricsConfig, metrics_config, parse_size, read_toml, refuse_readable_secrets, take, unknown,
+)
 from blockd.dhchap_secret import Secret, SecretError, parse_secret
 from protocol.auth import DhGroup, HashId
 from protocol.constants import DEFAULT_IO_PORT, DISCOVERY_NQN
@@ -121,12 +123,6 @@ class SubsystemConfig:
     ports: frozenset[int] | None
     namespaces: tuple[NamespaceConfig, ...]
     host_auth: dict[str, HostAuthConfig] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class MetricsConfig:
-    address: str = "127.0.0.1"
-    port: int = DEFAULT_METRICS_PORT
 
 
 @dataclass(frozen=True)
@@ -256,7 +252,7 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
     control_socket = take(control_t, "socket", str, f"{source} [control]", DEFAULT_CONTROL_SOCKET)
     if control_socket and not control_socket.startswith("/"):
         raise ConfigError(f"{source} [control]: socket must be an absolute path (or \"\" for none)")
-    metrics = _metrics(take(raw, "metrics", dict, source, {}), f"{source} [metrics]")
+    metrics = metrics_config(take(raw, "metrics", dict, source, {}), f"{source} [metrics]", DEFAULT_METRICS_PORT)
 
     ports: list[PortConfig] = []
     for i, p in enumerate(take(raw, "port", list, source, [])):
@@ -324,13 +320,3 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
                         take(logging_t, "level", str, f"{source} [logging]", "info"), max_io_queues,
                         limits, control_socket, metrics)
 
-
-def _metrics(table: dict[str, Any], where: str) -> MetricsConfig | None:
-    unknown(table, {"enabled", "address", "port"}, where)
-    address = take(table, "address", str, where, "127.0.0.1")
-    port = take(table, "port", int, where, DEFAULT_METRICS_PORT)
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"{where}: port {port} is out of range")
-    if not take(table, "enabled", bool, where, False):
-        return None
-    return MetricsConfig(address, port)

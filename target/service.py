@@ -16,7 +16,8 @@ from target.config import NamespaceConfig, PortConfig, SubsystemConfig, TargetCo
 from blockd.control_socket import RequestError
 from target.backend import FileBackend
 from target.control import ControlServer
-from target.metrics import MetricsServer
+from blockd.prometheus import MetricsServer
+from target.metrics import target_metrics_server
 from target.subsystem import Namespace, Subsystem
 from target.target import PortInfo, Target
 from target.transport import Listener, listen
@@ -60,7 +61,7 @@ class TargetService:
             ControlServer(self, config.control_socket) if config.control_socket else None)
         """The control socket (``blockctl target ...``); its path is not reloadable."""
         self.metrics: MetricsServer | None = (
-            MetricsServer(self.target, config.metrics.address, config.metrics.port)
+            target_metrics_server(self.target, config.metrics.address, config.metrics.port)
             if config.metrics is not None else None)
         """The Prometheus endpoint; its address is not reloadable."""
         if self.control is not None:

@@ -109,7 +109,7 @@ async def run_initiator(socket: str | None, config_path: str | None = None) -> i
 
     config = load_initiator(config_path) if config_path else None
     notify = Notifier.from_env(unset=True)
-    daemon = InitiatorDaemon(socket)
+    daemon = InitiatorDaemon(socket, config.metrics if config else None)
     await daemon.start()
     boot = BootConnections(daemon, config, notify.status) if config else None
     if boot:

@@ -1,0 +1,66 @@
+"""Prometheus metrics of the initiator daemon, over HTTP (``[metrics]`` in its configuration):
+per connection its I/O (:mod:`blockd.iostats`: commands, bytes, errors, latency), reconnects,
+I/O queues and commands in flight; per FUSE mount the requests it served and failed.
+
+Read when Prometheus scrapes, as the target's (:mod:`target.metrics`, same names after
+``blockd_initiator_``); the endpoint is :class:`blockd.prometheus.MetricsServer`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from blockd.prometheus import MetricsServer, io_families
+
+if TYPE_CHECKING:
+    from initiator.daemon import InitiatorDaemon
+
+PREFIX = "blockd_initiator"
+_LATENCY = "I/O command latency on the host (sent to completion)"
+_CONNECTION = ["connection", "subsystem"]
+_MOUNT = ["mountpoint", "connection"]
+
+
+class InitiatorCollector:
+    """Reads an :class:`initiator.daemon.InitiatorDaemon` at each scrape."""
+
+    def __init__(self, daemon: InitiatorDaemon) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[Metric]:
+        conns = [([name, ctrl.params.subnqn], ctrl) for name, ctrl in self.daemon.connections.items()]
+        yield from io_families(PREFIX, "connection", _CONNECTION,
+                               [(labels, ctrl.counters.snapshot()) for labels, ctrl in conns], _LATENCY)
+        up = GaugeMetricFamily(f"{PREFIX}_connection_up", "1 while the association is live, 0 while "
+                               "reconnecting or after giving up", labels=_CONNECTION)
+        reconnects = CounterMetricFamily(f"{PREFIX}_connection_reconnects",
+                                         "Associations re-established after a lost connection", labels=_CONNECTION)
+        queues = GaugeMetricFamily(f"{PREFIX}_connection_io_queues", "I/O queues of the association",
+                                   labels=_CONNECTION)
+        depth = GaugeMetricFamily(f"{PREFIX}_connection_queue_depth_in_use",
+                                  "Commands in flight on the connection's I/O queues", labels=_CONNECTION)
+        for labels, ctrl in conns:
+            up.add_metric(labels, ctrl.state == "live")
+            reconnects.add_metric(labels, ctrl.reconnects)
+            queues.add_metric(labels, len(ctrl.io))
+            depth.add_metric(labels, sum(len(conn.queue.pending) for conn in ctrl.io))
+        yield from (up, reconnects, queues, depth)
+
+        requests = CounterMetricFamily(f"{PREFIX}_mount_requests", "FUSE reads and writes served, per mount",
+                                       labels=[*_MOUNT, "op"])
+        errors = CounterMetricFamily(f"{PREFIX}_mount_errors", "FUSE requests answered with an error, per mount",
+                                     labels=_MOUNT)
+        for mount in self.daemon.mounts.mounts.values():
+            labels = [mount.mountpoint, mount.name]
+            stats = mount.session.stats
+            for op in ("read", "write"):
+                requests.add_metric([*labels, op], stats[op])
+            errors.add_metric(labels, stats["errors"])
+        yield from (requests, errors)
+
+
+def initiator_metrics_server(daemon: InitiatorDaemon, address: str, port: int) -> MetricsServer:
+    """The initiator daemon's ``/metrics`` endpoint."""
+    return MetricsServer(InitiatorCollector(daemon), address, port)
