@@ -2,7 +2,7 @@
 
 Run (root; fio, nbdkit, nbdfuse installed)::
 
-    .venv/bin/python tests/bench/run_fuse_bench.py [--size-mib 1024] [--runtime 10] [--no-docs]
+    .venv/bin/python tests/bench/run_fuse_bench.py [--size-mib 1024] [--runtime 10] [--no-docs] [--metrics]
 
 In ONE run, on the same machine, with the same file size and the same fio settings (direct=1;
 the workloads are the job files in tests/bench/fio/, each run under a [global] section naming the
@@ -24,7 +24,9 @@ Then: RSS of the initiator daemon (one mount, 4 I/O queues x 128) and of the tar
 hosts connected (4 queues x 128 each), CPU time per I/O of blockd's two daemons and of nbdfuse
 and nbdkit, and a py-spy profile of blockd's daemons during a 4 KiB random-read job. It prints
 the tables and rewrites the generated part of docs/benchmarks.md and docs/benchmarks.png
-(matplotlib; installed into the venv if missing).
+(matplotlib; installed into the venv if missing). ``--metrics`` turns on both blockd daemons'
+Prometheus endpoints and scrapes them every second while the workloads run, to measure what the
+exporters cost (counting itself is always on).
 Not collected by pytest (no test_ prefix).
 """
 
@@ -41,7 +43,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -130,6 +134,33 @@ class Resident:
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+class Scraper:
+    """Scrapes URLs every ``period`` seconds in a thread, as a Prometheus server would."""
+
+    def __init__(self, urls: list[str], period: float = 1.0) -> None:
+        self.urls = urls
+        self.period = period
+        self.scrapes = 0
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            for url in self.urls:
+                try:
+                    urllib.request.urlopen(url, timeout=5).read()
+                    self.scrapes += 1
+                except OSError:
+                    self.failures += 1
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return {"scrapes": self.scrapes, "failures": self.failures}
 
 
 def make_file(path: Path, size: int) -> None:
@@ -356,6 +387,8 @@ def main() -> int:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md alone")
     ap.add_argument("--replot", metavar="JSON", help="only redraw docs/benchmarks.png from a run's JSON")
+    ap.add_argument("--metrics", action="store_true",
+                    help="turn on both blockd daemons' Prometheus endpoints and scrape them every second")
     args = ap.parse_args()
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
@@ -381,13 +414,15 @@ def main() -> int:
     for p in files.values():
         make_file(p, size)
     resident = Resident(list(files.values()))
-    stack = nbd = None
+    stack = nbd = scraper = None
     results: dict[str, dict[str, dict]] = {}
     cpu_per_io: dict[str, dict[str, float]] = {}
     extra: dict[str, object] = {}
     try:
         stack = Stack(work / "blockd", size=size, block_size=4096, nr_io_queues=4, queue_size=128,
-                      log_level="warning", backing=files["blockd"]).start()
+                      log_level="warning", backing=files["blockd"], metrics=args.metrics).start()
+        if args.metrics:
+            scraper = Scraper([stack.metrics_url("target"), stack.metrics_url("initiator")])
         nbd = NbdSystems(work, files["nbd"])
         targets = {"blockd": str(stack.file), "nbdfuse": str(nbd.file),
                    "nbd-engine": f"nbd://127.0.0.1:{nbd.port}", "local": str(files["local"])}
@@ -421,6 +456,11 @@ def main() -> int:
                 log(f"{label:<22} {system:<11} {r['iops']:>9,.0f} IOPS {r['mbs']:>8,.1f} MB/s "
                     f"p99 {r['p99_us']:>7,.0f} us")
 
+        if scraper is not None:
+            extra["metrics_scrapes"] = scraper.stop()
+            scraper = None
+            log(f"metrics endpoints scraped during the workloads: {extra['metrics_scrapes']}")
+
         # RSS: the initiator with its mount and 4 queues x 128 after the load above ...
         extra["initiator_rss"] = rss(stack.initiator.pid)
         # ... and the target with 16 hosts connected (a second initiator daemon holds them)
@@ -445,6 +485,8 @@ def main() -> int:
             if spy:
                 extra["profile"] = profile(spy, stack, work, size, args.runtime, resident, pin)
     finally:
+        if scraper is not None:
+            scraper.stop()
         if nbd is not None:
             nbd.stop()
         if stack is not None:
@@ -453,7 +495,7 @@ def main() -> int:
 
     meta = {"started": started, "cpus": len(cpus), "load": load_before, "kernel": platform.release(),
             "cpu_model": _cpu_model(), "size_mib": args.size_mib, "runtime": args.runtime, "pin": pin,
-            "workdir_fs": "tmpfs" if str(work).startswith("/dev/shm") else base, "resident": resident.status,
+            "metrics": args.metrics, "workdir_fs": "tmpfs" if str(work).startswith("/dev/shm") else base, "resident": resident.status,
             "command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "tests/bench/run_fuse_bench.py",
                                                           *sys.argv[1:]])}
     text = report(results, systems, cpu_per_io, extra, meta)

@@ -42,7 +42,7 @@ class Stack:
     def __init__(self, workdir: str | Path, size: int = 256 << 20, block_size: int = 512,
                  nr_io_queues: int = 4, queue_size: int = 128, ctrl_loss_tmo: float = 20.0,
                  log_level: str = "info", backing: str | Path | None = None,
-                 attr_ttl: float | None = None) -> None:
+                 attr_ttl: float | None = None, metrics: bool = False) -> None:
         self.dir = Path(workdir)
         self.size = size
         self.block_size = block_size
@@ -57,6 +57,9 @@ class Stack:
         self.socket = self.dir / "initiator.sock"
         self.target_socket = self.dir / "target.sock"
         """The target's control socket (its own, not the system's default path)."""
+        self.metrics_ports = {"target": free_port(), "initiator": free_port()} if metrics else {}
+        """Both daemons' Prometheus endpoints on loopback (``[metrics]`` in each one's TOML),
+        when ``metrics``; scraped at ``metrics_url(daemon)``."""
         self.mnt = self.dir / "mnt"
         self.file = self.mnt / "ns1"
         self.target: subprocess.Popen | None = None
@@ -64,9 +67,17 @@ class Stack:
 
     # -- processes ------------------------------------------------------------------------------
 
+    def metrics_url(self, daemon: str) -> str:
+        return f"http://127.0.0.1:{self.metrics_ports[daemon]}/metrics"
+
+    def _metrics_table(self, daemon: str) -> str:
+        port = self.metrics_ports.get(daemon)
+        return f"[metrics]\nenabled = true\nport = {port}\n" if port else ""
+
     def write_config(self) -> Path:
         cfg = self.dir / "target.toml"
         cfg.write_text(f"""
+{self._metrics_table("target")}
 [logging]
 level = "{self.log_level}"
 
@@ -112,8 +123,12 @@ block_size = {self.block_size}
         env = dict(os.environ)
         if self.attr_ttl is not None:
             env["BLOCKD_FUSE_ATTR_TTL"] = str(self.attr_ttl)
-        self.initiator = subprocess.Popen([tool("blockd"), "initiator", "--socket", str(self.socket),
-                                           "--log-level", self.log_level],
+        argv = [tool("blockd"), "initiator", "--socket", str(self.socket), "--log-level", self.log_level]
+        if self.metrics_ports:
+            cfg = self.dir / "initiator.toml"
+            cfg.write_text(self._metrics_table("initiator"))
+            argv += ["--config", str(cfg)]
+        self.initiator = subprocess.Popen(argv,
                                           stdout=log, stderr=log, cwd=REPO, env=env)
         deadline = time.monotonic() + 20
         while not self.socket.exists():
