@@ -66,7 +66,11 @@ def test_every_fixed_reason_is_there_from_the_start() -> None:
             "framing_data_out_of_range", "framing_r2t_limit_exceeded", "framing_unsupported_parameter"} <= set(REASONS)
 
 
-def test_connection_over_the_per_host_limit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("limit, reason", [
+    ("max_connections_per_host", "connections_per_host"),
+    ("max_connections", "connections_total"),
+])
+def test_connection_over_a_limit(tmp_path: Path, limit: str, reason: str) -> None:
     async def provoke(service: TargetService, port: int) -> None:
         first = await RawConn.open(port)
         await first.initialize()
@@ -74,18 +78,7 @@ def test_connection_over_the_per_host_limit(tmp_path: Path) -> None:
         await _closed_by_target(second)
         await first.close()
 
-    assert _provoked(tmp_path, provoke, {"max_connections_per_host": 1}) == {"connections_per_host": 1}
-
-
-def test_connection_over_the_total_limit(tmp_path: Path) -> None:
-    async def provoke(service: TargetService, port: int) -> None:
-        first = await RawConn.open(port)
-        await first.initialize()
-        second = await RawConn.open(port)
-        await _closed_by_target(second)
-        await first.close()
-
-    assert _provoked(tmp_path, provoke, {"max_connections": 1}) == {"connections_total": 1}
+    assert _provoked(tmp_path, provoke, {limit: 1}) == {reason: 1}
 
 
 def test_hello_timeout(tmp_path: Path) -> None:
