@@ -345,4 +345,8 @@ def test_host_counters_per_connection(tmp_path: Path) -> None:
     for kind in ("read", "write", "flush"):
         assert host["ops"][kind] == target_side["ops"][kind]
         assert host["bytes"][kind] == target_side["bytes"][kind]
-    assert sum(host["buckets"]) == 9 and host["latency_ns"] >= target_side["latency_ns"] > 0
+    assert sum(host["buckets"]) == 9 and host["latency_ns"] > 0
+    # The target also counts each I/O queue's Connect (an "other" command of the host), which
+    # the host does not: its latency sum is not comparable with the host's (a slow Connect on a
+    # loaded machine made it the larger).
+    assert target_side["ops"]["other"] == IO_QUEUES and sum(target_side["buckets"]) == 9 + IO_QUEUES
