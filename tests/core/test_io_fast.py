@@ -77,7 +77,7 @@ def _command(rng: random.Random, cid: int) -> tuple[bytes, bytes, bool]:
     address = rng.choice([0] * 20 + [8])
     dptr = build_sgl_data_block(sgl_id, address if sgl_id == SglId.DATA_BLOCK_OFFSET else 0, max(0, length))
     sqe = build_sqe(int(opcode), cid, flags=flags, nsid=nsid, dptr=dptr, cdw10=slba & 0xFFFFFFFF,
-                    cdw11=slba >> 32, cdw12=(nlb - 1) | control)
+                    cdw11=slba >> 32, cdw12=(nlb - 1) | control << 16)
     return sqe, data, late
 
 
@@ -201,9 +201,10 @@ def test_compiled_path_answers_exactly_as_the_python_queue(tmp_path: Path, monke
 
 
 @compiled_only
-def test_resize_and_removal_reach_the_compiled_copy(tmp_path: Path) -> None:
-    """A grown namespace is served up to its new end by the compiled path; a removed one is
-    withdrawn from it (its copy inaccessible, the descriptor given up) and answered by Python."""
+def test_what_the_compiled_path_leaves_to_python(tmp_path: Path) -> None:
+    """A grown namespace is served up to its new end by the compiled path; a namespace whose
+    copy is marked inaccessible, a FUA write and a removed namespace (its copy withdrawn, the
+    descriptor given up) are answered by the Python queue."""
     path = tmp_path / "vol.img"
     fill_file(path, 64 << 10)
     port = free_port()
@@ -225,6 +226,14 @@ def test_resize_and_removal_reach_the_compiled_copy(tmp_path: Path) -> None:
             status, _, _, data = await io.command(read_end)
             assert (status, data, fast.served) == (0, bytes(512), 1)
             namespace = sub_.namespaces[1]
+            namespace.fast.accessible = False  # as ANA will for a namespace that must refuse I/O
+            status, _, _, data = await io.command(read_end)
+            assert (status, data, fast.served) == (0, bytes(512), 1)  # answered by the Python queue
+            namespace.fast.accessible = True
+            fua_write = build_sqe(IoOpcode.WRITE, 10, nsid=1, dptr=build_sgl_data_block(
+                SglId.DATA_BLOCK_OFFSET, 0, 512), cdw12=RW_CONTROL_FUA << 16)
+            status, *_ = await io.command(fua_write, b"\x01" * 512)
+            assert (status, fast.served) == (0, 1)  # FUA waits for the disk on the Python path's thread
             service.target.remove_namespace(sub_, 1)
             assert not namespace.fast.accessible and namespace.fast.file.fd == -1
             status, *_ = await io.command(read_end)
