@@ -199,17 +199,21 @@ cdef class FastFile:
 cdef class FastNamespace:
     """What the compiled path needs of a namespace: its file, block size and counters.
 
-    ``accessible`` False withdraws it: every command on the namespace then goes to the Python
-    queue, which decides (a removed namespace; an ANA state that refuses I/O, 0x302, once ANA
-    exists: its code turns this off for the namespace and lets the Python path answer per port)."""
+    It is valid for the backend it was made from only: once the namespace's ``backend`` is
+    another object (a filter wrapped around it, replication), its commands go to the Python
+    queue. ``accessible`` False withdraws it as well: every command on the namespace then goes
+    to the Python queue, which decides (a removed namespace; an ANA state that refuses I/O,
+    0x302, once ANA exists: its code turns this off and lets the Python path answer per port)."""
 
     cdef public FastFile file
+    cdef public object backend
     cdef public int lba_shift
     cdef public object counters
     cdef public bint accessible
 
-    def __init__(self, FastFile file, int lba_shift, counters):
+    def __init__(self, FastFile file, backend, int lba_shift, counters):
         self.file = file
+        self.backend = backend
         self.lba_shift = lba_shift
         self.counters = counters
         self.accessible = True
@@ -314,7 +318,7 @@ cdef class TcpFastPath:
             return False
         cdef FastNamespace ns = <FastNamespace?>fast
         cdef FastFile f = ns.file
-        if not ns.accessible or f.fd < 0:
+        if not ns.accessible or f.fd < 0 or entry.backend is not ns.backend:
             return False
         cdef unsigned long long blocks = f.size >> ns.lba_shift
         if slba >= blocks or nlb > blocks - slba or (<unsigned long long>nlb << ns.lba_shift) != length:

@@ -29,4 +29,4 @@ def fast_namespace(ns: Namespace) -> object | None:
     file = getattr(ns.backend, "fast", None)
     if FastNamespace is None or file is None:
         return None
-    return FastNamespace(file, ns.lba_shift, ns.counters)
+    return FastNamespace(file, ns.backend, ns.lba_shift, ns.counters)

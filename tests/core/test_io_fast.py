@@ -24,6 +24,7 @@ from protocol.fabrics import CATTR_DISABLE_SQFLOW
 from protocol.nvme import CQE_FAST, RW_CONTROL_FUA, build_sgl_data_block, build_sqe
 from protocol.status import Status, to_wire
 from protocol.tcp import DATA_HLEN, DATA_PDU_HEADER_FAST, DIGEST_SIZE, PduFlags, PduType, crc32c
+from target.filter import BackendFilter
 from target.io_fast import TcpFastPath
 
 from .conftest import (
@@ -203,8 +204,9 @@ def test_compiled_path_answers_exactly_as_the_python_queue(tmp_path: Path, monke
 @compiled_only
 def test_what_the_compiled_path_leaves_to_python(tmp_path: Path) -> None:
     """A grown namespace is served up to its new end by the compiled path; a namespace whose
-    copy is marked inaccessible, a FUA write and a removed namespace (its copy withdrawn, the
-    descriptor given up) are answered by the Python queue."""
+    copy is marked inaccessible or whose backend was wrapped in a filter, a FUA write and a
+    removed namespace (its copy withdrawn, the descriptor given up) are answered by the Python
+    queue."""
     path = tmp_path / "vol.img"
     fill_file(path, 64 << 10)
     port = free_port()
@@ -230,6 +232,11 @@ def test_what_the_compiled_path_leaves_to_python(tmp_path: Path) -> None:
             status, _, _, data = await io.command(read_end)
             assert (status, data, fast.served) == (0, bytes(512), 1)  # answered by the Python queue
             namespace.fast.accessible = True
+            plain = namespace.backend
+            namespace.backend = BackendFilter(plain)  # a filter wrapped around it after the fact
+            status, _, _, data = await io.command(read_end)
+            assert (status, data, fast.served) == (0, bytes(512), 1)  # the filter's read, in Python
+            namespace.backend = plain
             fua_write = build_sqe(IoOpcode.WRITE, 10, nsid=1, dptr=build_sgl_data_block(
                 SglId.DATA_BLOCK_OFFSET, 0, 512), cdw12=RW_CONTROL_FUA << 16)
             status, *_ = await io.command(fua_write, b"\x01" * 512)
