@@ -11,9 +11,10 @@ Flush, R2T writes, unknown opcodes, SQ flow control on and off, digests.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import pytest
 
@@ -26,9 +27,10 @@ from protocol.status import Status, to_wire
 from protocol.tcp import DATA_HLEN, DATA_PDU_HEADER_FAST, DIGEST_SIZE, PduFlags, PduType, crc32c
 from target.filter import BackendFilter
 from target.io_fast import TcpFastPath
+from target.service import TargetService
 
 from .conftest import (
-    RawConn, capsule, config, connect_data, connect_sqe, fill_file, free_port, h2c_data, ns, raw_admin, run,
+    NQN, RawConn, capsule, config, connect_data, connect_sqe, fill_file, free_port, h2c_data, ns, raw_admin, run,
     serving, sub,
 )
 
@@ -201,29 +203,39 @@ def test_compiled_path_answers_exactly_as_the_python_queue(tmp_path: Path, monke
     assert fast["in_flight"] == (0, [0, 0])
 
 
+@contextlib.asynccontextmanager
+async def _small_target(tmp_path: Path) -> AsyncIterator[tuple[TargetService, RawConn, int]]:
+    """A target with one 64 KiB namespace, our raw admin queue on it, and a raw I/O connection
+    past ICReq (not yet connected); yields the service, that connection and the controller id."""
+    path = tmp_path / "vol.img"
+    fill_file(path, 64 << 10)
+    port = free_port()
+    async with serving(config([port], [sub(namespaces=[ns(path, size=64 << 10)])])) as service:
+        admin, cntlid = await raw_admin(port)
+        io = await RawConn.open(port)
+        await io.initialize()
+        try:
+            yield service, io, cntlid
+        finally:
+            await io.close()
+            await admin.close()
+
+
 @compiled_only
 def test_what_the_compiled_path_leaves_to_python(tmp_path: Path) -> None:
     """A grown namespace is served up to its new end by the compiled path; a namespace whose
     copy is marked inaccessible or whose backend was wrapped in a filter, a FUA write and a
     removed namespace (its copy withdrawn, the descriptor given up) are answered by the Python
     queue."""
-    path = tmp_path / "vol.img"
-    fill_file(path, 64 << 10)
-    port = free_port()
-    cfg = config([port], [sub(namespaces=[ns(path, size=64 << 10)])])
-
     async def main() -> None:
-        async with serving(cfg) as service:
-            admin, cntlid = await raw_admin(port)
-            io = await RawConn.open(port)
-            await io.initialize()
+        async with _small_target(tmp_path) as (service, io, cntlid):
             await io.connect_io(cntlid)
             fast = service.target.controllers[cntlid].queues[1].transport.fast
             read_end = build_sqe(IoOpcode.READ, 9, nsid=1, dptr=build_sgl_data_block(
                 SglId.TRANSPORT_DATA_BLOCK, 0, 512), cdw10=(128 << 10) // 512 - 1)
             status, *_ = await io.command(read_end)
             assert status != 0 and fast.served == 0  # past the end: Python's LBA range error
-            sub_ = service.target.subsystems[cfg.subsystems[0].nqn]
+            sub_ = service.target.subsystems[NQN]
             service.target.resize_namespace(sub_, 1, 128 << 10)
             status, _, _, data = await io.command(read_end)
             assert (status, data, fast.served) == (0, bytes(512), 1)
@@ -245,8 +257,6 @@ def test_what_the_compiled_path_leaves_to_python(tmp_path: Path) -> None:
             assert not namespace.fast.accessible and namespace.fast.file.fd == -1
             status, *_ = await io.command(read_end)
             assert status != 0 and fast.served == 1
-            await io.close()
-            await admin.close()
 
     run(main(), timeout=30)
 
@@ -261,16 +271,8 @@ def test_the_compiled_target_path_runs_with_the_compiled_plane() -> None:
 def test_a_full_command_pool_is_left_to_the_python_queue(tmp_path: Path) -> None:
     """Writes waiting for their R2T data hold their pool slots; a read beyond the pool is refused
     with a sequence error by the Python queue, not served by the compiled path."""
-    path = tmp_path / "vol.img"
-    fill_file(path, 64 << 10)
-    port = free_port()
-    cfg = config([port], [sub(namespaces=[ns(path, size=64 << 10)])])
-
     async def main() -> None:
-        async with serving(cfg) as service:
-            admin, cntlid = await raw_admin(port)
-            io = await RawConn.open(port)
-            await io.initialize()
+        async with _small_target(tmp_path) as (service, io, cntlid):
             status, *_ = await io.command(connect_sqe(qid=1, sqsize=1), connect_data(cntlid=cntlid))
             assert status == 0
             queue = service.target.controllers[cntlid].queues[1]
@@ -283,7 +285,5 @@ def test_a_full_command_pool_is_left_to_the_python_queue(tmp_path: Path) -> None
             status, _, cid, data = await io.command(read)
             assert (cid, status, data) == (99, to_wire(Status.COMMAND_SEQUENCE_ERROR), b"")
             assert queue.transport.fast.served == 0
-            await io.close()
-            await admin.close()
 
     run(main(), timeout=30)
