@@ -14,6 +14,8 @@ from blockd.dataplane import COMPILED
 if TYPE_CHECKING:
     from target.subsystem import Namespace
 
+__all__ = ["FastFile", "FastNamespace", "TcpFastPath", "fast_namespace"]
+
 FastFile = FastNamespace = TcpFastPath = None
 if COMPILED:
     try:
