@@ -227,14 +227,16 @@ cdef class TcpFastPath:
     cdef object conn
     cdef object queue
     cdef object ctrl
-    cdef object namespaces
+    cdef dict namespaces
     cdef object out
+    cdef object send
     cdef object transport
     cdef object counters
     cdef bint _bound
     cdef bint _off
     cdef unsigned int qid
     cdef unsigned int sqsize
+    cdef Py_ssize_t pool
     cdef bint sqhd_disabled
     cdef Py_ssize_t inline_size
     cdef Py_ssize_t max_transfer
@@ -263,9 +265,11 @@ cdef class TcpFastPath:
         self.counters = queue.counters
         self.qid = queue.qid
         self.sqsize = queue.sqsize
+        self.pool = queue.pool
         self.sqhd_disabled = queue.sqhd_disabled
         self.inline_size = queue.inline_size
         self.out = self.conn.out
+        self.send = self.out.send
         self.transport = self.conn.transport
         self.flush_at = self.conn._flush_at
         return True
@@ -325,7 +329,7 @@ cdef class TcpFastPath:
             return False
         queue = self.queue
         ctrl = self.ctrl
-        if (queue.locked or queue.in_flight >= queue.pool or not (ctrl.cc & _CC_EN) or not (ctrl.csts & _CSTS_RDY)
+        if (queue.locked or queue.in_flight >= self.pool or not (ctrl.cc & _CC_EN) or not (ctrl.csts & _CSTS_RDY)
                 or self.transport.is_closing()):
             return False
         if opcode == _READ:
@@ -350,7 +354,7 @@ cdef class TcpFastPath:
             _c2h_header(p, cid, length, _LAST)
             _capsule_resp(p + _DATA_HLEN + length, self._next_sqhd(), self.qid, cid)
         self._complete(ns, _KIND_READ, length, start)
-        self.out.send((reply,))
+        self.send((reply,))
         conn = self.conn
         batched = conn._batched + length
         if batched > self.flush_at:
@@ -382,7 +386,7 @@ cdef class TcpFastPath:
         cdef bytes resp = PyBytes_FromStringAndSize(NULL, _RESP_LEN)
         _capsule_resp(<unsigned char*>PyBytes_AS_STRING(resp), self._next_sqhd(), self.qid, cid)
         self._complete(ns, _KIND_WRITE, length, start)
-        self.out.send((resp,))
+        self.send((resp,))
         self.served += 1
         return True
 
