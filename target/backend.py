@@ -19,6 +19,7 @@ import struct
 from typing import Protocol
 
 from blockd.linux_files import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE, fallocate
+from target.io_fast import FastFile
 
 _BLKGETSIZE64 = 0x80081272
 _BLKDISCARD = 0x1277
@@ -92,12 +93,18 @@ class FileBackend:
         self.fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
         st = os.fstat(self.fd)
         self.is_block_device = stat.S_ISBLK(st.st_mode)
+        self.fast = None
+        """The compiled I/O path's copy of ``fd`` and ``size`` (:mod:`target.io_fast`), kept in
+        step here; None in pure mode, and for a subclass, which may change what a read or write
+        does (only this class's reads and writes are done again in C)."""
         try:
             self.size = 0
             self.resize(None if self.is_block_device else size)  # a device is its own size
         except ValueError:
             os.close(self.fd)
             raise
+        if FastFile is not None and type(self) is FileBackend:
+            self.fast = FastFile(self.fd, self.size, read_only)
 
     def resize(self, size: int | None) -> int:
         """A block device is as large as the kernel says (``size`` must match or be None); a
@@ -107,7 +114,7 @@ class FileBackend:
             actual = struct.unpack("<Q", fcntl.ioctl(self.fd, _BLKGETSIZE64, b"\0" * 8))[0]
             if size is not None and size != actual:
                 raise ValueError(f"{self.path} is a block device of {actual} bytes, not {size}")
-            self.size = actual
+            self._set_size(actual)
             return actual
         actual = os.fstat(self.fd).st_size
         if size is not None and actual < size and not self.read_only:
@@ -116,8 +123,13 @@ class FileBackend:
         new = size if size is not None else actual
         if actual < new:
             raise ValueError(f"{self.path} is smaller than the configured size {new}")
-        self.size = new
+        self._set_size(new)
         return new
+
+    def _set_size(self, size: int) -> None:
+        self.size = size
+        if self.fast is not None:
+            self.fast.size = size
 
     async def read_into(self, offset: int, buf: memoryview) -> None:
         got = os.preadv(self.fd, [buf], offset)
@@ -157,6 +169,8 @@ class FileBackend:
 
     def close(self) -> None:
         if self.fd >= 0:
+            if self.fast is not None:
+                self.fast.fd = -1  # withdrawn before the number can be reused
             os.close(self.fd)
             self.fd = -1
 

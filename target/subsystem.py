@@ -9,6 +9,7 @@ from target.config import HostAuthConfig
 from blockd.iostats import IoCounters
 from protocol.constants import DISCOVERY_NQN
 from target.backend import Backend
+from target.io_fast import fast_namespace
 
 _ID_NAMESPACE = uuid.UUID("6d1c7a43-3b64-4a63-9c55-0b7c0d0ad0b1")
 
@@ -34,6 +35,9 @@ class Namespace:
     handlers, so a write still waiting for its R2T data is held too."""
     removed: bool = field(default=False, init=False, repr=False, compare=False)
     """Taken out of its subsystem: the backend closes when ``in_flight`` drops to 0."""
+    fast: object = field(default=None, init=False, repr=False, compare=False)
+    """Its C copy for the compiled I/O path (:func:`target.io_fast.fast_namespace`), None when
+    that path does not serve it; ``fast.accessible = False`` withdraws it."""
 
     def __post_init__(self) -> None:
         if self.block_size not in (512, 4096):
@@ -44,6 +48,7 @@ class Namespace:
         self.nguid = self.uuid.bytes
         self.eui64 = self.uuid.bytes[:8]
         self.lba_shift = self.block_size.bit_length() - 1
+        self.fast = fast_namespace(self)
 
     @property
     def read_only(self) -> bool:

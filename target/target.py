@@ -153,6 +153,8 @@ class Target:
 
     def _retire(self, ns: Namespace) -> None:
         ns.removed = True
+        if ns.fast is not None:
+            ns.fast.accessible = False  # the compiled path leaves it to the Python queue's checks
         if ns.in_flight:
             self.draining.append(ns)
         else:

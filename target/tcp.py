@@ -24,6 +24,7 @@ from protocol.tcp import (
     CAPSULE_RESP_HLEN, COMMON_HEADER, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_PDU_HEADER, DATA_PDU_HEADER_FAST,
     IC_REQ, IC_REQ_FAST, IC_RESP, PduFlags, PduType, TermReqFes, fei_of,
 )
+from target.io_fast import TcpFastPath
 from target.queue import TargetQueue
 from target.rejections import FRAMING, HELLO_TIMEOUT, INCAPSULE_TOO_LARGE, PDU_TIMEOUT, R2T_BUDGET_WAIT
 from target.request import Request
@@ -83,6 +84,9 @@ class TcpTargetConnection(PduProtocol):
         self.transport: asyncio.Transport | None = None
         self.out: OutputBatcher | None = None
         self.queue: TargetQueue | None = None
+        self.fast = TcpFastPath(self, INFO.max_transfer) if TcpFastPath is not None else None
+        """The compiled Read/Write path (:mod:`target.io_fast`): it answers the capsules it can,
+        the queue takes the rest; None in pure mode."""
         self.r2t_pending: dict[int, tuple[Request, int]] = {}
         self._next_ttag = 0
         self.local_address = ""
@@ -201,7 +205,9 @@ class TcpTargetConnection(PduProtocol):
                     ptype = pdu.pdu_type
                     # the reader lets through only the types the state allows (reader.allowed)
                     if ptype == _CAPSULE_CMD:
-                        self.queue.submit(pdu.header[_CAPSULE_SQE], pdu.data)
+                        fast = self.fast
+                        if fast is None or not fast.submit(pdu.header, pdu.data):
+                            self.queue.submit(pdu.header[_CAPSULE_SQE], pdu.data)
                         if self.paused:  # the rest stays in the reader until resume_writing
                             return
                     elif ptype == _H2C_DATA:

@@ -42,7 +42,7 @@ class Stack:
     def __init__(self, workdir: str | Path, size: int = 256 << 20, block_size: int = 512,
                  nr_io_queues: int = 4, queue_size: int = 128, ctrl_loss_tmo: float = 20.0,
                  log_level: str = "info", backing: str | Path | None = None,
-                 attr_ttl: float | None = None, metrics: bool = False) -> None:
+                 attr_ttl: float | None = None, metrics: bool = False, pure: bool = False) -> None:
         self.dir = Path(workdir)
         self.size = size
         self.block_size = block_size
@@ -52,6 +52,8 @@ class Stack:
         self.log_level = log_level
         self.attr_ttl = attr_ttl
         """Seconds the kernel caches the mount's attributes (None: the daemon's default)."""
+        self.pure = pure
+        """Both daemons run the pure-Python data plane (BLOCKD_PURE=1), for a side-by-side benchmark."""
         self.port = free_port()
         self.backing = Path(backing) if backing else self.dir / "vol.img"
         self.socket = self.dir / "initiator.sock"
@@ -109,7 +111,7 @@ block_size = {self.block_size}
             self.write_config()
         log = open(self.dir / "target.log", "ab")
         self.target = subprocess.Popen([tool("blockd"), "target", "--config", str(cfg)],
-                                       stdout=log, stderr=log, cwd=REPO)
+                                       stdout=log, stderr=log, cwd=REPO, env=self._env())
         wait_tcp(self.port, self.target)
 
     def stop_target(self, sig: int = signal.SIGKILL) -> None:
@@ -120,7 +122,7 @@ block_size = {self.block_size}
 
     def start_initiator(self) -> None:
         log = open(self.dir / "initiator.log", "ab")
-        env = dict(os.environ)
+        env = self._env()
         if self.attr_ttl is not None:
             env["BLOCKD_FUSE_ATTR_TTL"] = str(self.attr_ttl)
         argv = [tool("blockd"), "initiator", "--socket", str(self.socket), "--log-level", self.log_level]
@@ -135,6 +137,12 @@ block_size = {self.block_size}
             if self.initiator.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"initiator did not start:\n{self.log('initiator')}")
             time.sleep(0.05)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.pure:
+            env["BLOCKD_PURE"] = "1"
+        return env
 
     def blockctl(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         proc = subprocess.run([tool("blockctl"), "--socket", str(self.socket), *args],

@@ -1,0 +1,407 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The target's compiled NVMe/TCP I/O path: Read and Write that succeed, without a Python object per
+command beyond the reply's bytes.
+
+:class:`TcpFastPath` takes a command capsule from the TCP connection before the
+:class:`target.queue.TargetQueue` does and serves it in C when it is the steady-state case: an I/O
+queue of a ready controller, no digests negotiated, PSDT SGL, Read with a Transport Data Block
+or Write with its data in the capsule, a namespace whose backend is a plain
+:class:`target.backend.FileBackend` (:class:`FastNamespace`, its C copy), the LBA range inside
+it, the transfer length the blocks say, a writable namespace for a write, no FUA, and a read or
+write that succeeds in full. Anything else returns False *before anything happened* and the
+Python queue takes the capsule as it always did, so every status, error-log entry and More bit
+comes from the one reference (the hostile-input suites see it unchanged). A read or write that
+fails is not answered here either: the Python queue runs it again and reports the error as it
+would have (re-reading is harmless; re-writing the same bytes at the same place too). FUA and
+Flush go to Python on purpose: they wait for the disk, which the Python path does on a thread
+so that the event loop (every other queue) keeps running.
+
+What :class:`target.queue.TargetQueue` keeps per command and this path does at the same points
+(the command completes inside the call, so what the queue holds from ``submit`` to
+``response_sent`` is taken and given back within it):
+
+- the command pool: a command is served only while ``queue.in_flight < queue.pool`` (the queue
+  refuses the one that would exceed it with a sequence error, so that one goes to Python);
+  ``in_flight`` itself is then unchanged, as the reply is queued before we return;
+- the namespace hold (``ns.in_flight``): taken and released within the call, so not touched; a
+  removed namespace is withdrawn (not in the subsystem's table, its copy marked inaccessible);
+- SQHD: advanced modulo SQSIZE + 1 unless the host disabled SQ flow control, in which case the
+  C2HData carries SUCCESS and no CapsuleResp follows, as ``TcpTargetConnection.queue_response``;
+- the host's and the namespace's :class:`blockd.iostats.IoCounters`: ops, bytes, latency sum
+  and bucket of the read or write kind, the latency from the capsule taken to the reply queued
+  on the same clock (CLOCK_MONOTONIC is ``time.monotonic_ns``);
+- the keep-alive traffic stamp (``controller.traffic_seen``);
+- the connection's read-data batching (``_batched`` against ``_flush_at``), so that a host not
+  reading its replies is seen (pause_writing) as soon as on the Python path.
+
+Every offset comes from ``protocol/`` at import and is checked there against headers built by
+``protocol/`` (a changed layout is an ImportError, and the target runs the Python path).
+"""
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from libc.string cimport memcpy
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+from posix.types cimport off_t
+from posix.unistd cimport pread, pwrite
+
+from blockd.iostats import KIND_BY_OPCODE
+from protocol.constants import CC_EN, CSTS_RDY, PSDT_SGL, IoOpcode, SglId
+from protocol.layout import field_offset
+from protocol.nvme import CQE, CQE_FAST, FLAGS_PSDT_FUSE_MASK, IO_COMMAND, RW_CONTROL_FUA
+from protocol.tcp import (
+    CAPSULE_RESP_HLEN, COMMON_HEADER, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_HLEN, DATA_PDU_HEADER,
+    DATA_PDU_HEADER_FAST, PduFlags, PduType,
+)
+
+cdef extern from *:
+    int __builtin_clzll(unsigned long long) nogil
+
+# -- layouts, from protocol/ ---------------------------------------------------------------------
+
+cdef Py_ssize_t _SQE_AT = COMMON_HEADER_SIZE  # the SQE follows the CapsuleCmd's common header
+cdef Py_ssize_t _O_OPC = field_offset(IO_COMMAND, "opcode")
+cdef Py_ssize_t _O_FLAGS = field_offset(IO_COMMAND, "flags")
+cdef Py_ssize_t _O_CID = field_offset(IO_COMMAND, "cid")
+cdef Py_ssize_t _O_NSID = field_offset(IO_COMMAND, "nsid")
+cdef Py_ssize_t _O_ADDR = field_offset(IO_COMMAND, "sgl_address")
+cdef Py_ssize_t _O_LEN = field_offset(IO_COMMAND, "sgl_length")
+cdef Py_ssize_t _O_SGL_ID = field_offset(IO_COMMAND, "sgl_id")
+cdef Py_ssize_t _O_SLBA = field_offset(IO_COMMAND, "slba")
+cdef Py_ssize_t _O_NLB = field_offset(IO_COMMAND, "nlb")
+cdef Py_ssize_t _O_CONTROL = field_offset(IO_COMMAND, "control")
+
+cdef Py_ssize_t _DATA_HLEN = DATA_HLEN
+cdef Py_ssize_t _RESP_LEN = CAPSULE_RESP_HLEN
+cdef Py_ssize_t _D_FLAGS = field_offset(DATA_PDU_HEADER, "flags")
+cdef Py_ssize_t _D_PLEN = field_offset(DATA_PDU_HEADER, "plen")
+cdef Py_ssize_t _D_CID = field_offset(DATA_PDU_HEADER, "cccid")
+cdef Py_ssize_t _D_DATAL = field_offset(DATA_PDU_HEADER, "datal")
+cdef Py_ssize_t _R_SQHD = COMMON_HEADER_SIZE + field_offset(CQE, "sqhd")
+cdef Py_ssize_t _R_SQID = COMMON_HEADER_SIZE + field_offset(CQE, "sqid")
+cdef Py_ssize_t _R_CID = COMMON_HEADER_SIZE + field_offset(CQE, "cid")
+
+cdef int _READ = IoOpcode.READ
+cdef int _WRITE = IoOpcode.WRITE
+cdef int _KIND_READ = KIND_BY_OPCODE[_READ]
+cdef int _KIND_WRITE = KIND_BY_OPCODE[_WRITE]
+cdef int _PSDT_MASK = FLAGS_PSDT_FUSE_MASK
+cdef int _PSDT_SGL = PSDT_SGL
+cdef int _SGL_IN_CAPSULE = SglId.DATA_BLOCK_OFFSET
+cdef int _SGL_TRANSPORT = SglId.TRANSPORT_DATA_BLOCK
+cdef int _FUA = RW_CONTROL_FUA
+cdef int _CC_EN = CC_EN
+cdef int _CSTS_RDY = CSTS_RDY
+cdef int _LAST = PduFlags.LAST_PDU
+cdef int _LAST_SUCCESS = PduFlags.LAST_PDU | PduFlags.SUCCESS
+
+# Templates built by protocol/: the fields that vary are stored into copies of them.
+cdef bytes _C2H_TEMPLATE = DATA_PDU_HEADER_FAST.pack(PduType.C2H_DATA, 0, DATA_HLEN, DATA_HLEN, 0, 0, 0, 0, 0)
+cdef bytes _RESP_TEMPLATE = (COMMON_HEADER_FAST.pack(PduType.CAPSULE_RESP, 0, CAPSULE_RESP_HLEN, 0, CAPSULE_RESP_HLEN)
+                             + CQE_FAST.pack(0, 0, 0, 0, 0, 0))
+
+
+cdef inline unsigned int _le16(const unsigned char* p) noexcept nogil:
+    return p[0] | (p[1] << 8)
+
+
+cdef inline unsigned int _le32(const unsigned char* p) noexcept nogil:
+    return p[0] | (p[1] << 8) | (p[2] << 16) | (<unsigned int>p[3] << 24)
+
+
+cdef inline unsigned long long _le64(const unsigned char* p) noexcept nogil:
+    return _le32(p) | (<unsigned long long>_le32(p + 4) << 32)
+
+
+cdef inline void _st16(unsigned char* p, unsigned int v) noexcept nogil:
+    p[0] = v & 0xFF
+    p[1] = (v >> 8) & 0xFF
+
+
+cdef inline void _st32(unsigned char* p, unsigned int v) noexcept nogil:
+    _st16(p, v & 0xFFFF)
+    _st16(p + 2, v >> 16)
+
+
+cdef inline void _c2h_header(unsigned char* p, unsigned int cid, unsigned int n, int flags) noexcept:
+    memcpy(p, <const char*>_C2H_TEMPLATE, _DATA_HLEN)
+    p[_D_FLAGS] = flags
+    _st32(p + _D_PLEN, _DATA_HLEN + n)
+    _st16(p + _D_CID, cid)
+    _st32(p + _D_DATAL, n)
+
+
+cdef inline void _capsule_resp(unsigned char* p, unsigned int sqhd, unsigned int sqid, unsigned int cid) noexcept:
+    memcpy(p, <const char*>_RESP_TEMPLATE, _RESP_LEN)
+    _st16(p + _R_SQHD, sqhd)
+    _st16(p + _R_SQID, sqid)
+    _st16(p + _R_CID, cid)
+
+
+def _check_layouts():
+    """The SQE fields read here and the headers written here against ``protocol/``'s builders."""
+    cdef bytearray out
+    sample = dict(opcode=0x11, flags=0x22, cid=0x3344, nsid=0x55667788, sgl_address=0x0102030405060708,
+                  sgl_length=0x0A0B0C0D, sgl_id=0x5A, slba=0x1112131415161718, nlb=0x2122, control=0x3132)
+    sqe = IO_COMMAND.build(sample)
+    cdef const unsigned char* q = <const unsigned char*><const char*>sqe
+    got = (q[_O_OPC], q[_O_FLAGS], _le16(q + _O_CID), _le32(q + _O_NSID), _le64(q + _O_ADDR),
+           _le32(q + _O_LEN), q[_O_SGL_ID], _le64(q + _O_SLBA), _le16(q + _O_NLB), _le16(q + _O_CONTROL))
+    out = bytearray(_DATA_HLEN + _RESP_LEN)
+    cdef unsigned char* o = <unsigned char*>PyByteArray_AS_STRING(out)
+    _c2h_header(o, 0x1234, 0x56789A, _LAST_SUCCESS)
+    _capsule_resp(o + _DATA_HLEN, 0x0102, 0x0304, 0x0506)
+    want = (DATA_PDU_HEADER_FAST.pack(PduType.C2H_DATA, _LAST_SUCCESS, DATA_HLEN, DATA_HLEN,
+                                      DATA_HLEN + 0x56789A, 0x1234, 0, 0, 0x56789A)
+            + _RESP_TEMPLATE[:COMMON_HEADER_SIZE] + CQE_FAST.pack(0, 0, 0x0102, 0x0304, 0x0506, 0))
+    if got != tuple(sample.values()) or bytes(out) != want:
+        raise ImportError("protocol/'s SQE, C2HData or CapsuleResp layout is not the one target/_io_fast.pyx uses")
+
+
+_check_layouts()
+
+
+cdef inline long long _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec * 1000000000LL + ts.tv_nsec
+
+
+cdef inline void _count(object counters, int kind, long long length, long long elapsed, int bucket) except *:
+    """What ``TargetQueue._complete`` adds for one command (integer adds into existing lists)."""
+    cdef list ops = counters.ops
+    cdef list nbytes = counters.bytes
+    cdef list buckets = counters.buckets
+    ops[kind] += 1
+    nbytes[kind] += length
+    counters.latency_ns += elapsed
+    buckets[bucket] += 1
+
+
+# -- the C copies of the storage --------------------------------------------------------------------
+
+cdef class FastFile:
+    """A :class:`target.backend.FileBackend`'s descriptor and size as C fields, kept in step by the
+    backend itself (``resize`` sets ``size``, ``close`` sets ``fd`` to -1: nothing is served from
+    it after that)."""
+
+    cdef public int fd
+    cdef public unsigned long long size
+    cdef public bint read_only
+
+    def __init__(self, int fd, unsigned long long size, bint read_only):
+        self.fd = fd
+        self.size = size
+        self.read_only = read_only
+
+
+cdef class FastNamespace:
+    """What the compiled path needs of a namespace: its file, block size and counters.
+
+    It is valid for the backend it was made from only: once the namespace's ``backend`` is
+    another object (a filter wrapped around it, replication), its commands go to the Python
+    queue. ``accessible`` False withdraws it as well: every command on the namespace then goes
+    to the Python queue, which decides (a removed namespace; an ANA state that refuses I/O,
+    0x302, once ANA exists: its code turns this off and lets the Python path answer per port)."""
+
+    cdef public FastFile file
+    cdef public object backend
+    cdef public int lba_shift
+    cdef public object counters
+    cdef public bint accessible
+
+    def __init__(self, FastFile file, backend, int lba_shift, counters):
+        self.file = file
+        self.backend = backend
+        self.lba_shift = lba_shift
+        self.counters = counters
+        self.accessible = True
+
+
+# -- the I/O path of one TCP connection --------------------------------------------------------------
+
+cdef class TcpFastPath:
+    """Serves the steady-state Read and Write capsules of one NVMe/TCP I/O queue (module docstring)."""
+
+    cdef object conn
+    cdef object queue
+    cdef object ctrl
+    cdef dict namespaces
+    cdef object out
+    cdef object send
+    cdef object transport
+    cdef object counters
+    cdef bint _bound
+    cdef bint _off
+    cdef unsigned int qid
+    cdef unsigned int sqsize
+    cdef Py_ssize_t pool
+    cdef bint sqhd_disabled
+    cdef Py_ssize_t inline_size
+    cdef Py_ssize_t max_transfer
+    cdef Py_ssize_t flush_at
+    cdef public unsigned long long served
+    """Commands answered here (the tests check that the fast path ran)."""
+
+    def __init__(self, conn, Py_ssize_t max_transfer):
+        self.conn = conn
+        self.max_transfer = max_transfer
+        self.served = 0
+
+    cdef bint _bind(self) except -1:
+        """Once the queue is a connected I/O queue: take what stays fixed from then on."""
+        queue = self.conn.queue
+        if queue is None or not queue.qid or queue.controller is None:
+            return False  # admin queue, or not connected yet: nothing to serve
+        self._bound = True
+        reader = self.conn.reader
+        if reader.hdgst or reader.ddgst:
+            self._off = True  # digests are left to the Python path
+            return False
+        self.queue = queue
+        self.ctrl = queue.controller
+        self.namespaces = self.ctrl.subsystem.namespaces
+        self.counters = queue.counters
+        self.qid = queue.qid
+        self.sqsize = queue.sqsize
+        self.pool = queue.pool
+        self.sqhd_disabled = queue.sqhd_disabled
+        self.inline_size = queue.inline_size
+        self.out = self.conn.out
+        self.send = self.out.send
+        self.transport = self.conn.transport
+        self.flush_at = self.conn._flush_at
+        return True
+
+    def submit(self, header, data):
+        """Serve the CapsuleCmd whose header (with the SQE) and in-capsule data the reader gave;
+        False: nothing was done, the Python queue takes it."""
+        cdef long long start = _now_ns()
+        if self._off or (not self._bound and not self._bind()):
+            return False
+        cdef Py_buffer hb
+        cdef int opcode, flags, sgl_id, control
+        cdef unsigned int cid, nsid, length, nlb
+        cdef unsigned long long address, slba
+        cdef const unsigned char* q
+        PyObject_GetBuffer(header, &hb, PyBUF_SIMPLE)
+        try:
+            if hb.len < _SQE_AT + _O_CONTROL + 2:
+                return False
+            q = <const unsigned char*>hb.buf + _SQE_AT
+            opcode = q[_O_OPC]
+            flags = q[_O_FLAGS]
+            cid = _le16(q + _O_CID)
+            nsid = _le32(q + _O_NSID)
+            address = _le64(q + _O_ADDR)
+            length = _le32(q + _O_LEN)
+            sgl_id = q[_O_SGL_ID]
+            slba = _le64(q + _O_SLBA)
+            nlb = _le16(q + _O_NLB) + 1
+            control = _le16(q + _O_CONTROL)
+        finally:
+            PyBuffer_Release(&hb)
+        if (flags & _PSDT_MASK) != _PSDT_SGL or length == 0 or length > self.max_transfer:
+            return False
+        if opcode == _READ:
+            if sgl_id != _SGL_TRANSPORT:
+                return False
+        elif opcode == _WRITE:
+            # in-capsule data only (an R2T write waits for its data: Python's), and no FUA
+            if (sgl_id != _SGL_IN_CAPSULE or address != 0 or length > self.inline_size or data is None
+                    or control & _FUA):
+                return False
+        else:
+            return False
+        entry = self.namespaces.get(nsid)
+        if entry is None:
+            return False
+        fast = entry.fast
+        if fast is None:
+            return False
+        cdef FastNamespace ns = <FastNamespace?>fast
+        cdef FastFile f = ns.file
+        if not ns.accessible or f.fd < 0 or entry.backend is not ns.backend:
+            return False
+        cdef unsigned long long blocks = f.size >> ns.lba_shift
+        if slba >= blocks or nlb > blocks - slba or (<unsigned long long>nlb << ns.lba_shift) != length:
+            return False
+        queue = self.queue
+        ctrl = self.ctrl
+        if (queue.locked or queue.in_flight >= self.pool or not (ctrl.cc & _CC_EN) or not (ctrl.csts & _CSTS_RDY)
+                or self.transport.is_closing()):
+            return False
+        if opcode == _READ:
+            return self._read(ns, f.fd, <off_t>(slba << ns.lba_shift), length, cid, start)
+        if f.read_only:
+            return False
+        return self._write(ns, f.fd, <off_t>(slba << ns.lba_shift), length, cid, data, start)
+
+    cdef object _read(self, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
+                      long long start):
+        cdef Py_ssize_t total = _DATA_HLEN + length + (0 if self.sqhd_disabled else _RESP_LEN)
+        cdef bytes reply = PyBytes_FromStringAndSize(NULL, total)
+        cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(reply)
+        cdef Py_ssize_t got
+        with nogil:
+            got = pread(fd, p + _DATA_HLEN, length, offset)
+        if got != length:
+            return False  # the Python path reads again and reports the error
+        if self.sqhd_disabled:
+            _c2h_header(p, cid, length, _LAST_SUCCESS)  # the data PDU completes the command
+        else:
+            _c2h_header(p, cid, length, _LAST)
+            _capsule_resp(p + _DATA_HLEN + length, self._next_sqhd(), self.qid, cid)
+        self._complete(ns, _KIND_READ, length, start)
+        self.send((reply,))
+        conn = self.conn
+        batched = conn._batched + length
+        if batched > self.flush_at:
+            conn._batched = 0
+            self.out.flush()
+        else:
+            conn._batched = batched
+        self.served += 1
+        return True
+
+    cdef object _write(self, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
+                       object data, long long start):
+        cdef Py_buffer db
+        cdef Py_ssize_t done = 0, n
+        PyObject_GetBuffer(data, &db, PyBUF_SIMPLE)
+        try:
+            if db.len < length:
+                return False
+            with nogil:
+                while done < length:
+                    n = pwrite(fd, <const char*>db.buf + done, length - done, offset + done)
+                    if n <= 0:
+                        break
+                    done += n
+        finally:
+            PyBuffer_Release(&db)
+        if done != length:
+            return False  # the Python path writes again and reports the error
+        cdef bytes resp = PyBytes_FromStringAndSize(NULL, _RESP_LEN)
+        _capsule_resp(<unsigned char*>PyBytes_AS_STRING(resp), self._next_sqhd(), self.qid, cid)
+        self._complete(ns, _KIND_WRITE, length, start)
+        self.send((resp,))
+        self.served += 1
+        return True
+
+    cdef unsigned int _next_sqhd(self) except? 0xFFFFFFFF:
+        """SQHD for this completion, as ``TargetQueue._complete`` advances it."""
+        if not self.sqsize or self.sqhd_disabled:
+            return self.queue.sqhd
+        sqhd = (self.queue.sqhd + 1) % (self.sqsize + 1)
+        self.queue.sqhd = sqhd
+        return sqhd
+
+    cdef void _complete(self, FastNamespace ns, int kind, unsigned int length, long long start) except *:
+        cdef long long elapsed = _now_ns() - start
+        cdef unsigned long long scaled = elapsed >> 10
+        cdef int bucket = 64 - __builtin_clzll(scaled) if scaled else 0
+        self.ctrl.traffic_seen = True
+        _count(self.counters, kind, length, elapsed, bucket)
+        _count(ns.counters, kind, length, elapsed, bucket)

@@ -1,0 +1,34 @@
+"""The target's compiled I/O path, or None: what :mod:`target.tcp` and :mod:`target.backend` use.
+
+The compiled path (``target/_io_fast.pyx``) runs when :mod:`blockd.dataplane` chose the compiled
+plane (``BLOCKD_PURE=1`` turns it off) and its extension was built; otherwise the names below are
+None and every command goes through the Python :class:`target.queue.TargetQueue`, the reference.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from blockd.dataplane import COMPILED
+
+if TYPE_CHECKING:
+    from target.subsystem import Namespace
+
+__all__ = ["FastFile", "FastNamespace", "TcpFastPath", "fast_namespace"]
+
+FastFile = FastNamespace = TcpFastPath = None
+if COMPILED:
+    try:
+        from target._io_fast import FastFile, FastNamespace, TcpFastPath  # type: ignore[no-redef]
+    except ImportError:  # built without it (its compile failed alone): the Python path serves
+        pass
+
+
+def fast_namespace(ns: Namespace) -> object | None:
+    """The C copy of ``ns`` for the compiled path, or None when the path cannot serve it: only a
+    plain :class:`target.backend.FileBackend` goes fast, the one backend that makes a
+    :class:`FastFile` (a filter, a replicated or memory backend keeps its semantics in Python)."""
+    file = getattr(ns.backend, "fast", None)
+    if FastNamespace is None or file is None:
+        return None
+    return FastNamespace(file, ns.backend, ns.lba_shift, ns.counters)
