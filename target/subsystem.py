@@ -5,7 +5,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from target.config import HostAuthConfig
+from target.ana import DEFAULT_ANA_GROUP
+from target.config import MAX_CNTLID, HostAuthConfig
 from blockd.iostats import IoCounters
 from protocol.constants import DISCOVERY_NQN
 from target.backend import Backend
@@ -28,7 +29,7 @@ class Namespace:
     block_size: int = 512
     subsystem_nqn: str = ""
     path: str = ""
-    ana_group: int = 1
+    ana_group: int = DEFAULT_ANA_GROUP
     """The ANA group whose state, per port, says whether I/O is served (target.ana)."""
     ids: tuple[bytes | None, bytes | None, bytes | None] = (None, None, None)
     """Configured (NGUID, UUID, EUI-64), each None for the derived one."""
@@ -77,7 +78,7 @@ class Subsystem:
     """Ports this subsystem is reachable through; None = every port."""
     auth: dict[str, HostAuthConfig] = field(default_factory=dict)
     """Hosts that must authenticate (DH-HMAC-CHAP) on every queue, by host NQN."""
-    cntlid_range: tuple[int, int] = (1, 0xFFEF)
+    cntlid_range: tuple[int, int] = (1, MAX_CNTLID)
     """Controller ids given to this subsystem's hosts (nvmet's ``attr_cntlid_min/max``): two
     targets presenting one subsystem need disjoint ranges, or the Linux host refuses the
     second controller as a duplicate."""

@@ -25,7 +25,6 @@ from target.transport import transport_info
 
 log = structlog.get_logger("blockd.target")
 
-MAX_CNTLID = 0xFFEF
 ADMIN_QUEUE_MAX = 32
 _TREQ = TREQ_SECURE_CHANNEL_NOT_SPECIFIED | TREQ_SQFLOW_DISABLE_SUPPORTED
 """What nvmet says for a port without TLS: no secure channel requirement stated, and the host may
