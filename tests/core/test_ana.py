@@ -11,6 +11,7 @@ import pytest
 
 from blockd.config import ConfigError
 from blockd.control_socket import RequestError
+from initiator.controller import Controller
 from initiator.errors import NvmeError
 from protocol.constants import AEN_ANA_CHANGED, AEN_DW0_MASK, AnaState, LogPageId
 from protocol.logpage import ANA_LOG
@@ -27,6 +28,13 @@ def ana_config(ports: list[int], subsystems: list[dict[str, Any]], ana: list[dic
     raw = {"port": [{"id": i + 1, "transport": "tcp", "address": "127.0.0.1", "port": p} for i, p in enumerate(ports)],
            "subsystem": subsystems, "control": {"socket": ""}, "ana": ana or []}
     return parse(raw, "test")
+
+
+def _events(ctrl: Controller) -> asyncio.Queue[int]:
+    """The completion DW0 of every asynchronous event other than namespace-changed."""
+    events: asyncio.Queue[int] = asyncio.Queue()
+    ctrl.event_listeners.append(events.put_nowait)
+    return events
 
 
 def code(exc: NvmeError) -> int:
@@ -105,8 +113,7 @@ def test_io_status_follows_group_state_and_event(tmp_path: Path) -> None:
     async def main() -> None:
         async with serving(cfg) as service:
             ctrl = await connect(port)
-            events: asyncio.Queue[int] = asyncio.Queue()
-            ctrl.event_listeners.append(events.put_nowait)
+            events = _events(ctrl)
             try:
                 for op in (ctrl.write(1, 0, bytes(512)), ctrl.read(1, 0, 1)):
                     with pytest.raises(NvmeError) as err:
@@ -143,8 +150,7 @@ def test_event_masked_until_log_read(tmp_path: Path) -> None:
     async def main() -> None:
         async with serving(cfg) as service:
             ctrl = await connect(port)
-            events: asyncio.Queue[int] = asyncio.Queue()
-            ctrl.event_listeners.append(events.put_nowait)
+            events = _events(ctrl)
             try:
                 await service.op_ana_set("inaccessible")
                 await asyncio.wait_for(events.get(), 5)
@@ -195,8 +201,7 @@ def test_reload_applies_changed_ana_entries(tmp_path: Path) -> None:
     async def main() -> None:
         async with serving(first) as service:
             ctrl = await connect(port)
-            events: asyncio.Queue[int] = asyncio.Queue()
-            ctrl.event_listeners.append(events.put_nowait)
+            events = _events(ctrl)
             try:
                 await service.reload(ana_config([port], subs, ana=[]))  # entry gone: optimized again
                 assert service.target.ana.state(1, 1) == AnaState.OPTIMIZED

@@ -101,7 +101,7 @@ def _wait_state(port: int, state: str, timeout: float = 60) -> None:
 
 
 @pytest.fixture(scope="module")
-def pair():
+def pair(rxe):
     Path(VOL).unlink(missing_ok=True)
     sh(f"truncate -s {SIZE} {VOL}")
     daemons = {"a": _start("a", "optimized"), "b": _start("b", "inaccessible")}
