@@ -181,10 +181,15 @@ def test_khost_ext4_survives_standby_takeover(pair):
         time.sleep(4)
         assert writer.poll() is None, log.read_text()
         _kill(pair["daemons"]["b"])
+        before = len(os.listdir(mnt))
         time.sleep(2)
         print(_promote("a"))
         _wait_state(PORTS["a"], "optimized")
-        time.sleep(4)  # writing through A now
+        deadline = time.monotonic() + 120
+        # more than two sync rounds (every 8th file) past the kill: the device took writes again
+        while len(os.listdir(mnt)) < before + 17 and time.monotonic() < deadline and writer.poll() is None:
+            time.sleep(0.5)  # writing through A now
+        assert len(os.listdir(mnt)) >= before + 17, "the writes did not go on through A"
         Path("/tmp/failover-stop").touch()
         rc = writer.wait(600)
     finally:
