@@ -63,6 +63,9 @@ DLFEAT_ZEROES = 0x09
 """Deallocated blocks read as zeroes, and Write Zeroes may deallocate (DEAC)."""
 DISCOVERY_DEFAULT_KATO_MS = 120_000
 """A discovery controller without keep-alive is still reaped after 2 minutes, as nvmet does."""
+_NUSE_ZERO = (Status.ANA_INACCESSIBLE, Status.ANA_PERSISTENT_LOSS)
+"""Identify Namespace shows NUSE 0 through a path in these states (in change it does not), as
+nvmet's ``nvmet_execute_identify_ns``."""
 CMIC = CMIC_MULTI_PORT | CMIC_MULTI_CONTROLLER | CMIC_ANA
 """As nvmet: a subsystem may be reached through several ports and controllers (one per target
 when two present it), and reports ANA."""
@@ -367,7 +370,7 @@ class Controller:
         elif ns is None:
             req.status = _INVALID_NS
         elif cns == Cns.NAMESPACE:
-            self._give(req, identify_namespace(ns, req.nsid not in self._ana_refusals))
+            self._give(req, identify_namespace(ns, self._ana_refusals.get(req.nsid) not in _NUSE_ZERO))
         elif cns == Cns.NS_DESCRIPTORS:
             self._give(req, NS_DESCRIPTOR_LIST.build([
                 dict(nidt=NidType.NGUID, nidl=16, nid=ns.nguid),
@@ -664,13 +667,12 @@ def _mdts(max_transfer: int) -> int:
     return (max_transfer >> 12).bit_length() - 1
 
 
-def identify_namespace(ns: Namespace, accessible: bool) -> bytes:
-    """Identify Namespace; NUSE is 0 through a port where the namespace's ANA group is not
-    accessible (as nvmet)."""
+def identify_namespace(ns: Namespace, in_use: bool) -> bytes:
+    """Identify Namespace; NUSE is 0 unless ``in_use`` (see :data:`_NUSE_ZERO`)."""
     blocks = ns.blocks
     lbaf = [dict(ms=0, lbads=ns.lba_shift, rp=0)] + [dict(ms=0, lbads=0, rp=0)] * 63
     return IDENTIFY_NAMESPACE.build(dict(
-        nsze=blocks, ncap=blocks, nuse=blocks if accessible else 0, nsfeat=0, nlbaf=0, flbas=0, mc=0, dpc=0,
+        nsze=blocks, ncap=blocks, nuse=blocks if in_use else 0, nsfeat=0, nlbaf=0, flbas=0, mc=0, dpc=0,
         dps=0, nmic=NMIC_SHARED, rescap=0, fpi=0, dlfeat=DLFEAT_ZEROES if ns.backend.can_trim else 0,
         nawun=0, nawupf=0, nacwu=0, noiob=0,
         anagrpid=ns.ana_group, nsattr=int(ns.read_only), nguid=ns.nguid, eui64=ns.eui64, lbaf=lbaf))

@@ -104,7 +104,7 @@ def test_ana_log_page_and_odd_requests(tmp_path: Path) -> None:
 
 def test_io_status_follows_group_state_and_event(tmp_path: Path) -> None:
     """An inaccessible path refuses reads and writes with 0x302 (Identify shows NUSE 0), change
-    gives 0x303, persistent loss 0x301; each change sends the ANA event to a host that enabled
+    gives 0x303, persistent loss 0x301 (NUSE 0 again); each change sends the ANA event to a host that enabled
     it, and the path serves I/O again once optimized."""
     port = free_port()
     cfg = ana_config([port], [sub(namespaces=[ns(tmp_path / "a.img", 1, SIZE)])],
@@ -130,6 +130,8 @@ def test_io_status_follows_group_state_and_event(tmp_path: Path) -> None:
                     with pytest.raises(NvmeError) as err:
                         await ctrl.write(1, 0, bytes(512))
                     assert code(err.value) == status
+                    ident = await ctrl.identify_namespace(1)  # NUSE 0 in persistent loss, not in change
+                    assert ident.nuse == (0 if state == "persistent-loss" else ident.nsze)
                 reply = await service.op_ana_set("optimized", port=1)
                 assert reply["changed"] and reply["ports"] == [1]
                 assert (await asyncio.wait_for(events.get(), 5)) & AEN_DW0_MASK == AEN_ANA_CHANGED
