@@ -26,6 +26,7 @@ import collections
 import time
 from typing import Any, Callable
 
+import construct
 import structlog
 
 from blockd.iostats import IoCounters
@@ -43,6 +44,7 @@ _NSID = field_offset(SQE, "nsid")
 _STATUS_CODE = 0x7FF
 """SCT and SC of a status (without DNR and More), what the ANA statuses are compared on."""
 _USABLE = (AnaState.OPTIMIZED, AnaState.NON_OPTIMIZED)
+_KNOWN_STATES = frozenset(int(s) for s in AnaState)
 _PENDING = None
 """A path's state for a namespace while its ANA log is being read again (not used meanwhile)."""
 WAIT_SWEEP = 0.25
@@ -111,15 +113,14 @@ class MultipathController:
             for path in paths:
                 await path.close()
             raise errors[0]
+        mp = cls(paths)
         try:
             await _check_same_namespaces(paths)
-        except BaseException:
             for path in paths:
-                await path.close()
+                await mp._read_ana(path)
+        except BaseException:
+            await mp.close()
             raise
-        mp = cls(paths)
-        for path in paths:
-            await mp._read_ana(path)
         return mp
 
     # -- ANA state ------------------------------------------------------------------------------
@@ -134,10 +135,15 @@ class MultipathController:
             # sized as the Linux host sizes it: every group, every namespace listed once
             size = ANA_HEADER_SIZE + ident.nanagrpid * ANA_GROUP_SIZE + ident.mnan * 4
             page = await path.get_log_page(LogPageId.ANA, min(size, path.max_transfer))
+            try:
+                groups = ANA_LOG.parse(page).groups
+            except construct.ConstructError:
+                raise ConnectError(f"{_name(path)}: the ANA log page does not parse") from None
             states = {}
-            for group in ANA_LOG.parse(page).groups:
-                for nsid in group.nsids:
-                    states[nsid] = AnaState(group.state)
+            for group in groups:
+                if group.state in _KNOWN_STATES:  # an unknown state: not a path to use
+                    for nsid in group.nsids:
+                        states[nsid] = AnaState(group.state)
         if self._states[path] != states:
             log.info("path ANA state", subnqn=self.params.subnqn, path=_name(path),
                      states={n: s.name.lower() for n, s in sorted(states.items())})

@@ -13,6 +13,7 @@ import pytest
 
 from initiator.errors import ConnectError, NvmeError, QueueLost
 from initiator.multipath import MultipathController, parse_path
+from protocol.logpage import ANA_HEADER, ANA_LOG
 from protocol.status import Status
 from target.config import parse
 from target.service import TargetService
@@ -184,6 +185,46 @@ def test_a_real_error_is_not_retried(tmp_path: Path) -> None:
                 await mp.io_command(write_command(1, SIZE // BS, 0), data_out=bytes(BS))
             assert err.value.status & 0x7FF == Status.LBA_RANGE & 0x7FF
         finally:
+            await mp.close()
+            await pair.stop()
+    run(main())
+
+
+def test_hostile_ana_log_page(tmp_path: Path) -> None:
+    """A log page that does not parse leaves the path's known state; a group in a state no
+    spec names makes the path unused; neither reaches the caller or stops the connection."""
+    pair = Pair(tmp_path)
+
+    async def main() -> None:
+        await pair.start()
+        mp = await pair.connect()
+        a = mp.paths[0]
+        real = a.get_log_page
+        try:
+            async def truncated(*args: Any, **kw: Any) -> bytes:
+                return ANA_HEADER.build(dict(chgcnt=1, ngrps=0xFFFF)) + bytes(64)
+
+            async def odd_state(*args: Any, **kw: Any) -> bytes:
+                return ANA_LOG.build(dict(header=dict(chgcnt=2, ngrps=1), groups=[
+                    dict(grpid=1, nnsids=1, chgcnt=2, state=7, nsids=[1])]))
+
+            a.get_log_page = truncated
+            mp._refresh(a)
+            await asyncio.sleep(0.3)
+            assert mp.describe_paths()[0]["ana"] == {"1": "optimized"}
+            a.get_log_page = odd_state
+            mp._refresh(a)
+            await asyncio.sleep(0.3)
+            assert mp.describe_paths()[0]["ana"] == {}
+            write = asyncio.ensure_future(mp.write(1, 0, b"z" * BS))  # no usable path: it waits
+            await asyncio.sleep(0.3)
+            assert not write.done()
+            a.get_log_page = real
+            await pair.b.op_ana_set("optimized")
+            await asyncio.wait_for(write, 10)
+            assert pair.writes(pair.b) == 1
+        finally:
+            a.get_log_page = real
             await mp.close()
             await pair.stop()
     run(main())
