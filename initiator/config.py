@@ -19,6 +19,7 @@ Example::
     # data_digest = false
     # dhchap_secret = "DHHC-1:01:...:"   # in-band authentication (docs/security.md); the file
     # dhchap_ctrl_secret = "DHHC-1:00:...:"  # must then not be readable by others
+    # paths = ["192.0.2.1:4420", "192.0.2.2:4420"]  # multipath (ANA failover): instead of traddr
 
     # FUSE mounts, as `blockctl mount vol1 /mnt/vol1` (initiator/fuse/): made once the
     # connection is up; the mount point must be an existing directory
@@ -42,7 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from blockd.config import ConfigError, MetricsConfig, metrics_config, read_toml, refuse_readable_secrets, take
+from initiator.multipath import parse_path
 from initiator.params import CONNECT_OPTIONS, OPTIONS_BY_KEY, check_option
+from protocol.constants import DEFAULT_IO_PORT
 
 DEFAULT_METRICS_PORT = 9470
 """The target's is 9469: both daemons may run on one machine."""
@@ -58,6 +61,8 @@ class ConnectionConfig:
 
     options: tuple[tuple[str, Any], ...] = field(repr=False)  # may hold secrets
     name: str | None = None
+    paths: tuple[str, ...] = ()
+    """``ADDR[:PORT]`` of each path of a multipath connection (initiator.multipath)."""
 
     @property
     def key(self) -> str:
@@ -65,7 +70,8 @@ class ConnectionConfig:
 
     def connect_args(self) -> dict[str, Any]:
         """The daemon's ``connect`` request (``InitiatorDaemon.op_connect``) for this entry."""
-        return {"ctrl_loss_tmo": BOOT_CTRL_LOSS_TMO, **dict(self.options), "name": self.name}
+        return {"ctrl_loss_tmo": BOOT_CTRL_LOSS_TMO, **dict(self.options), "name": self.name,
+                **({"paths": list(self.paths)} if self.paths else {})}
 
 
 @dataclass(frozen=True)
@@ -92,17 +98,25 @@ def _connection(table: Any, where: str) -> ConnectionConfig:
     name = options.pop("name", None)
     if name is not None and not isinstance(name, str):
         raise ConfigError(f"{where}: 'name' must be str, not {name!r}")
+    paths = options.pop("paths", [])
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise ConfigError(f"{where}: 'paths' must be a list of \"ADDR[:PORT]\" strings")
+    for text in paths:
+        try:
+            parse_path(text, DEFAULT_IO_PORT)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
     extra = sorted(options.keys() - OPTIONS_BY_KEY.keys())
     if extra:
         raise ConfigError(f"{where}: unknown setting(s) {', '.join(extra)}")
     for opt in CONNECT_OPTIONS:
-        if opt.required and opt.key not in options:
+        if opt.required and opt.key not in options and not (paths and opt.key == "traddr"):
             raise ConfigError(f"{where}: missing '{opt.key}'")
     for key, value in options.items():
         why = check_option(key, value)
         if why:
             raise ConfigError(f"{where}: {why}")
-    return ConnectionConfig(tuple(options.items()), name)
+    return ConnectionConfig(tuple(options.items()), name, tuple(paths))
 
 
 def _mount(table: Any, where: str) -> MountConfig:

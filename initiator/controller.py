@@ -39,7 +39,7 @@ from protocol.commands import (
 from protocol.constants import (
     AEN_DW0_MASK, AEN_NS_ATTR_CHANGED, CAP_MPSMIN_SHIFT, CAP_TO_SHIFT, CAP_TO_UNIT, CC_EN, CC_IOCQES_16,
     CC_IOSQES_64, CC_SHN_NORMAL, CSTS_RDY, CSTS_SHST_COMPLETE, CSTS_SHST_MASK, DISCOVERY_NQN, DYNAMIC_CNTLID,
-    FLBAS_FORMAT_MASK, NSATTR_WRITE_PROTECTED, OAES_NS_ATTR, Cns, FeatureId, LogPageId, Property, TransportType,
+    FLBAS_FORMAT_MASK, NSATTR_WRITE_PROTECTED, OAES_ANA_CHANGE, OAES_NS_ATTR, Cns, FeatureId, LogPageId, Property, TransportType,
 )
 from protocol.fabrics import CONNECT_AUTHREQ_ATR, IATTR_DATA
 from protocol.identify import (
@@ -74,6 +74,9 @@ CONNECT_IATTR_SUBNQN = IATTR_DATA | 256
 AUTH_RECEIVE_SIZE = 4096
 """Authentication Receive's buffer: room for a Challenge with an ffdhe8192 value (as the
 kernel's host, drivers/nvme/host/auth.c)."""
+
+_EVENTS = OAES_NS_ATTR | OAES_ANA_CHANGE
+"""The asynchronous events this host enables when the controller offers them."""
 
 IoDone = Callable[[BaseException | None], None]
 """Callback of :meth:`Controller.submit_io`, called exactly once: None on success, else why the
@@ -234,6 +237,14 @@ class Controller:
         self._aer_task: asyncio.Task[None] | None = None
         self.namespace_listeners: list[Callable[[], None]] = []
         """Called after a namespace-changed event has refreshed ``namespaces``."""
+        self.event_listeners: list[Callable[[int], None]] = []
+        """Called with the completion DW0 of every other asynchronous event (the multipath
+        layer's ANA change)."""
+        self.failfast = False
+        """Set by the multipath layer (initiator.multipath) on each of its paths: an I/O command
+        that finds the association down fails at once with :class:`QueueLost`, to be sent on
+        another path, instead of waiting here for this path's reconnect (the kernel's
+        REQ_FAILFAST_TRANSPORT on a multipath request)."""
         self.failed: Exception | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweep: asyncio.TimerHandle | None = None
@@ -274,8 +285,8 @@ class Controller:
             if not discovery:
                 await self._open_io_queues()
                 await self._scan_namespaces()
-                if self.identity.oaes & OAES_NS_ATTR:
-                    await self._admin(set_features_command(FeatureId.ASYNC_EVENT_CONFIG, OAES_NS_ATTR))
+                if self.identity.oaes & _EVENTS:
+                    await self._admin(set_features_command(FeatureId.ASYNC_EVENT_CONFIG, self.identity.oaes & _EVENTS))
         except BaseException:
             self._close_connections()
             raise
@@ -284,7 +295,7 @@ class Controller:
         self._live.set()
         if kato_ms and self._keep_alive_task is None:
             self._keep_alive_task = asyncio.get_running_loop().create_task(self._keep_alive())
-        if not discovery and self._aer_task is None and self.identity.oaes & OAES_NS_ATTR:
+        if not discovery and self._aer_task is None and self.identity.oaes & _EVENTS:
             self._aer_task = asyncio.get_running_loop().create_task(self._async_events())
 
     async def _open_io_queues(self) -> None:
@@ -324,6 +335,9 @@ class Controller:
                     log.info("namespaces changed", subnqn=self.params.subnqn, nsids=sorted(self.namespaces))
                     for listener in self.namespace_listeners:
                         listener()
+                else:
+                    for event_listener in self.event_listeners:
+                        event_listener(cmd.dw0)
             except (QueueLost, ConnectionError, TimeoutError):
                 if self.failed is not None or self._closing:
                     return
@@ -446,6 +460,8 @@ class Controller:
     def _park(self, cmd: _Command) -> None:
         if self.failed is not None:
             cmd.fail(QueueLost(f"connection to {self.params.subnqn} lost: {self.failed}"))
+        elif self.failfast and not cmd.admin and not self._live.is_set():
+            cmd.fail(QueueLost(f"path {self.params.traddr}:{self.params.trsvcid} is down"))
         else:
             (self._parked_admin if cmd.admin else self._parked_io).append(cmd)
 
@@ -547,9 +563,9 @@ class Controller:
         return IDENTIFY_NAMESPACE.parse(await self._identify(Cns.NAMESPACE, nsid))
 
     async def get_log_page(self, lid: int, length: int, offset: int = 0, nsid: int = 0,
-                           rae: bool = False) -> bytes:
+                           rae: bool = False, lsp: int = 0) -> bytes:
         buf = bytearray(length)
-        await self.admin_command(get_log_page_command(lid, length // 4 - 1, offset, nsid, rae),
+        await self.admin_command(get_log_page_command(lid, length // 4 - 1, offset, nsid, rae, lsp),
                                  data_in=memoryview(buf))
         return bytes(buf)
 

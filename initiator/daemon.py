@@ -18,7 +18,9 @@ from initiator.controller import Controller
 from initiator.errors import ConnectError, NvmeError, QueueLost
 from initiator.fuse import FuseMounts
 from initiator.metrics import initiator_metrics_server
+from initiator.multipath import MultipathController, parse_path
 from initiator.params import connect_params
+from protocol.constants import DEFAULT_IO_PORT
 
 log = structlog.get_logger("blockd.initiator.daemon")
 
@@ -31,7 +33,7 @@ class InitiatorDaemon:
 
     def __init__(self, path: str | None = None, metrics: MetricsConfig | None = None) -> None:
         self.path = socket_path(path)
-        self.connections: dict[str, Controller] = {}
+        self.connections: dict[str, Controller | MultipathController] = {}
         self.server: asyncio.base_events.Server | None = None
         self.mounts = FuseMounts(self.connections, self.find)
         self.handlers: dict[str, Callable[..., Awaitable[dict[str, Any] | None]]] = {
@@ -67,7 +69,7 @@ class InitiatorDaemon:
         self.connections.clear()
         control_socket.remove(self.path)
 
-    def find(self, name: str) -> Controller:
+    def find(self, name: str) -> Controller | MultipathController:
         """A connection by its name, or by its subsystem NQN when that is unambiguous."""
         if name in self.connections:
             return self.connections[name]
@@ -97,17 +99,26 @@ class InitiatorDaemon:
 
     # -- operations -----------------------------------------------------------------------------------
 
-    async def op_connect(self, name: str | None = None, **options: Any) -> dict[str, Any]:
+    async def op_connect(self, name: str | None = None, paths: list[str] | None = None,
+                         **options: Any) -> dict[str, Any]:
         """Connect with the connect options (``initiator.params``: absent ones take their
-        default) under ``name`` (default: the NQN)."""
+        default) under ``name`` (default: the NQN). ``paths`` (``ADDR[:PORT]`` each) makes a
+        multipath connection, one path per entry with the same options (initiator.multipath)."""
         try:
-            params = connect_params(options)
+            if paths:
+                default_port = options.get("trsvcid") or DEFAULT_IO_PORT
+                every = [connect_params({**options, "traddr": a, "trsvcid": p})
+                         for a, p in (parse_path(text, default_port) for text in paths)]
+                params = every[0]
+            else:
+                params = connect_params(options)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
         name = name or params.subnqn
         if name in self.connections:
             raise RequestError(f"a connection named {name!r} already exists")
-        ctrl = await Controller.connect(params)
+        ctrl: Controller | MultipathController = (
+            await MultipathController.connect(every) if paths else await Controller.connect(params))
         self.connections[name] = ctrl
         log.info("connected", name=name, nqn=params.subnqn, traddr=params.traddr, transport=params.transport,
                  cntlid=ctrl.cntlid, io_queues=len(ctrl.io))
@@ -131,11 +142,12 @@ class InitiatorDaemon:
                 "connections": [{"name": n, "nqn": c.params.subnqn, "cntlid": c.cntlid,
                                  **c.counters.snapshot()} for n, c in self.connections.items()]}
 
-    def _describe(self, name: str, ctrl: Controller) -> dict[str, Any]:
+    def _describe(self, name: str, ctrl: Controller | MultipathController) -> dict[str, Any]:
         p = ctrl.params
+        paths = ctrl.describe_paths() if isinstance(ctrl, MultipathController) else []
         return {"nqn": p.subnqn, "transport": p.transport, "traddr": p.traddr, "trsvcid": p.trsvcid,
                 "cntlid": ctrl.cntlid, "io_queues": len(ctrl.io),
-                "state": ctrl.state,
+                "state": ctrl.state, "paths": paths,
                 "namespaces": [{"nsid": ns.nsid, "size": ns.size, "block_size": ns.block_size,
                                 "read_only": ns.read_only} for ns in ctrl.namespaces.values()]}
 

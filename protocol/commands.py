@@ -123,10 +123,11 @@ def identify_command(cns: int, nsid: int = 0, cntid: int = 0) -> bytearray:
 
 
 def get_log_page_command(lid: int, numd0: int, offset: int = 0, nsid: int = 0,
-                         rae: bool = False) -> bytearray:
-    """Get Log Page of ``numd0 + 1`` dwords from byte ``offset``; ``rae`` keeps the event."""
+                         rae: bool = False, lsp: int = 0) -> bytearray:
+    """Get Log Page of ``numd0 + 1`` dwords from byte ``offset``; ``rae`` keeps the event;
+    ``lsp`` the log specific field (bits 3:0 of that byte)."""
     return _get_log_page(opcode=AdminOpcode.GET_LOG_PAGE, nsid=nsid, lid=lid,
-                         lsp_rae=GET_LOG_PAGE_RAE if rae else 0,
+                         lsp_rae=(GET_LOG_PAGE_RAE if rae else 0) | lsp,
                          numdl=numd0 & 0xFFFF, numdu=numd0 >> 16, lpo=offset)
 
 

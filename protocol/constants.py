@@ -70,6 +70,7 @@ class LogPageId(IntEnum):
     FIRMWARE_SLOT = 0x03
     CHANGED_NS_LIST = 0x04
     COMMANDS_EFFECTS = 0x05
+    ANA = 0x0C
     DISCOVERY = 0x70
 
 
@@ -121,14 +122,44 @@ class NidType(IntEnum):
     CSI = 4
 
 
+class AnaState(IntEnum):
+    """Asymmetric Namespace Access states of a group on a port (ANA log page descriptor)."""
+
+    OPTIMIZED = 0x01
+    NON_OPTIMIZED = 0x02
+    INACCESSIBLE = 0x03
+    PERSISTENT_LOSS = 0x04
+    CHANGE = 0x0F
+
+
+ANA_STATE_NAMES = {"optimized": AnaState.OPTIMIZED, "non-optimized": AnaState.NON_OPTIMIZED,
+                   "inaccessible": AnaState.INACCESSIBLE, "persistent-loss": AnaState.PERSISTENT_LOSS,
+                   "change": AnaState.CHANGE}
+"""The names nvmet's configfs ``ana_state`` takes, used in the config and by blockctl."""
+GET_LOG_PAGE_LSP_RGO = 0x01
+"""ANA log LSP bit 0, Return Groups Only: descriptors without their NSID lists."""
+
 # CQE DW0 of an Asynchronous Event Request completion: type notice (2), info, log page.
 AEN_NS_ATTR_CHANGED = 0x00040002
+AEN_ANA_CHANGED = 0x000C0302
+"""Notice, ANA change (info 03h), ANA log page (0Ch)."""
 AEN_DISCOVERY_CHANGED = 0x0070F002
 
 # Identify Controller fields this implementation advertises.
 ONCS_DSM = 1 << 2
 ONCS_WRITE_ZEROES = 1 << 3
 OAES_NS_ATTR = 1 << 8
+OAES_ANA_CHANGE = 1 << 11
+"""Also the Asynchronous Event Configuration bit that enables the ANA change event."""
+CMIC_MULTI_PORT = 1 << 0
+CMIC_MULTI_CONTROLLER = 1 << 1
+"""A host may hold several controllers of the subsystem (the Linux host refuses a second one
+without it)."""
+CMIC_ANA = 1 << 3
+"""The controller reports ANA: the ANA log page, ANAGRPID, the ANA statuses."""
+ANACAP_ALL_STATES = 0x1F
+"""ANACAP bits 0..4: reports optimized, non-optimized, inaccessible, persistent loss, change."""
+NMIC_SHARED = 1 << 0
 OAES_DISCOVERY_CHANGE = 1 << 31
 CTRATT_HOST_ID_128 = 1 << 0
 """CTRATT.HIDS: the controller takes a 128-bit host identifier (fabrics hosts always send one)."""

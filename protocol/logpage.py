@@ -1,4 +1,4 @@
-"""Log pages: Discovery (70h), Error Information (01h), Changed Namespace List (04h)."""
+"""Log pages: Discovery (70h), Error Information (01h), Changed Namespace List (04h), ANA (0Ch)."""
 
 from __future__ import annotations
 
@@ -57,3 +57,28 @@ TSAS_RDMA = at_offsets(256, [
     (2, "cms", c.Int8ul),
     (8, "pkey", c.Int16ul),
 ])
+
+ANA_HEADER_SIZE = 16
+ANA_GROUP_SIZE = 32
+"""A group descriptor without its NSID list (which follows it, 4 bytes an NSID)."""
+
+ANA_HEADER = at_offsets(ANA_HEADER_SIZE, [
+    (0, "chgcnt", c.Int64ul),
+    (8, "ngrps", c.Int16ul),
+])
+
+ANA_GROUP = c.Struct(
+    "grpid" / c.Int32ul,
+    "nnsids" / c.Int32ul,
+    "chgcnt" / c.Int64ul,
+    "state" / c.Int8ul,
+    c.Padding(15),
+    "nsids" / c.Array(c.this.nnsids, c.Int32ul),
+)
+
+ANA_LOG = c.Struct(
+    "header" / ANA_HEADER,
+    "groups" / c.Array(c.this.header.ngrps, ANA_GROUP),
+)
+"""The ANA log page: header, then one descriptor per group (with Return Groups Only, every
+``nnsids`` is 0). ``state`` is a :class:`protocol.constants.AnaState`."""

@@ -46,6 +46,13 @@ class Status(IntEnum):
     """A command other than Authentication Send/Receive on a queue not yet authenticated."""
     WRITE_FAULT = 0x280
     UNRECOVERED_READ_ERROR = 0x281
+    ANA_PERSISTENT_LOSS = 0x301
+    ANA_INACCESSIBLE = 0x302
+    ANA_TRANSITION = 0x303
+    """Path-related (SCT 3) and without DNR: the host retries the command on another path."""
+
+
+ANA_STATUSES = frozenset({Status.ANA_PERSISTENT_LOSS, Status.ANA_INACCESSIBLE, Status.ANA_TRANSITION})
 
 
 def to_wire(status: int) -> int:

@@ -227,7 +227,6 @@ cdef class TcpFastPath:
     cdef object conn
     cdef object queue
     cdef object ctrl
-    cdef dict namespaces
     cdef object out
     cdef object send
     cdef object transport
@@ -261,7 +260,6 @@ cdef class TcpFastPath:
             return False
         self.queue = queue
         self.ctrl = queue.controller
-        self.namespaces = self.ctrl.subsystem.namespaces
         self.counters = queue.counters
         self.qid = queue.qid
         self.sqsize = queue.sqsize
@@ -314,7 +312,9 @@ cdef class TcpFastPath:
                 return False
         else:
             return False
-        entry = self.namespaces.get(nsid)
+        # the controller's view: the subsystem's own dict, or only the namespaces whose ANA group
+        # is accessible through this port (target.ana), so an inaccessible one goes to Python
+        entry = self.ctrl.io_namespaces.get(nsid)
         if entry is None:
             return False
         fast = entry.fast

@@ -37,6 +37,8 @@ Example::
     allow_any_host = false
     hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]
     ports = [1]               # optional: default every port
+    cntlid_min = 1            # optional: the controller ids of this subsystem's hosts; two
+    cntlid_max = 0xFFEF       # targets presenting one subsystem need disjoint ranges
 
     [[subsystem.host_auth]]   # DH-HMAC-CHAP for one host (docs/security.md, Authentication)
     nqn = "nqn.2014-08.org.nvmexpress:uuid:..."     # allowed even if not in hosts
@@ -51,6 +53,14 @@ Example::
     size = "10GiB"            # files are created at this size when missing
     block_size = 512          # or 4096
     read_only = false
+    ana_group = 1             # optional: its ANA group (default 1)
+    nguid = "..."             # optional, 32 hex digits; uuid = "8-4-4-4-12"; eui64 = 16 hex digits:
+                              # by default derived from (NQN, nsid), so equal on two targets
+
+    [[ana]]                   # optional: an ANA group's state (default optimized everywhere)
+    port = 1                  # optional: default every port
+    group = 1                 # optional: default 1
+    state = "inaccessible"    # optimized, non-optimized, inaccessible, persistent-loss, change
 
 Every mistake is reported as one :class:`ConfigError` line naming the offending entry. A file
 holding secrets must not be readable by others (mode o-r), or it is refused; the secrets
@@ -61,6 +71,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +80,8 @@ from blockd.config import (
 )
 from blockd.dhchap_secret import Secret, SecretError, parse_secret
 from protocol.auth import DhGroup, HashId
-from protocol.constants import DEFAULT_IO_PORT, DISCOVERY_NQN
+from protocol.constants import ANA_STATE_NAMES, DEFAULT_IO_PORT, DISCOVERY_NQN, AnaState
+from target.ana import DEFAULT_ANA_GROUP, MAX_ANA_GROUPS
 from target.transport import DEFAULT_MAX_TRANSFER
 
 DEFAULT_CONTROL_SOCKET = "/run/blockd/target.sock"
@@ -94,6 +106,21 @@ class NamespaceConfig:
     size: int | None
     block_size: int = 512
     read_only: bool = False
+    ana_group: int = DEFAULT_ANA_GROUP
+    ids: tuple[bytes | None, bytes | None, bytes | None] = (None, None, None)
+    """Configured (NGUID, UUID, EUI-64); None: derived (target.subsystem.Namespace)."""
+
+
+MAX_CNTLID = 0xFFEF
+"""Highest controller id (0xFFF0 and up are reserved)."""
+
+
+@dataclass(frozen=True)
+class AnaConfig:
+    """One ``[[ana]]`` entry: ``group``'s state on ``port`` (None: every port)."""
+    port: int | None
+    group: int
+    state: AnaState
 
 
 HASH_NAMES = {"sha256": HashId.SHA256, "sha384": HashId.SHA384, "sha512": HashId.SHA512}
@@ -123,6 +150,7 @@ class SubsystemConfig:
     ports: frozenset[int] | None
     namespaces: tuple[NamespaceConfig, ...]
     host_auth: dict[str, HostAuthConfig] = field(default_factory=dict)
+    cntlid_range: tuple[int, int] = (1, MAX_CNTLID)
 
 
 @dataclass(frozen=True)
@@ -186,6 +214,8 @@ class TargetConfig:
     """The control socket's path; empty: none."""
     metrics: MetricsConfig | None = None
     """The Prometheus endpoint; None: off."""
+    ana: tuple[AnaConfig, ...] = ()
+    """ANA states set by the configuration; every other (port, group) is optimized."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -235,7 +265,7 @@ def _host_auth(entries: list[Any], where: str) -> dict[str, HostAuthConfig]:
 
 
 def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
-    unknown(raw, {"port", "subsystem", "logging", "target", "control", "metrics"}, source)
+    unknown(raw, {"port", "subsystem", "logging", "target", "control", "metrics", "ana"}, source)
     logging_t = take(raw, "logging", dict, source, {})
     unknown(logging_t, {"format", "level"}, f"{source} [logging]")
     log_format = take(logging_t, "format", str, f"{source} [logging]", "console")
@@ -276,7 +306,7 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
     for i, s in enumerate(take(raw, "subsystem", list, source, [])):
         where = f"{source} subsystem #{i + 1}"
         unknown(s, {"nqn", "serial", "model", "allow_any_host", "hosts", "ports", "namespace",
-                     "host_auth"}, where)
+                     "host_auth", "cntlid_min", "cntlid_max"}, where)
         nqn = take(s, "nqn", str, where)
         where = f"{source} subsystem {nqn}"
         if not _NQN.match(nqn) or len(nqn.encode()) > 223 or nqn == DISCOVERY_NQN:
@@ -296,7 +326,8 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
         namespaces = []
         for j, n in enumerate(take(s, "namespace", list, where, [])):
             nwhere = f"{where} namespace #{j + 1}"
-            unknown(n, {"nsid", "path", "size", "block_size", "read_only"}, nwhere)
+            unknown(n, {"nsid", "path", "size", "block_size", "read_only", "ana_group", "nguid", "uuid",
+                        "eui64"}, nwhere)
             nsid = take(n, "nsid", int, nwhere, j + 1)
             size = n.get("size")
             block_size = take(n, "block_size", int, nwhere, 512)
@@ -306,17 +337,87 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
             if size_b is not None and size_b % block_size:
                 raise ConfigError(f"{nwhere}: size must be a multiple of the block size {block_size}")
             namespaces.append(NamespaceConfig(nsid, take(n, "path", str, nwhere), size_b,
-                                              block_size, take(n, "read_only", bool, nwhere, False)))
+                                              block_size, take(n, "read_only", bool, nwhere, False),
+                                              _ana_group(n, nwhere), _namespace_ids(n, nwhere)))
         nsids = [n.nsid for n in namespaces]
         if len(set(nsids)) != len(nsids) or any(not 1 <= x < 0xFFFFFFFF for x in nsids):
             raise ConfigError(f"{where}: namespace ids must be unique and between 1 and 4294967294")
         subsystems.append(SubsystemConfig(nqn, serial, model, allow_any, frozenset(hosts),
                                           frozenset(sub_ports) if sub_ports is not None else None,
-                                          tuple(namespaces), host_auth))
+                                          tuple(namespaces), host_auth, _cntlid_range(s, where)))
     nqns = [s.nqn for s in subsystems]
     if len(set(nqns)) != len(nqns):
         raise ConfigError(f"{source}: subsystem NQNs must be unique")
     return TargetConfig(tuple(ports), tuple(subsystems), log_format,
                         take(logging_t, "level", str, f"{source} [logging]", "info"), max_io_queues,
-                        limits, control_socket, metrics)
+                        limits, control_socket, metrics,
+                        _ana_entries(take(raw, "ana", list, source, []), set(ids), source))
 
+
+def _ana_group(table: dict[str, Any], where: str) -> int:
+    group = take(table, "ana_group", int, where, DEFAULT_ANA_GROUP)
+    if not 1 <= group <= MAX_ANA_GROUPS:
+        raise ConfigError(f"{where}: ana_group must be 1..{MAX_ANA_GROUPS}")
+    return group
+
+
+def _hex_id(table: dict[str, Any], key: str, size: int, where: str) -> bytes | None:
+    text = take(table, key, str, where, None)
+    if text is None:
+        return None
+    try:
+        value = bytes.fromhex(text.replace("-", ""))
+    except ValueError:
+        value = b""
+    if len(value) != size or not any(value):
+        raise ConfigError(f"{where}: {key} must be {size * 2} hexadecimal digits, not all zero")
+    return value
+
+
+def _namespace_ids(table: dict[str, Any], where: str) -> tuple[bytes | None, bytes | None, bytes | None]:
+    """The configured NGUID, UUID and EUI-64 (a target presenting a namespace another target
+    presents too must show the same ids, or the Linux host drops the shared namespace)."""
+    text = take(table, "uuid", str, where, None)
+    try:
+        uuid_bytes = uuid.UUID(text).bytes if text is not None else None
+    except ValueError:
+        raise ConfigError(f"{where}: uuid {text!r} is not a UUID") from None
+    return _hex_id(table, "nguid", 16, where), uuid_bytes, _hex_id(table, "eui64", 8, where)
+
+
+def _cntlid_range(table: dict[str, Any], where: str) -> tuple[int, int]:
+    """nvmet's ``attr_cntlid_min/max``: disjointness across targets is the user's to keep."""
+    low = take(table, "cntlid_min", int, where, 1)
+    high = take(table, "cntlid_max", int, where, MAX_CNTLID)
+    if not 1 <= low <= high <= MAX_CNTLID:
+        raise ConfigError(f"{where}: cntlid_min and cntlid_max must satisfy 1 <= min <= max <= {MAX_CNTLID:#x}")
+    return low, high
+
+
+def ana_state(name: str, where: str) -> AnaState:
+    try:
+        return ANA_STATE_NAMES[name]
+    except KeyError:
+        raise ConfigError(f"{where}: ANA state must be one of {', '.join(ANA_STATE_NAMES)}, not {name!r}") from None
+
+
+def _ana_entries(entries: list[Any], port_ids: set[int], source: str) -> tuple[AnaConfig, ...]:
+    result: list[AnaConfig] = []
+    seen: set[tuple[int | None, int]] = set()
+    for i, a in enumerate(entries):
+        where = f"{source} ana #{i + 1}"
+        if not isinstance(a, dict):
+            raise ConfigError(f"{where}: must be a table")
+        unknown(a, {"port", "group", "state"}, where)
+        port = take(a, "port", int, where, None)
+        if port is not None and port not in port_ids:
+            raise ConfigError(f"{where}: port {port} is not configured")
+        group = take(a, "group", int, where, DEFAULT_ANA_GROUP)
+        if not 1 <= group <= MAX_ANA_GROUPS:
+            raise ConfigError(f"{where}: group must be 1..{MAX_ANA_GROUPS}")
+        if (port, group) in seen:
+            raise ConfigError(f"{where}: group {group} on {'every port' if port is None else f'port {port}'} "
+                              "is set twice")
+        seen.add((port, group))
+        result.append(AnaConfig(port, group, ana_state(take(a, "state", str, where), where)))
+    return tuple(result)

@@ -16,9 +16,10 @@ import structlog
 
 from blockd.iostats import IoCounters
 from protocol.constants import (
-    CC_EN, CC_SHN_MASK, CSTS_CFS, CSTS_RDY, CSTS_SHST_COMPLETE, CTRATT_HOST_ID_128, CTRATT_TBKAS, DISCOVERY_NQN,
-    OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, ONCS_DSM, ONCS_WRITE_ZEROES, AdminOpcode, Cns, FeatureId, IoOpcode,
-    LogPageId, NidType, Property,
+    ANACAP_ALL_STATES, AEN_ANA_CHANGED, CC_EN, CC_SHN_MASK, CMIC_ANA, CMIC_MULTI_CONTROLLER, CMIC_MULTI_PORT,
+    CSTS_CFS, CSTS_RDY, CSTS_SHST_COMPLETE, CTRATT_HOST_ID_128, CTRATT_TBKAS, DISCOVERY_NQN,
+    GET_LOG_PAGE_LSP_RGO, NMIC_SHARED, OAES_ANA_CHANGE, OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, ONCS_DSM,
+    ONCS_WRITE_ZEROES, AdminOpcode, Cns, FeatureId, IoOpcode, LogPageId, NidType, Property,
 )
 from protocol.fabrics import PROPERTY_COMMAND_FAST, PROPERTY_SIZE_8, PROPERTY_SIZE_MASK
 from protocol.identify import (
@@ -33,6 +34,7 @@ from protocol.nvme import (
     RW_CONTROL_FUA, SQE,
 )
 from protocol.status import Status, to_wire
+from target.ana import ANATT_SECONDS, MAX_ANA_GROUPS, MAX_ANA_NAMESPACES
 from target.request import Direction, Request
 
 if TYPE_CHECKING:
@@ -61,6 +63,12 @@ DLFEAT_ZEROES = 0x09
 """Deallocated blocks read as zeroes, and Write Zeroes may deallocate (DEAC)."""
 DISCOVERY_DEFAULT_KATO_MS = 120_000
 """A discovery controller without keep-alive is still reaped after 2 minutes, as nvmet does."""
+_NUSE_ZERO = (Status.ANA_INACCESSIBLE, Status.ANA_PERSISTENT_LOSS)
+"""Identify Namespace shows NUSE 0 through a path in these states (in change it does not), as
+nvmet's ``nvmet_execute_identify_ns``."""
+CMIC = CMIC_MULTI_PORT | CMIC_MULTI_CONTROLLER | CMIC_ANA
+"""As nvmet: a subsystem may be reached through several ports and controllers (one per target
+when two present it), and reports ANA."""
 CTRATT = CTRATT_HOST_ID_128 | CTRATT_TBKAS
 """True of every controller here, discovery included: Connect always carries the 128-bit host id,
 and TargetQueue.submit restarts the keep-alive timer on any command (nvmet's I/O controllers
@@ -73,6 +81,9 @@ ERROR_LOCATIONS: dict[int, int] = {
     Status.INVALID_NS: _NSID,
     Status.SGL_INVALID_DATA_LENGTH: _DPTR,
     Status.LBA_RANGE: _CDW10,  # SLBA
+    Status.ANA_INACCESSIBLE: _NSID,
+    Status.ANA_PERSISTENT_LOSS: _NSID,
+    Status.ANA_TRANSITION: _NSID,
     Status.NS_WRITE_PROTECTED: _CDW10,
     Status.INVALID_LOG_PAGE: _CDW10,  # LID
     Status.FEATURE_NOT_SAVEABLE: _CDW10,  # SV
@@ -124,6 +135,17 @@ class Controller:
         self.counters = IoCounters()
         """This host's I/O commands on this controller (every I/O queue adds here)."""
         self._namespaces = subsystem.namespaces
+        self.io_namespaces = self._namespaces
+        """The namespaces I/O is served for through this controller's port: the subsystem's own
+        dict while every ANA group is accessible there (no cost per I/O), else the accessible
+        ones; see :meth:`refresh_access`."""
+        self._ana_refusals: dict[int, int] = {}
+        """nsid -> the ANA status I/O to it gets through this port (target.ana)."""
+        self.ana_event_masked = False
+        """An ANA change event was sent and the host has not read the ANA log since (nvmet
+        masks the event until then: one event per change the host has not seen)."""
+        if not self.is_discovery:
+            self.refresh_access()
         self.admin_commands: CommandTable = {
             AdminOpcode.KEEP_ALIVE: (_no_data, self._keep_alive),
             AdminOpcode.IDENTIFY: (_identify_length, self._identify),
@@ -218,6 +240,22 @@ class Controller:
             param_location=location, lba=0, nsid=req.nsid, vs=0, trtype=0, cs=0,
             trtype_specific=0)))
         return True
+
+    def refresh_access(self) -> None:
+        """Recompute which namespaces serve I/O through this port (after an ANA change or a
+        namespace added or removed)."""
+        ana = self.target.ana
+        refusals = {nsid: status for nsid, ns in self._namespaces.items()
+                    if (status := ana.io_status(self.port_id, ns.ana_group))}
+        self._ana_refusals = refusals
+        self.io_namespaces = (self._namespaces if not refusals else
+                               {n: ns for n, ns in self._namespaces.items() if n not in refusals})
+
+    def notify_ana_change(self) -> None:
+        """Send the ANA change event if the host enabled it and has read the log since the last."""
+        if self.async_event_config & OAES_ANA_CHANGE and not self.ana_event_masked:
+            self.ana_event_masked = True
+            self.notify(AEN_ANA_CHANGED)
 
     def notify(self, event: int, changed_nsid: int | None = None) -> None:
         """Queue an asynchronous event; completes a waiting AER if there is one."""
@@ -332,7 +370,7 @@ class Controller:
         elif ns is None:
             req.status = _INVALID_NS
         elif cns == Cns.NAMESPACE:
-            self._give(req, identify_namespace(ns))
+            self._give(req, identify_namespace(ns, self._ana_refusals.get(req.nsid) not in _NUSE_ZERO))
         elif cns == Cns.NS_DESCRIPTORS:
             self._give(req, NS_DESCRIPTOR_LIST.build([
                 dict(nidt=NidType.NGUID, nidl=16, nid=ns.nguid),
@@ -342,26 +380,31 @@ class Controller:
             ]))
         else:
             self._give(req, IDENTIFY_CSI_INDEPENDENT_NS.build(dict(
-                nsfeat=0, nmic=1, rescap=0, fpi=0, anagrpid=0, nsattr=int(ns.read_only),
+                nsfeat=0, nmic=NMIC_SHARED, rescap=0, fpi=0, anagrpid=ns.ana_group, nsattr=int(ns.read_only),
                 nvmsetid=0, endgid=0, nstat=1)))
 
     def identify_controller(self) -> bytes:
         sub = self.subsystem
         disc = self.is_discovery
         transport = self.transport
+        # at least 1: with ANA reporting, the Linux host refuses the controller unless
+        # 1 <= MNAN <= NN ("Invalid MNAN value"), an empty subsystem included
+        nn = 0 if disc else max(max(sub.namespaces, default=0), 1)
         return IDENTIFY_CONTROLLER.build(dict(
             vid=0, ssvid=0, sn=sub.serial[:20], mn=sub.model[:40], fr="0.1.0", rab=6,
-            ieee=b"\0\0\0", cmic=0 if disc else 0x02, mdts=_mdts(transport.max_transfer),
+            ieee=b"\0\0\0", cmic=0 if disc else CMIC, mdts=_mdts(transport.max_transfer),
             cntlid=self.cntlid, ver=VERSION_1_3, rtd3r=0, rtd3e=0,
-            oaes=OAES_DISCOVERY_CHANGE if disc else OAES_NS_ATTR, ctratt=CTRATT,
+            oaes=OAES_DISCOVERY_CHANGE if disc else OAES_NS_ATTR | OAES_ANA_CHANGE, ctratt=CTRATT,
             cntrltype=2 if disc else 1, fguid=bytes(16), crdt1=0, crdt2=0, crdt3=0,
             oacs=0, acl=3, aerl=AER_LIMIT - 1, frmw=0x3, lpa=0x04, elpe=ERROR_LOG_ENTRIES - 1,
-            npss=0, avscc=0, apsta=0, kas=KAS_100MS, sqes=0x66, cqes=0x44, maxcmd=MQES + 1,
-            nn=max(sub.namespaces, default=0) if not disc else 0,
+            npss=0, avscc=0, apsta=0, kas=KAS_100MS,
+            anatt=0 if disc else ANATT_SECONDS, anacap=0 if disc else ANACAP_ALL_STATES,
+            anagrpmax=0 if disc else MAX_ANA_GROUPS, nanagrpid=0 if disc else MAX_ANA_GROUPS,
+            sqes=0x66, cqes=0x44, maxcmd=MQES + 1, nn=nn,
             oncs=0 if disc else self._oncs(), fuses=0, fna=0,
             vwc=int(any(ns.backend.can_flush for ns in self._namespaces.values())),
             awun=0, awupf=0, icsvscc=0, nwpc=0, acwu=0,
-            sgls=transport.sgls, mnan=0, subnqn=sub.nqn, ioccsz=(64 + transport.io_inline) // 16,
+            sgls=transport.sgls, mnan=min(nn, MAX_ANA_NAMESPACES), subnqn=sub.nqn, ioccsz=(64 + transport.io_inline) // 16,
             iorcsz=1, icdoff=0, fcatt=0, msdbd=1, ofcs=0))
 
     def _oncs(self) -> int:
@@ -384,6 +427,15 @@ class Controller:
             return
         elif lid in (LogPageId.SMART, LogPageId.FIRMWARE_SLOT):
             page = bytes(512)
+        elif lid == LogPageId.ANA:
+            page = self.target.ana.log_page(
+                self.port_id, ((n, ns.ana_group) for n, ns in self._namespaces.items()),
+                bool(fields.lsp_rae & GET_LOG_PAGE_LSP_RGO))
+            if lpo > len(page):  # the spec's rule for an offset past the end of the log
+                req.status = Status.INVALID_FIELD
+                return
+            if not fields.lsp_rae & GET_LOG_PAGE_RAE:
+                self.ana_event_masked = False
         elif lid == LogPageId.CHANGED_NS_LIST:
             ids = sorted(self.changed_nsids)[:1024]
             page = CHANGED_NS_LIST.build(ids + [0] * (1024 - len(ids)))
@@ -448,10 +500,11 @@ class Controller:
     # -- NVM I/O commands ----------------------------------------------------------------------
 
     def _check_rw(self, req: Request) -> int:
-        """Read, Write, Write Zeroes: namespace, LBA range, write protection, transfer length."""
-        ns = self._namespaces.get(req.nsid)
+        """Read, Write, Write Zeroes: namespace (and its ANA state), LBA range, write protection,
+        transfer length."""
+        ns = self.io_namespaces.get(req.nsid)
         if ns is None:
-            return _INVALID_NS
+            return self._ana_refusals.get(req.nsid, _INVALID_NS)
         # Held from here, refused or not, until it completes (TargetQueue._complete), so a
         # refused command also counts on its namespace (blockd.iostats).
         req.ns = ns
@@ -475,16 +528,16 @@ class Controller:
     def _check_flush(self, req: Request) -> int:
         if req.nsid == NSID_ALL:
             return _SUCCESS
-        ns = req.ns = self._namespaces.get(req.nsid)
+        ns = req.ns = self.io_namespaces.get(req.nsid)
         if ns is None:
-            return _INVALID_NS
+            return self._ana_refusals.get(req.nsid, _INVALID_NS)
         ns.in_flight += 1
         return _SUCCESS
 
     def _check_dsm(self, req: Request) -> int:
-        ns = req.ns = self._namespaces.get(req.nsid)
+        ns = req.ns = self.io_namespaces.get(req.nsid)
         if ns is None:
-            return _INVALID_NS
+            return self._ana_refusals.get(req.nsid, _INVALID_NS)
         ns.in_flight += 1  # held until it completes, refused or not (as _check_rw)
         if ns.read_only:
             return _WRITE_PROTECTED
@@ -614,12 +667,13 @@ def _mdts(max_transfer: int) -> int:
     return (max_transfer >> 12).bit_length() - 1
 
 
-def identify_namespace(ns: Namespace) -> bytes:
+def identify_namespace(ns: Namespace, in_use: bool) -> bytes:
+    """Identify Namespace; NUSE is 0 unless ``in_use`` (see :data:`_NUSE_ZERO`)."""
     blocks = ns.blocks
     lbaf = [dict(ms=0, lbads=ns.lba_shift, rp=0)] + [dict(ms=0, lbads=0, rp=0)] * 63
     return IDENTIFY_NAMESPACE.build(dict(
-        nsze=blocks, ncap=blocks, nuse=blocks, nsfeat=0, nlbaf=0, flbas=0, mc=0, dpc=0,
-        dps=0, nmic=1, rescap=0, fpi=0, dlfeat=DLFEAT_ZEROES if ns.backend.can_trim else 0,
+        nsze=blocks, ncap=blocks, nuse=blocks if in_use else 0, nsfeat=0, nlbaf=0, flbas=0, mc=0, dpc=0,
+        dps=0, nmic=NMIC_SHARED, rescap=0, fpi=0, dlfeat=DLFEAT_ZEROES if ns.backend.can_trim else 0,
         nawun=0, nawupf=0, nacwu=0, noiob=0,
-        anagrpid=0, nsattr=int(ns.read_only), nguid=ns.nguid, eui64=ns.eui64, lbaf=lbaf))
+        anagrpid=ns.ana_group, nsattr=int(ns.read_only), nguid=ns.nguid, eui64=ns.eui64, lbaf=lbaf))
 

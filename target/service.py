@@ -14,6 +14,8 @@ import structlog
 
 from target.config import NamespaceConfig, PortConfig, SubsystemConfig, TargetConfig
 from blockd.control_socket import RequestError
+from protocol.constants import ANA_STATE_NAMES, AnaState
+from target.ana import MAX_ANA_GROUPS
 from target.backend import FileBackend
 from target.control import ControlServer
 from blockd.prometheus import MetricsServer
@@ -47,7 +49,7 @@ def _open_namespace(sub: Subsystem, nc: NamespaceConfig) -> Namespace:
     if backend.size % nc.block_size:
         backend.close()
         raise RuntimeError(f"{sub.nqn} namespace {nc.nsid}: {nc.path} size is not a multiple of {nc.block_size}")
-    return Namespace(nc.nsid, backend, nc.block_size, sub.nqn, nc.path)
+    return Namespace(nc.nsid, backend, nc.block_size, sub.nqn, nc.path, nc.ana_group, nc.ids)
 
 
 class TargetService:
@@ -66,6 +68,8 @@ class TargetService:
         """The Prometheus endpoint; its address is not reloadable."""
         if self.control is not None:
             self.control.add_verb("resize", self.op_resize)
+            self.control.add_verb("ana", self.op_ana)
+            self.control.add_verb("ana-set", self.op_ana_set)
 
     async def start(self) -> None:
         """Open every namespace, then listen on every port (the service is then ready); the
@@ -76,6 +80,8 @@ class TargetService:
             await self.metrics.start()
         for sc in self.config.subsystems:
             self._add_subsystem(sc)
+        for (port_id, group), state in _ana_map(self.config).items():
+            self.target.set_ana_state([port_id], group, state)
         for pc in self.config.ports:
             await self._add_port(pc)
 
@@ -100,7 +106,7 @@ class TargetService:
     def _add_subsystem(self, sc: SubsystemConfig) -> None:
         sub = Subsystem(sc.nqn, sc.serial, sc.model, sc.allow_any_host, set(sc.hosts),
                         port_ids=set(sc.ports) if sc.ports is not None else None,
-                        auth=dict(sc.host_auth))
+                        auth=dict(sc.host_auth), cntlid_range=sc.cntlid_range)
         try:
             for nc in sc.namespaces:
                 sub.add_namespace(_open_namespace(sub, nc))
@@ -120,6 +126,11 @@ class TargetService:
                 self.target.check_resize(sub, nc.nsid, nc.size)
             except ValueError as exc:
                 raise RuntimeError(str(exc)) from None
+        ana_changes = _ana_changes(old, new)
+        for (port_id, group), state in ana_changes.items():
+            why = self.promotion_blocker(port_id, group, state)
+            if why:
+                raise RuntimeError(f"ANA group {group} on port {port_id} not made {state.name.lower()}: {why}")
         old_ports = {p.port_id: p for p in old.ports}
         new_ports = {p.port_id: p for p in new.ports}
         for pid, pc in old_ports.items():
@@ -138,6 +149,8 @@ class TargetService:
             elif before != sc:
                 self._update_subsystem(before, sc)
         self._apply_resizes(old, new)
+        for (port_id, group), state in ana_changes.items():
+            self.target.set_ana_state([port_id], group, state)
         for pid, pc in new_ports.items():
             if old_ports.get(pid) != pc:
                 await self._add_port(pc)
@@ -165,6 +178,7 @@ class TargetService:
         sub.serial, sub.model = after.serial, after.model
         sub.port_ids = set(after.ports) if after.ports is not None else None
         sub.auth = dict(after.host_auth)  # queues connecting from now on
+        sub.cntlid_range = after.cntlid_range  # controllers made from now on
         if (before.allow_any_host, before.hosts) != (after.allow_any_host, after.hosts):
             self.target.update_access(sub, after.allow_any_host, set(after.hosts))
         old_ns = {n.nsid: n for n in before.namespaces}
@@ -198,6 +212,68 @@ class TargetService:
             raise RequestError(str(exc)) from None
         return {"nqn": nqn, "nsid": nsid, "old_size": old, "size": new}
 
+    # -- ANA: promotion and demotion ----------------------------------------------------------------
+
+    def promotion_blocker(self, port_id: int, group: int, state: AnaState) -> str | None:
+        """Why ``group`` may not become ``state`` on ``port_id`` now, or None. Only making a
+        path accessible (optimized, non-optimized) where it was not can lose data: a namespace
+        whose backend keeps a copy in sync with another (the replication layer) says, through
+        its ``promotion_blocker()``, whether this copy has every acknowledged write; a backend
+        without one (a plain file, storage both targets share) may always be promoted."""
+        if state not in _ACCESSIBLE or self.target.ana.state(port_id, group) in _ACCESSIBLE:
+            return None
+        for ns in self._group_namespaces(group):
+            check = getattr(ns.backend, "promotion_blocker", None)
+            why = check() if check is not None else None
+            if why:
+                return f"{ns.subsystem_nqn} namespace {ns.nsid}: {why}"
+        return None
+
+    def _group_namespaces(self, group: int) -> list[Namespace]:
+        return [ns for sub in self.target.subsystems.values() for ns in sub.namespaces.values()
+                if ns.ana_group == group]
+
+    async def op_ana(self) -> dict[str, Any]:
+        """Control verb ``ana``: every port's groups, their states and namespaces."""
+        target = self.target
+        groups = sorted(target.ana.groups | {ns.ana_group for sub in target.subsystems.values()
+                                             for ns in sub.namespaces.values()})
+        return {"chgcnt": target.ana.chgcnt, "ana": [
+            {"port": port_id, "group": group, "state": _STATE_NAMES[target.ana.state(port_id, group)],
+             "namespaces": [f"{ns.subsystem_nqn}/{ns.nsid}" for ns in self._group_namespaces(group)]}
+            for port_id in sorted(target.ports) for group in groups]}
+
+    async def op_ana_set(self, state: str, group: int = 1, port: int | None = None,
+                         force: bool = False) -> dict[str, Any]:
+        """Control verb ``ana-set`` (``blockctl target ana promote|demote|set``): ``group``'s
+        state on ``port`` (None: every port), sending the ANA change event. Making it
+        accessible is refused while a namespace's copy may lack acknowledged writes
+        (:meth:`promotion_blocker`) unless ``force``, which then asks each such backend to start
+        a new generation (``force_new_generation()``), so that the replication layer sees the
+        other copy's later writes as diverged rather than resyncing over this one. Not written
+        to the configuration: a reload keeps it unless the file's ``[[ana]]`` entries change."""
+        try:
+            new = ANA_STATE_NAMES[state]
+        except KeyError:
+            raise RequestError(f"ANA state must be one of {', '.join(ANA_STATE_NAMES)}, not {state!r}") from None
+        if not 1 <= group <= MAX_ANA_GROUPS:
+            raise RequestError(f"ANA group must be 1..{MAX_ANA_GROUPS}")
+        if port is not None and port not in self.target.ports:
+            raise RequestError(f"no port {port}")
+        ports = [port] if port is not None else sorted(self.target.ports)
+        blockers = [why for p in ports if (why := self.promotion_blocker(p, group, new))]
+        if blockers and not force:
+            raise RequestError(f"not promoted: {blockers[0]} (--force promotes anyway, starting a new generation)")
+        if blockers:
+            for ns in self._group_namespaces(group):
+                fork = getattr(ns.backend, "force_new_generation", None)
+                if fork is not None:
+                    await fork()
+            log.warning("forced promotion", group=group, blockers=blockers)
+        changed = self.target.set_ana_state(ports, group, new)
+        return {"group": group, "state": state, "ports": ports, "changed": changed,
+                "chgcnt": self.target.ana.chgcnt}
+
     async def stop(self) -> None:
         """Stop accepting, let in-flight commands finish, tear down, flush, close files."""
         for pid in list(self.listeners):
@@ -216,3 +292,28 @@ class TargetService:
         if self.control is not None:
             await self.control.stop()
         log.info("target stopped")
+
+
+_ACCESSIBLE = (AnaState.OPTIMIZED, AnaState.NON_OPTIMIZED)
+_STATE_NAMES = {state: name for name, state in ANA_STATE_NAMES.items()}
+
+
+def _ana_map(config: TargetConfig) -> dict[tuple[int, int], AnaState]:
+    """The configuration's ANA states by (port, group); an entry for one port overrides one
+    for every port, whatever their order."""
+    result: dict[tuple[int, int], AnaState] = {}
+    ports = [p.port_id for p in config.ports]
+    for entry in sorted(config.ana, key=lambda a: a.port is not None):
+        for port_id in ([entry.port] if entry.port is not None else ports):
+            result[port_id, entry.group] = entry.state
+    return result
+
+
+def _ana_changes(old: TargetConfig, new: TargetConfig) -> dict[tuple[int, int], AnaState]:
+    """What a reload changes: states the new file sets differently, and optimized again where
+    the old one set a state and the new one none. A state set at run time (blockctl) stays when
+    the file's entry for it did not change."""
+    before, after = _ana_map(old), _ana_map(new)
+    changes = {key: state for key, state in after.items() if before.get(key) != state}
+    changes.update({key: AnaState.OPTIMIZED for key in before.keys() - after.keys()})
+    return changes

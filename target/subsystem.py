@@ -5,7 +5,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from target.config import HostAuthConfig
+from target.ana import DEFAULT_ANA_GROUP
+from target.config import MAX_CNTLID, HostAuthConfig
 from blockd.iostats import IoCounters
 from protocol.constants import DISCOVERY_NQN
 from target.backend import Backend
@@ -18,8 +19,10 @@ _ID_NAMESPACE = uuid.UUID("6d1c7a43-3b64-4a63-9c55-0b7c0d0ad0b1")
 class Namespace:
     """One namespace of a subsystem.
 
-    Its UUID/NGUID/EUI-64 derive from (subsystem NQN, NSID), so they are unique across
-    subsystems and stable across restarts: the Linux host drops a namespace whose ids change.
+    Its UUID/NGUID/EUI-64 derive from (subsystem NQN, NSID) unless configured, so they are
+    unique across subsystems and stable across restarts: the Linux host drops a namespace whose
+    ids change. Two targets presenting one namespace (ANA) therefore agree on them by default;
+    the configured ones serve a namespace another target (nvmet's ``device_nguid``) also shows.
     """
 
     nsid: int
@@ -27,6 +30,10 @@ class Namespace:
     block_size: int = 512
     subsystem_nqn: str = ""
     path: str = ""
+    ana_group: int = DEFAULT_ANA_GROUP
+    """The ANA group whose state, per port, says whether I/O is served (target.ana)."""
+    ids: tuple[bytes | None, bytes | None, bytes | None] = (None, None, None)
+    """Configured (NGUID, UUID, EUI-64), each None for the derived one."""
     counters: IoCounters = field(default_factory=IoCounters, compare=False, repr=False)
     """Every host's I/O commands on this namespace."""
     in_flight: int = field(default=0, init=False, repr=False, compare=False)
@@ -44,9 +51,11 @@ class Namespace:
             raise ValueError(f"namespace {self.nsid}: block size must be 512 or 4096, not {self.block_size}")
         if not 1 <= self.nsid < 0xFFFFFFFF:
             raise ValueError(f"namespace id {self.nsid} is out of range")
-        self.uuid = uuid.uuid5(_ID_NAMESPACE, f"{self.subsystem_nqn}/{self.nsid}")
-        self.nguid = self.uuid.bytes
-        self.eui64 = self.uuid.bytes[:8]
+        derived = uuid.uuid5(_ID_NAMESPACE, f"{self.subsystem_nqn}/{self.nsid}")
+        nguid, uuid_bytes, eui64 = self.ids
+        self.uuid = uuid.UUID(bytes=uuid_bytes) if uuid_bytes is not None else derived
+        self.nguid = nguid if nguid is not None else derived.bytes
+        self.eui64 = eui64 if eui64 is not None else derived.bytes[:8]
         self.lba_shift = self.block_size.bit_length() - 1
         self.fast = fast_namespace(self)
 
@@ -74,6 +83,10 @@ class Subsystem:
     """Ports this subsystem is reachable through; None = every port."""
     auth: dict[str, HostAuthConfig] = field(default_factory=dict)
     """Hosts that must authenticate (DH-HMAC-CHAP) on every queue, by host NQN."""
+    cntlid_range: tuple[int, int] = (1, MAX_CNTLID)
+    """Controller ids given to this subsystem's hosts (nvmet's ``attr_cntlid_min/max``): two
+    targets presenting one subsystem need disjoint ranges, or the Linux host refuses the
+    second controller as a duplicate."""
 
     @property
     def is_discovery(self) -> bool:

@@ -11,11 +11,12 @@ import structlog
 from target.config import Limits
 from protocol.constants import (
     AEN_DISCOVERY_CHANGED, AEN_NS_ATTR_CHANGED, DISCOVERY_NQN, DYNAMIC_CNTLID,
-    TREQ_SECURE_CHANNEL_NOT_SPECIFIED, TREQ_SQFLOW_DISABLE_SUPPORTED, AddressFamily, SubsystemType,
+    TREQ_SECURE_CHANNEL_NOT_SPECIFIED, TREQ_SQFLOW_DISABLE_SUPPORTED, AddressFamily, AnaState, SubsystemType,
 )
 from protocol.fabrics import IPO_CONNECT_CNTLID, IPO_CONNECT_QID, IPO_CONNECT_SQSIZE, IPO_CONNECT_SUBNQN
 from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_HEADER
 from protocol.status import Status
+from target.ana import AnaStates
 from target.controller import MQES, Controller
 from target.limits import ConnectionCount, DataBudget
 from target.queue import TargetQueue
@@ -25,7 +26,6 @@ from target.transport import transport_info
 
 log = structlog.get_logger("blockd.target")
 
-MAX_CNTLID = 0xFFEF
 ADMIN_QUEUE_MAX = 32
 _TREQ = TREQ_SECURE_CHANNEL_NOT_SPECIFIED | TREQ_SQFLOW_DISABLE_SUPPORTED
 """What nvmet says for a port without TLS: no secure channel requirement stated, and the host may
@@ -63,7 +63,10 @@ class Target:
         self.r2t_budget = DataBudget(limits.r2t_budget_total)
         """Write data buffers asked for with R2T, over every queue (see target.limits)."""
         self.genctr = 1
-        self._next_cntlid = 1
+        self._next_cntlid: dict[str, int] = {}
+        """Per subsystem, where the search for a free controller id starts."""
+        self.ana = AnaStates()
+        """The ANA state of every port and group (target.ana)."""
         self._reaper: asyncio.Task[None] | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         """Commands that wait (an fsync, a slow backend, an AER), on every queue: drained at
@@ -179,7 +182,21 @@ class Target:
     def _ns_changed(self, sub: Subsystem, nsid: int) -> None:
         for ctrl in self.controllers.values():
             if ctrl.subsystem is sub:
+                ctrl.refresh_access()
                 ctrl.notify(AEN_NS_ATTR_CHANGED, changed_nsid=nsid)
+
+    def set_ana_state(self, port_ids: list[int], group: int, state: AnaState) -> bool:
+        """Set ``group``'s state on each of ``port_ids``; every controller on a port whose state
+        changed sees it at once (I/O statuses, Identify, the log page) and gets the ANA change
+        event if it enabled it (nvmet's ``nvmet_port_send_ana_event``). True if any changed."""
+        changed = {p for p in port_ids if self.ana.set(p, group, state)}
+        if changed:
+            log.info("ANA state changed", group=group, state=state.name.lower(), ports=sorted(changed))
+        for ctrl in self.controllers.values():
+            if ctrl.port_id in changed and not ctrl.is_discovery:
+                ctrl.refresh_access()
+                ctrl.notify_ana_change()
+        return bool(changed)
 
     def _discovery_changed(self) -> None:
         self.genctr += 1
@@ -203,7 +220,7 @@ class Target:
         if not sub.allows(hostnqn):
             log.warning("host not allowed", subnqn=subnqn, hostnqn=hostnqn, peer=queue.peer)
             return Status.CONNECT_INVALID_HOST, 0, None
-        new_id = self._allocate_cntlid()
+        new_id = self._allocate_cntlid(sub)
         if new_id is None:
             return Status.CONNECT_CONTROLLER_BUSY, 0, None
         ctrl = Controller(self, sub, new_id, hostnqn, hostid, kato_ms, queue.transport.info,
@@ -231,11 +248,16 @@ class Target:
         ctrl.restart_keep_alive()
         return Status.SUCCESS, cntlid, ctrl
 
-    def _allocate_cntlid(self) -> int | None:
-        for _ in range(MAX_CNTLID):
-            cid = self._next_cntlid
-            self._next_cntlid = cid % MAX_CNTLID + 1
+    def _allocate_cntlid(self, sub: Subsystem) -> int | None:
+        """A free controller id in ``sub``'s range (ids are unique over the whole target), the
+        search going on from the last one given, as nvmet's ida does not reuse at once."""
+        low, high = sub.cntlid_range
+        span = high - low + 1
+        start = self._next_cntlid.get(sub.nqn, low)
+        for i in range(span):
+            cid = low + (start - low + i) % span
             if cid not in self.controllers:
+                self._next_cntlid[sub.nqn] = low + (cid - low + 1) % span
                 return cid
         return None
 

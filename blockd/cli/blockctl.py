@@ -52,8 +52,11 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("connect", help="connect to a subsystem (held by the initiator daemon)")
     for opt in CONNECT_OPTIONS:
-        _option_flag(c, opt)
+        _option_flag(c, opt, **({"required": False} if opt.key == "traddr" else {}))
     c.add_argument("--name", help="connection name (default: the NQN)")
+    c.add_argument("--path", action="append", metavar="ADDR[:PORT]",
+                   help="one path of a multipath connection (ANA failover); repeat for each target or "
+                        "port presenting the subsystem (the port defaults to -s); instead of -a")
 
     x = sub.add_parser("disconnect", help="disconnect a connection")
     x.add_argument("name", help="connection name or NQN")
@@ -125,11 +128,15 @@ def cmd_discover(args: argparse.Namespace) -> int:
 
 
 def cmd_connect(args: argparse.Namespace) -> int:
+    if bool(args.traddr) == bool(args.path):
+        raise UsageError("connect: give the target address with -a, or every path with --path")
     with ControlClient(args.socket) as client:
         reply = client.call({"op": "connect", "name": args.name,
-                             **{opt.key: getattr(args, opt.key) for opt in CONNECT_OPTIONS}})
+                             **{opt.key: getattr(args, opt.key) for opt in CONNECT_OPTIONS},
+                             **({"paths": args.path} if args.path else {})})
+    paths = f", {len(reply['paths'])} paths" if reply.get("paths") else ""
     print(f"connected {reply['name']}: {reply['nqn']} cntlid {reply['cntlid']}, "
-          f"{reply['io_queues']} I/O queue(s), {len(reply['namespaces'])} namespace(s)")
+          f"{reply['io_queues']} I/O queue(s), {len(reply['namespaces'])} namespace(s){paths}")
     return 0
 
 
@@ -151,6 +158,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         for ns in c["namespaces"]:
             ro = " read-only" if ns["read_only"] else ""
             print(f"  nsid {ns['nsid']}: {ns['size']} bytes, {ns['block_size']}-byte blocks{ro}")
+        for p in c.get("paths", []):
+            ana = ", ".join(f"nsid {n} {state}" for n, state in p["ana"].items()) or "no ANA state"
+            print(f"  path {p['transport']}://{p['traddr']}:{p['trsvcid']} cntlid {p['cntlid']} {p['state']}: {ana}")
     return 0
 
 

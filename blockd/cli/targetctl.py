@@ -17,6 +17,7 @@ from typing import Any, Callable
 from blockd.config import parse_size
 from blockd.iostats import interval
 from initiator.control import ControlClient
+from protocol.constants import ANA_STATE_NAMES
 from target.control import counters_interval, socket_path
 
 
@@ -41,6 +42,17 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("nsid", type=int)
     r.add_argument("size", nargs="?", type=_size_arg, help="new size (e.g. 20GiB); default: the file's size now, "
                                            "after you grew it")
+
+    a = verbs.add_parser("ana", help="ANA group states per port (show), or change one: promote "
+                                     "(optimized), demote (inaccessible), set STATE; hosts are told at once")
+    a.add_argument("action", nargs="?", choices=("show", "promote", "demote", "set"), default="show")
+    a.add_argument("state", nargs="?", choices=tuple(ANA_STATE_NAMES), help="the state, for 'set'")
+    a.add_argument("-g", "--group", type=int, default=1, help="ANA group (default 1)")
+    a.add_argument("-p", "--port", type=int, help="port id (default: every port)")
+    a.add_argument("--force", action="store_true",
+                   help="promote although a namespace's copy may lack acknowledged writes (starts a new "
+                        "replication generation; see docs/replication.md)")
+    a.add_argument("--json", action="store_true", help="the control socket's JSON reply")
 
     io = sub.add_parser("iostat", help="per-second IOPS, MB/s and latency per namespace of a running "
                                        "target (or per connection of the initiator daemon)")
@@ -137,7 +149,35 @@ def _stats_text(iv: dict[str, Any], totals: dict[str, Any]) -> str:
     ])
 
 
+_ANA_ACTIONS = {"promote": "optimized", "demote": "inaccessible"}
+
+
+def _ana(args: argparse.Namespace) -> int:
+    if args.action == "show":
+        reply = _call(args, {"op": "ana"})
+    else:
+        state = _ANA_ACTIONS.get(args.action) or args.state
+        if state is None or args.action != "set" and args.state is not None:
+            raise SystemExit("blockctl target ana: 'set' takes a STATE, 'promote' and 'demote' none")
+        reply = _call(args, {"op": "ana-set", "state": state, "group": args.group, "port": args.port,
+                             "force": args.force})
+    reply.pop("ok", None)
+    if args.json:
+        json.dump(reply, sys.stdout, indent=2)
+        print()
+    elif args.action == "show":
+        print(_table(["PORT", "GROUP", "STATE", "NAMESPACES"],
+                     [[e["port"], e["group"], e["state"], " ".join(e["namespaces"]) or "-"] for e in reply["ana"]]))
+    else:
+        what = "now" if reply["changed"] else "already"
+        print(f"ANA group {reply['group']} {what} {reply['state']} on port(s) "
+              f"{', '.join(map(str, reply['ports']))}")
+    return 0
+
+
 def cmd_target(args: argparse.Namespace) -> int:
+    if args.verb == "ana":
+        return _ana(args)
     if args.verb == "resize":
         reply = _call(args, {"op": "resize", "nqn": args.nqn, "nsid": args.nsid, "size": args.size})
         print(f"{reply['nqn']} namespace {reply['nsid']}: {_size(reply['old_size'])} -> {_size(reply['size'])}")

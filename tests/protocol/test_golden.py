@@ -399,7 +399,8 @@ def test_identify_controller_distinct_offsets():
         "ctratt": (96, 4), "cntrltype": (111, 1), "crdt1": (128, 2), "crdt2": (130, 2),
         "crdt3": (132, 2), "oacs": (256, 2), "acl": (258, 1), "aerl": (259, 1), "frmw": (260, 1),
         "lpa": (261, 1), "elpe": (262, 1), "npss": (263, 1), "avscc": (264, 1),
-        "apsta": (265, 1), "kas": (320, 2), "sqes": (512, 1), "cqes": (513, 1),
+        "apsta": (265, 1), "kas": (320, 2), "anatt": (342, 1), "anacap": (343, 1),
+        "anagrpmax": (344, 4), "nanagrpid": (348, 4), "sqes": (512, 1), "cqes": (513, 1),
         "maxcmd": (514, 2), "nn": (516, 4), "oncs": (520, 2), "fuses": (522, 2), "fna": (524, 1),
         "vwc": (525, 1), "awun": (526, 2), "awupf": (528, 2), "icsvscc": (530, 1),
         "nwpc": (531, 1), "acwu": (532, 2), "sgls": (536, 4), "mnan": (540, 4),
@@ -566,6 +567,30 @@ def test_error_log_entry():
     check(logpage.ERROR_LOG_ENTRY, bytes(b), dict(
         error_count=5, sqid=1, cid=0x1234, status=0x8100, param_location=0x28, lba=0xDEADBEEF,
         nsid=1, vs=0, trtype=3, cs=0x0102030405060708, trtype_specific=0x0203))
+
+
+def test_ana_log_page():
+    """ANA log (LID 0Ch), as nvmet writes it (struct nvme_ana_rsp_hdr, nvme_ana_group_desc):
+    a 16-byte header, then per group a 32-byte descriptor followed by its NSIDs."""
+    b = bytearray(16 + 32 + 8 + 32)
+    put(b, 0, 0x0000000000000009, 8)   # CHGCNT
+    put(b, 8, 2, 2)                    # NGRPS
+    put(b, 16, 1, 4)                   # group 1: ANAGRPID
+    put(b, 20, 2, 4)                   # NNSIDS
+    put(b, 24, 9, 8)                   # CHGCNT
+    b[32] = 0x01                       # state optimized, then 15 reserved bytes
+    put(b, 48, 1, 4)                   # NSIDs 1 and 3
+    put(b, 52, 3, 4)
+    put(b, 56, 7, 4)                   # group 7, no NSIDs listed
+    put(b, 64, 9, 8)
+    b[72] = 0x03                       # inaccessible
+    built = logpage.ANA_LOG.build(dict(header=dict(chgcnt=9, ngrps=2), groups=[
+        dict(grpid=1, nnsids=2, chgcnt=9, state=1, nsids=[1, 3]),
+        dict(grpid=7, nnsids=0, chgcnt=9, state=3, nsids=[])]))
+    assert built == bytes(b)
+    parsed = logpage.ANA_LOG.parse(bytes(b) + bytes(100))  # the host's buffer is larger
+    assert [(g.grpid, g.state, list(g.nsids)) for g in parsed.groups] == [(1, 1, [1, 3]), (7, 3, [])]
+    assert (logpage.ANA_HEADER.sizeof(), logpage.ANA_HEADER_SIZE, logpage.ANA_GROUP_SIZE) == (16, 16, 32)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,409 @@
+"""Several paths to one subsystem (NVMe multipath with ANA), as one connection.
+
+Each path is a :class:`initiator.controller.Controller` of its own (one association with one
+target or port, reconnecting by itself); :class:`MultipathController` sits over them and offers
+what a mount needs (:class:`initiator.fuse.needs.MountController`), so ``Controller.submit_io``
+stays the one per-path primitive. As the Linux host's native multipath
+(drivers/nvme/host/multipath.c):
+
+- each path's ANA log page says, per namespace, the state of that path: I/O goes to an
+  optimized path, a non-optimized one when there is none; inaccessible, persistent-loss and
+  change paths are not used;
+- a command that fails with an ANA status (0x301-0x303) or because its path went down is sent
+  again on another path instead of failing; the path's ANA log is read again (after its
+  reconnect, for a lost path). A command with no usable path waits for one, for at most
+  ``ctrl_loss_tmo`` from its first failure;
+- the ANA change event makes the host read that path's log again.
+
+Paths are told to fail fast (``Controller.failfast``): a command on a path that is down comes
+back here at once rather than waiting for that path's reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import Any, Callable
+
+import construct
+import structlog
+
+from blockd.iostats import IoCounters
+from initiator.controller import Controller, IoDone, NamespaceInfo
+from initiator.errors import ConnectError, NvmeError, QueueLost
+from protocol.constants import AEN_ANA_CHANGED, AEN_DW0_MASK, CMIC_ANA, AnaState, LogPageId
+from protocol.layout import field_offset
+from protocol.logpage import ANA_GROUP_SIZE, ANA_HEADER_SIZE, ANA_LOG
+from protocol.nvme import SQE
+from protocol.status import ANA_STATUSES
+
+log = structlog.get_logger("blockd.initiator.multipath")
+
+_NSID = field_offset(SQE, "nsid")
+_STATUS_CODE = 0x7FF
+"""SCT and SC of a status (without DNR and More), what the ANA statuses are compared on."""
+_USABLE = (AnaState.OPTIMIZED, AnaState.NON_OPTIMIZED)
+_KNOWN_STATES = frozenset(int(s) for s in AnaState)
+_PENDING = None
+"""A path's state for a namespace while its ANA log is being read again (not used meanwhile)."""
+WAIT_SWEEP = 0.25
+"""Seconds between checks of the commands waiting for a usable path (for their deadline)."""
+
+
+class _Attempt:
+    """One command on its way through the paths: the caller's ``done`` runs once, when a path
+    completes it or when no path can and the wait is over."""
+
+    __slots__ = ("mp", "sqe", "data_out", "data_in", "done", "nsid", "path", "deadline", "error")
+
+    def __init__(self, mp: MultipathController, sqe: bytearray, data_out: bytes | memoryview | None,
+                 data_in: memoryview | None, done: IoDone) -> None:
+        self.mp = mp
+        self.sqe = sqe
+        self.data_out = data_out
+        self.data_in = data_in
+        self.done = done
+        self.nsid = int.from_bytes(sqe[_NSID:_NSID + 4], "little")
+        self.path: Controller | None = None
+        self.deadline = 0.0
+        """When the first path failure happened plus ``ctrl_loss_tmo`` (0: none yet)."""
+        self.error: BaseException | None = None
+
+    def finished(self, exc: BaseException | None) -> None:
+        if exc is None or not self.mp._path_failed(self, exc):
+            self.done(exc)
+
+
+class MultipathController:
+    """One connection over several paths (see the module docstring)."""
+
+    def __init__(self, paths: list[Controller]) -> None:
+        if not paths:
+            raise ValueError("a multipath connection needs at least one path")
+        self.paths = paths
+        self.params = paths[0].params
+        self.ctrl_loss_tmo = self.params.ctrl_loss_tmo
+        self._states: dict[Controller, dict[int, AnaState | None]] = {p: {} for p in paths}
+        """Per path, nsid -> its ANA state there (None: being read again)."""
+        self._route: dict[int, Controller | None] = {}
+        """Per nsid, the path chosen (cached until a state changes)."""
+        self._waiting: collections.deque[_Attempt] = collections.deque()
+        self._sweep: asyncio.TimerHandle | None = None
+        self._refreshing: dict[Controller, asyncio.Task[None]] = {}
+        self._loop = asyncio.get_running_loop()
+        self._closed = False
+        self.namespace_listeners: list[Callable[[], None]] = []
+        self.namespaces: dict[int, NamespaceInfo] = paths[0].namespaces
+        self.max_transfer = min(p.max_transfer for p in paths)
+        for path in paths:
+            path.failfast = True
+            path.event_listeners.append(lambda dw0, path=path: self._event(path, dw0))
+            path.namespace_listeners.append(self._namespaces_changed)
+
+    @classmethod
+    async def connect(cls, params_list: list[Any]) -> MultipathController:
+        """Connect every path (each a :class:`ConnectParams`), check that they show the same
+        namespaces, then read their ANA logs; one path that cannot connect fails the whole
+        connect (the others are closed)."""
+        results = await asyncio.gather(*(Controller.connect(p) for p in params_list), return_exceptions=True)
+        paths = [r for r in results if isinstance(r, Controller)]
+        errors = [r for r in results if not isinstance(r, Controller)]
+        if errors:
+            for path in paths:
+                await path.close()
+            raise errors[0]
+        mp = cls(paths)
+        try:
+            await _check_same_namespaces(paths)
+            for path in paths:
+                await mp._read_ana(path)
+        except BaseException:
+            await mp.close()
+            raise
+        return mp
+
+    # -- ANA state ------------------------------------------------------------------------------
+
+    async def _read_ana(self, path: Controller) -> None:
+        """Read ``path``'s ANA log page (once it is live) and use its states. A controller
+        without ANA reporting serves every namespace, as an optimized path."""
+        ident = path.identity
+        if not ident.cmic & CMIC_ANA:
+            states = {nsid: AnaState.OPTIMIZED for nsid in path.namespaces}
+        else:
+            # sized as the Linux host sizes it: every group, every namespace listed once
+            size = ANA_HEADER_SIZE + ident.nanagrpid * ANA_GROUP_SIZE + ident.mnan * 4
+            page = await path.get_log_page(LogPageId.ANA, min(size, path.max_transfer))
+            try:
+                groups = ANA_LOG.parse(page).groups
+            except construct.ConstructError:
+                raise ConnectError(f"{_name(path)}: the ANA log page does not parse") from None
+            states = {}
+            for group in groups:
+                if group.state in _KNOWN_STATES:  # an unknown state: not a path to use
+                    for nsid in group.nsids:
+                        states[nsid] = AnaState(group.state)
+        if self._states[path] != states:
+            log.info("path ANA state", subnqn=self.params.subnqn, path=_name(path),
+                     states={n: s.name.lower() for n, s in sorted(states.items())})
+        self._states[path] = states
+        self._changed()
+
+    def _refresh(self, path: Controller) -> None:
+        """Read ``path``'s ANA log again, in the background (one read at a time per path)."""
+        if self._closed or path in self._refreshing:
+            return
+        self._refreshing[path] = self._loop.create_task(self._refresh_task(path))
+
+    async def _refresh_task(self, path: Controller) -> None:
+        try:
+            await self._read_ana(path)
+        except (QueueLost, ConnectionError, TimeoutError, NvmeError) as exc:
+            if path.failed is None and not self._closed:
+                log.warning("ANA log not read; retrying", path=_name(path), error=str(exc))
+                self._loop.call_later(path.params.reconnect_delay, self._refresh, path)
+        finally:
+            self._refreshing.pop(path, None)
+            self._changed()
+
+    def _event(self, path: Controller, dw0: int) -> None:
+        if dw0 & AEN_DW0_MASK == AEN_ANA_CHANGED:
+            self._refresh(path)
+
+    def _namespaces_changed(self) -> None:
+        self._changed()
+        for listener in self.namespace_listeners:
+            listener()
+
+    def _changed(self) -> None:
+        """A path's state changed: choose routes again and send the commands that waited."""
+        self._route.clear()
+        live = [p for p in self.paths if p.failed is None]
+        self.namespaces = (live or self.paths)[0].namespaces
+        waiting, self._waiting = self._waiting, collections.deque()
+        while waiting:
+            self._dispatch(waiting.popleft())
+
+    def _choose(self, nsid: int) -> Controller | None:
+        """An optimized live path for ``nsid``, else a non-optimized one, else None."""
+        best = None
+        for path in self.paths:
+            if path.state != "live":
+                continue
+            state = self._states[path].get(nsid)
+            if state == AnaState.OPTIMIZED:
+                return path
+            if state == AnaState.NON_OPTIMIZED and best is None:
+                best = path
+        return best
+
+    # -- I/O ------------------------------------------------------------------------------------
+
+    def submit_io(self, sqe: bytearray, data_out: bytes | memoryview | None, data_in: memoryview | None,
+                  done: IoDone) -> None:
+        """As :meth:`Controller.submit_io`, on the best path; sent again on another when a path
+        fails it with an ANA status or goes down."""
+        self._dispatch(_Attempt(self, sqe, data_out, data_in, done))
+
+    def _dispatch(self, attempt: _Attempt) -> None:
+        nsid = attempt.nsid
+        try:
+            path = self._route[nsid]
+        except KeyError:
+            path = self._route[nsid] = self._choose(nsid)
+        if path is None:
+            self._hold_back(attempt)
+            return
+        attempt.path = path
+        path.submit_io(attempt.sqe, attempt.data_out, attempt.data_in, attempt.finished)
+
+    def _path_failed(self, attempt: _Attempt, exc: BaseException) -> bool:
+        """``attempt`` failed on its path: True when it goes on (another path, or waiting for
+        one); False when ``exc`` is the caller's (a status of the command itself, or the wait
+        is over)."""
+        path = attempt.path
+        if isinstance(exc, NvmeError):
+            if exc.status & _STATUS_CODE not in ANA_STATUSES:
+                return False
+            self._states[path][attempt.nsid] = _PENDING  # not used until its log is read again
+        elif not isinstance(exc, (ConnectionError, TimeoutError)):
+            return False
+        if self._closed:
+            return False
+        now = time.monotonic()
+        if not attempt.deadline:
+            attempt.deadline = now + self.ctrl_loss_tmo
+            log.warning("path failed; retrying on another", subnqn=self.params.subnqn, path=_name(path),
+                        nsid=attempt.nsid, error=str(exc))
+        elif now > attempt.deadline:
+            return False
+        attempt.error = exc
+        self._route.pop(attempt.nsid, None)
+        self._refresh(path)
+        self._dispatch(attempt)
+        return True
+
+    def _hold_back(self, attempt: _Attempt) -> None:
+        """No usable path for ``attempt`` now: it waits for one (see :meth:`_changed`), or
+        fails once its deadline passes or every path gave up."""
+        if self._closed or all(p.failed is not None for p in self.paths):
+            attempt.done(attempt.error or QueueLost(f"no path to {self.params.subnqn}"))
+            return
+        if not attempt.deadline:
+            attempt.deadline = time.monotonic() + self.ctrl_loss_tmo
+        self._waiting.append(attempt)
+        if self._sweep is None:
+            self._sweep = self._loop.call_later(WAIT_SWEEP, self._sweep_waiting)
+
+    def _sweep_waiting(self) -> None:
+        self._sweep = None
+        now = time.monotonic()
+        keep: collections.deque[_Attempt] = collections.deque()
+        for attempt in self._waiting:
+            if now > attempt.deadline or self._closed or all(p.failed is not None for p in self.paths):
+                attempt.done(attempt.error or QueueLost(f"no usable path to {self.params.subnqn}"))
+            else:
+                keep.append(attempt)
+        self._waiting = keep
+        if keep:
+            for path in self.paths:  # a path that came back: its state is read (once per path)
+                if path.state == "live" and not any(s in _USABLE for s in self._states[path].values()):
+                    self._refresh(path)
+            self._sweep = self._loop.call_later(WAIT_SWEEP, self._sweep_waiting)
+
+    def hold_sends(self) -> None:
+        for path in self.paths:
+            path.hold_sends()
+
+    def release_sends(self) -> None:
+        for path in self.paths:
+            path.release_sends()
+
+    # The byte-range and awaitable wrappers are Controller's own, not a second copy: they use
+    # only submit_io, check_range, namespace(s), max_transfer and _loop, which this class has.
+    transfer = Controller.transfer
+    _wait = Controller._wait
+    io_command = Controller.io_command
+    read_into = Controller.read_into
+    read = Controller.read
+    write = Controller.write
+    _nlb0 = Controller._nlb0
+    read_bytes = Controller.read_bytes
+    write_bytes = Controller.write_bytes
+    flush = Controller.flush
+    write_zeroes = Controller.write_zeroes
+    deallocate = Controller.deallocate
+    namespace = Controller.namespace
+    check_range = Controller.check_range
+
+    # -- what the daemon shows ------------------------------------------------------------------
+
+    @property
+    def failed(self) -> BaseException | None:
+        """Every path gave up (or the connection was closed)."""
+        if all(p.failed is not None for p in self.paths):
+            return self.paths[0].failed
+        return None
+
+    @property
+    def state(self) -> str:
+        states = [p.state for p in self.paths]
+        return "live" if "live" in states else "reconnecting" if "reconnecting" in states else "failed"
+
+    @property
+    def cntlid(self) -> int:
+        return self.paths[0].cntlid
+
+    @property
+    def io(self) -> list[Any]:
+        return [conn for p in self.paths for conn in p.io]
+
+    @property
+    def counters(self) -> IoCounters:
+        """The paths' counters summed (a command retried on another path counts on each)."""
+        total = IoCounters()
+        for p in self.paths:
+            c = p.counters
+            total.ops = [a + b for a, b in zip(total.ops, c.ops)]
+            total.bytes = [a + b for a, b in zip(total.bytes, c.bytes)]
+            total.buckets = [a + b for a, b in zip(total.buckets, c.buckets)]
+            total.latency_ns += c.latency_ns
+            for k, n in c.errors.items():
+                total.errors[k] = total.errors.get(k, 0) + n
+        return total
+
+    def describe_paths(self) -> list[dict[str, Any]]:
+        return [{"transport": p.params.transport, "traddr": p.params.traddr, "trsvcid": p.params.trsvcid,
+                 "cntlid": p.cntlid, "state": p.state,
+                 "ana": {str(n): s.name.lower() if s is not None else "pending"
+                         for n, s in sorted(self._states[p].items())}}
+                for p in self.paths]
+
+    async def identify_controller(self) -> Any:
+        return await self._any_live().identify_controller()
+
+    async def identify_namespace(self, nsid: int) -> Any:
+        return await self._any_live().identify_namespace(nsid)
+
+    def _any_live(self) -> Controller:
+        return next((p for p in self.paths if p.state == "live"), self.paths[0])
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        for task in list(self._refreshing.values()):
+            task.cancel()
+        for path in self.paths:
+            await path.close()
+        waiting, self._waiting = self._waiting, collections.deque()
+        for attempt in waiting:
+            attempt.done(QueueLost("disconnected"))
+
+
+async def _check_same_namespaces(paths: list[Controller]) -> None:
+    """Refuse paths whose namespaces differ (NSIDs, or NGUID/EUI-64 of one NSID): two targets
+    with the same NQN but different data sets, which the Linux host refuses too ("IDs don't
+    match for shared namespace")."""
+    first = paths[0]
+    for path in paths[1:]:
+        if sorted(path.namespaces) != sorted(first.namespaces):
+            raise ConnectError(f"{_name(path)} shows namespaces {sorted(path.namespaces)}, "
+                               f"{_name(first)} {sorted(first.namespaces)}")
+    for nsid in first.namespaces:
+        ids = set()
+        for path in paths:
+            ident = await path.identify_namespace(nsid)
+            ids.add((ident.nguid, ident.eui64))
+        if len(ids) != 1:
+            raise ConnectError(f"namespace {nsid} has different NGUID/EUI-64 on the paths: not one "
+                               "namespace (give both targets the same nguid, or let them derive it)")
+
+
+def _name(path: Controller) -> str:
+    return f"{path.params.traddr}:{path.params.trsvcid}"
+
+
+def parse_path(text: str, default_port: int) -> tuple[str, int]:
+    """``ADDR``, ``ADDR:PORT`` or ``[IPv6]:PORT`` -> (address, port); a ValueError for the user."""
+    address, port = text, default_port
+    if text.startswith("["):
+        address, _, rest = text[1:].partition("]")
+        if rest:
+            if not rest.startswith(":"):
+                raise ValueError(f"path {text!r}: expected [ADDRESS]:PORT")
+            port = _port(rest[1:], text)
+    elif text.count(":") == 1:
+        address, port_text = text.split(":")
+        port = _port(port_text, text)
+    if not address:
+        raise ValueError(f"path {text!r} has no address")
+    return address, port
+
+
+def _port(text: str, path: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise ValueError(f"path {path!r}: port {text!r} is not 1..65535")
+    return int(text)

@@ -1,0 +1,271 @@
+"""The host's multipath layer (initiator/multipath.py) over two targets presenting one
+subsystem on the same file: route by ANA state, fail over without errors, give up after
+ctrl_loss_tmo (issue 14)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from initiator.errors import ConnectError, NvmeError, QueueLost
+from initiator.multipath import MultipathController, parse_path
+from protocol.logpage import ANA_HEADER, ANA_LOG
+from protocol.status import Status
+from target.config import parse
+from target.service import TargetService
+
+from .conftest import NQN, free_port, ns, params, run, sub
+
+SIZE = 4 << 20
+BS = 512
+
+
+def target_config(port: int, path: Path, state: str, cntlids: tuple[int, int]) -> Any:
+    return parse({"port": [{"transport": "tcp", "address": "127.0.0.1", "port": port}],
+                  "subsystem": [sub(cntlid_min=cntlids[0], cntlid_max=cntlids[1],
+                                    namespaces=[ns(path, 1, SIZE)])],
+                  "ana": [{"state": state}], "control": {"socket": ""}}, "test")
+
+
+class Pair:
+    """Target A (optimized) and target B (inaccessible) exporting one file as one subsystem."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.file = tmp_path / "shared.img"
+        self.ports = free_port(), free_port()
+        self.a = TargetService(target_config(self.ports[0], self.file, "optimized", (1, 99)))
+        self.b = TargetService(target_config(self.ports[1], self.file, "inaccessible", (100, 199)))
+
+    async def start(self) -> None:
+        await self.a.start()
+        await self.b.start()
+
+    async def stop(self) -> None:
+        for service in (self.a, self.b):
+            if service.listeners or service.target.controllers:
+                await service.stop()
+
+    async def connect(self, **kw: Any) -> MultipathController:
+        kw.setdefault("ctrl_loss_tmo", 10.0)
+        kw.setdefault("reconnect_delay", 0.2)
+        return await MultipathController.connect([params(p, **kw) for p in self.ports])
+
+    def writes(self, service: TargetService) -> int:
+        return service.target.subsystems[NQN].namespaces[1].counters.ops[1]
+
+
+def test_routes_by_ana_state_and_follows_the_event(tmp_path: Path) -> None:
+    pair = Pair(tmp_path)
+
+    async def main() -> None:
+        await pair.start()
+        mp = await pair.connect()
+        try:
+            assert {p.cntlid // 100 for p in mp.paths} == {0, 1}  # disjoint ranges
+            states = [p["ana"] for p in mp.describe_paths()]
+            assert states == [{"1": "optimized"}, {"1": "inaccessible"}]
+            await mp.write(1, 0, b"a" * BS)
+            assert (pair.writes(pair.a), pair.writes(pair.b)) == (1, 0)
+            # swap the roles: B is promoted, then A demoted; the host follows each event
+            await pair.b.op_ana_set("optimized")
+            await pair.a.op_ana_set("inaccessible")
+            swapped = [{"1": "inaccessible"}, {"1": "optimized"}]
+            for _ in range(50):  # no I/O meanwhile: only the events can tell the host
+                if [p["ana"] for p in mp.describe_paths()] == swapped:
+                    break
+                await asyncio.sleep(0.05)
+            assert [p["ana"] for p in mp.describe_paths()] == swapped
+            await mp.write(1, 1, b"b" * BS)
+            assert (pair.writes(pair.a), pair.writes(pair.b)) == (1, 1)
+            assert await mp.read(1, 0, 2) == b"a" * BS + b"b" * BS
+        finally:
+            await mp.close()
+            await pair.stop()
+    run(main())
+
+
+def test_ana_status_requeues_on_the_other_path(tmp_path: Path) -> None:
+    """A's state changes under the host without it noticing (the event re-arms only once the
+    log is read): its writes come back 0x302 and go to B, promoted, instead of failing."""
+    pair = Pair(tmp_path)
+
+    async def main() -> None:
+        await pair.start()
+        mp = await pair.connect()
+        try:
+            a_ctrl = next(iter(pair.a.target.controllers.values()))
+            a_ctrl.ana_event_masked = True  # the host will not hear of A's change
+            pair.a.target.set_ana_state([1], 1, pair.a.target.ana.state(1, 1).__class__(3))
+            await pair.b.op_ana_set("optimized")
+            await asyncio.gather(*(mp.write(1, i, bytes([i]) * BS) for i in range(32)))
+            assert pair.writes(pair.b) == 32
+            assert a_ctrl.counters.errors.get(Status.ANA_INACCESSIBLE | 0x2000, 0) + \
+                a_ctrl.counters.errors.get(Status.ANA_INACCESSIBLE, 0) >= 1
+            data = await mp.read(1, 0, 32)
+            assert data == b"".join(bytes([i]) * BS for i in range(32))
+        finally:
+            await mp.close()
+            await pair.stop()
+    run(main())
+
+
+def test_failover_when_the_primary_dies(tmp_path: Path) -> None:
+    """A writer keeps writing and logging what was acknowledged; A stops (its connections cut),
+    B is promoted a moment later: no write fails and every acknowledged one reads back."""
+    pair = Pair(tmp_path)
+
+    async def main() -> None:
+        await pair.start()
+        mp = await pair.connect()
+        acked: dict[int, bytes] = {}
+        stop = asyncio.Event()
+
+        async def writer(k: int) -> None:
+            i = 0
+            while not stop.is_set():
+                lba = (k * 1000 + i) % (SIZE // BS)
+                data = os.urandom(BS)
+                await mp.write(1, lba, data)
+                acked[lba] = data
+                i += 1
+
+        try:
+            tasks = [asyncio.create_task(writer(k)) for k in range(4)]
+            await asyncio.sleep(0.3)
+            await pair.a.stop()  # listeners closed, every controller torn down
+            await asyncio.sleep(0.5)  # the writers wait: B is still inaccessible
+            before = len(acked)
+            await pair.b.op_ana_set("optimized")
+            await asyncio.sleep(0.5)
+            stop.set()
+            await asyncio.gather(*tasks)  # raises if any write failed
+            assert len(acked) > before > 0
+            assert mp.state == "live"
+            for lba, data in acked.items():
+                assert await mp.read(1, lba, 1) == data
+        finally:
+            stop.set()
+            await mp.close()
+            await pair.stop()
+    run(main())
+
+
+def test_no_usable_path_fails_after_ctrl_loss_tmo(tmp_path: Path) -> None:
+    pair = Pair(tmp_path)
+
+    async def main() -> None:
+        await pair.start()
+        mp = await pair.connect(ctrl_loss_tmo=1.0)
+        try:
+            await pair.a.op_ana_set("inaccessible")
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises((NvmeError, QueueLost)):
+                await mp.write(1, 0, bytes(BS))
+            assert 0.9 < loop.time() - start < 5
+        finally:
+            await mp.close()
+            await pair.stop()
+    run(main())
+
+
+def test_a_real_error_is_not_retried(tmp_path: Path) -> None:
+    pair = Pair(tmp_path)
+
+    async def main() -> None:
+        await pair.start()
+        mp = await pair.connect()
+        try:
+            from protocol.commands import write_command
+            with pytest.raises(NvmeError) as err:  # past the end: the caller's error, at once
+                await mp.io_command(write_command(1, SIZE // BS, 0), data_out=bytes(BS))
+            assert err.value.status & 0x7FF == Status.LBA_RANGE & 0x7FF
+        finally:
+            await mp.close()
+            await pair.stop()
+    run(main())
+
+
+def test_hostile_ana_log_page(tmp_path: Path) -> None:
+    """A log page that does not parse leaves the path's known state; a group in a state no
+    spec names makes the path unused; neither reaches the caller or stops the connection."""
+    pair = Pair(tmp_path)
+
+    async def main() -> None:
+        await pair.start()
+        mp = await pair.connect()
+        a = mp.paths[0]
+        real = a.get_log_page
+        try:
+            async def truncated(*args: Any, **kw: Any) -> bytes:
+                return ANA_HEADER.build(dict(chgcnt=1, ngrps=0xFFFF)) + bytes(64)
+
+            async def odd_state(*args: Any, **kw: Any) -> bytes:
+                return ANA_LOG.build(dict(header=dict(chgcnt=2, ngrps=1), groups=[
+                    dict(grpid=1, nnsids=1, chgcnt=2, state=7, nsids=[1])]))
+
+            a.get_log_page = truncated
+            mp._refresh(a)
+            await asyncio.sleep(0.3)
+            assert mp.describe_paths()[0]["ana"] == {"1": "optimized"}
+            a.get_log_page = odd_state
+            mp._refresh(a)
+            await asyncio.sleep(0.3)
+            assert mp.describe_paths()[0]["ana"] == {}
+            write = asyncio.ensure_future(mp.write(1, 0, b"z" * BS))  # no usable path: it waits
+            await asyncio.sleep(0.3)
+            assert not write.done()
+            a.get_log_page = real
+            await pair.b.op_ana_set("optimized")
+            await asyncio.wait_for(write, 10)
+            assert pair.writes(pair.b) == 1
+        finally:
+            a.get_log_page = real
+            await mp.close()
+            await pair.stop()
+    run(main())
+
+
+def test_paths_to_different_namespaces_refused(tmp_path: Path) -> None:
+    """Same NQN and NSID but another NGUID (another data set): not one namespace."""
+    p1, p2 = free_port(), free_port()
+    a = TargetService(target_config(p1, tmp_path / "a.img", "optimized", (1, 9)))
+    other = parse({"port": [{"transport": "tcp", "address": "127.0.0.1", "port": p2}],
+                   "subsystem": [sub(cntlid_min=10, namespaces=[
+                       {**ns(tmp_path / "b.img", 1, SIZE), "nguid": "11" * 16}])],
+                   "control": {"socket": ""}}, "test")
+    b = TargetService(other)
+
+    async def main() -> None:
+        await a.start()
+        await b.start()
+        try:
+            with pytest.raises(ConnectError, match="different NGUID"):
+                await MultipathController.connect([params(p1), params(p2)])
+            for _ in range(100):  # both paths closed (the targets see it a moment later)
+                if not a.target.controllers and not b.target.controllers:
+                    break
+                await asyncio.sleep(0.02)
+            assert not a.target.controllers and not b.target.controllers
+        finally:
+            await a.stop()
+            await b.stop()
+    run(main())
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("10.0.0.1", ("10.0.0.1", 4420)), ("10.0.0.1:4421", ("10.0.0.1", 4421)),
+    ("[fe80::1]:4422", ("fe80::1", 4422)), ("fe80::1", ("fe80::1", 4420)),
+])
+def test_parse_path(text: str, expected: tuple[str, int]) -> None:
+    assert parse_path(text, 4420) == expected
+
+
+@pytest.mark.parametrize("text", ["host:0", "host:x", ":4420", "[::1]x"])
+def test_parse_path_refuses(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_path(text, 4420)

@@ -1,0 +1,204 @@
+"""Failover with ANA, the Linux kernel's native multipath as judge (issue 14).
+
+Inside the VM; run from the host by tests/vm/test_failover.py (one boot for the file). Two
+``blockd target`` processes on 192.0.2.1 (ports 4420 and 4421) export the same file as one
+subsystem and namespace (same NQN, so the same derived NGUID/UUID; disjoint controller id
+ranges): A optimized, B inaccessible. The kernel host connects to both: one subsystem, two
+paths, one multipath block device. Under load, the primary is killed with SIGKILL and the
+standby promoted with ``blockctl target ana promote``; the load must end without an error.
+First fio with verify on the raw device (A dies, B takes over), then, with A back as the
+standby, ext4 (B dies, A takes over) and fsck.
+
+The tests share the module's setup and run in file order.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .util import ADDR0, RESULTS, Daemon, sh, start_target, tool
+
+NQN = "nqn.2026-11.io.blockd:failover"
+VOL = "/tmp/failover.img"
+SIZE = 64 << 20
+PORTS = {"a": 4420, "b": 4421}
+CNTLIDS = {"a": (1, 99), "b": (100, 199)}
+
+
+def _config(name: str, state: str) -> Path:
+    cfg = RESULTS / f"failover-{name}.toml"
+    cfg.write_text(f"""\
+[control]
+socket = "/run/blockd/{name}.sock"
+
+[[port]]
+transport = "tcp"
+address = "{ADDR0}"
+port = {PORTS[name]}
+
+[[ana]]
+state = "{state}"
+
+[[subsystem]]
+nqn = "{NQN}"
+allow_any_host = true
+cntlid_min = {CNTLIDS[name][0]}
+cntlid_max = {CNTLIDS[name][1]}
+
+[[subsystem.namespace]]
+nsid = 1
+path = "{VOL}"
+size = {SIZE}
+""")
+    return cfg
+
+
+def _start(name: str, state: str) -> Daemon:
+    os.makedirs("/run/blockd", exist_ok=True)
+    return start_target(f"failover-{name}", _config(name, state), port=PORTS[name])
+
+
+def _promote(name: str) -> str:
+    return sh(shlex.join([tool("blockctl"), "target", "--target-socket", f"/run/blockd/{name}.sock",
+                          "ana", "promote"]))
+
+
+def _kill(d: Daemon) -> None:
+    d.proc.kill()
+    d.proc.wait(30)
+
+
+def _ctrl_of(port: int) -> str:
+    """The kernel controller (nvmeX) connected to 192.0.2.1:``port`` for NQN."""
+    for c in glob.glob("/sys/class/nvme-fabrics/ctl/nvme*"):
+        if Path(c, "subsysnqn").read_text().strip() != NQN:
+            continue
+        if f"trsvcid={port}" in Path(c, "address").read_text():
+            return os.path.basename(c)
+    raise AssertionError(f"no controller of {NQN} on port {port}")
+
+
+def _ana_state(port: int) -> str:
+    ctrl = _ctrl_of(port)
+    paths = glob.glob(f"/sys/class/nvme/{ctrl}/nvme*c*n1/ana_state")
+    assert paths, f"{ctrl} has no path device (native multipath off?)"
+    return Path(paths[0]).read_text().strip()
+
+
+def _wait_state(port: int, state: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while _ana_state(port) != state:
+        assert time.monotonic() < deadline, f"port {port}: ANA state {_ana_state(port)}, not {state}"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def pair(rxe):
+    Path(VOL).unlink(missing_ok=True)
+    sh(f"truncate -s {SIZE} {VOL}")
+    daemons = {"a": _start("a", "optimized"), "b": _start("b", "inaccessible")}
+    dev = ""
+    try:
+        for name in ("a", "b"):
+            # a short reconnect delay, so the restarted target is a path again soon
+            dev = sh(f"nvmeh_connect tcp {ADDR0} {PORTS[name]} {NQN} --reconnect-delay=1 "
+                     "--ctrl-loss-tmo=120", timeout=120).strip().splitlines()[-1]
+        yield {"dev": dev, "daemons": daemons}
+    finally:
+        sh(f"nvme disconnect -n {NQN}", check=False)
+        for d in daemons.values():
+            d.stop()
+
+
+def test_khost_one_subsystem_two_paths(pair):
+    """nvme list-subsys: one subsystem, two paths (a controller on each target); the path
+    devices show each target's ANA state; one multipath block device."""
+    text = sh(f"nvme list-subsys {pair['dev']}")
+    assert f"trsvcid={PORTS['a']}" in text and f"trsvcid={PORTS['b']}" in text, text
+    subsys = [d for d in glob.glob("/sys/class/nvme-subsystem/nvme-subsys*")
+              if Path(d, "subsysnqn").read_text().strip() == NQN]
+    assert len(subsys) == 1, subsys
+    ctrls = [n for n in os.listdir(subsys[0]) if re.fullmatch(r"nvme\d+", n)]
+    assert len(ctrls) == 2, ctrls
+    assert _ana_state(PORTS["a"]) == "optimized"
+    assert _ana_state(PORTS["b"]) == "inaccessible"
+    cntlids = sorted(int(Path(f"/sys/class/nvme/{c}/cntlid").read_text()) for c in ctrls)
+    assert cntlids[0] in range(1, 100) and cntlids[1] in range(100, 200), cntlids
+    assert re.fullmatch(r"/dev/nvme\d+n1", pair["dev"]), pair["dev"]
+
+
+def test_khost_fio_verify_survives_primary_kill(pair):
+    """fio writes with crc32c verify on the multipath device; A is killed mid-run, B promoted:
+    fio ends with status 0 and the verify pass found every block."""
+    log = RESULTS / "failover-fio.log"
+    fio = subprocess.Popen(
+        ["bash", "-c", f"fio --name=failover --filename={pair['dev']} --rw=randwrite --bs=4k --size=8M "
+                       "--direct=1 --ioengine=libaio --iodepth=4 --rate_iops=300 --verify=crc32c "
+                       f"--do_verify=1 --verify_fatal=1 --randrepeat=0 >{log} 2>&1"])
+    try:
+        time.sleep(4)
+        assert fio.poll() is None, log.read_text()
+        _kill(pair["daemons"]["a"])
+        time.sleep(2)  # I/O waits: the only other path is inaccessible
+        assert fio.poll() is None, log.read_text()
+        print(_promote("b"))
+        _wait_state(PORTS["b"], "optimized")
+        rc = fio.wait(600)
+    finally:
+        if fio.poll() is None:
+            fio.kill()
+    output = log.read_text()
+    print(output)
+    assert rc == 0, output
+    assert "err= 0" in output, output
+    assert not re.search(r"verify: bad|io_u error|Input/output error", output), output
+
+
+def test_khost_ext4_survives_standby_takeover(pair):
+    """A comes back as the standby (inaccessible), the kernel reconnects to it; ext4 on the
+    multipath device under a writing loop; B is killed, A promoted; the loop goes on without
+    an error, and after unmount e2fsck is clean and every file written reads back."""
+    pair["daemons"]["a"] = _start("a", "inaccessible")
+    _wait_state(PORTS["a"], "inaccessible", timeout=120)
+    dev, mnt = pair["dev"], "/mnt/failover"
+    os.makedirs(mnt, exist_ok=True)
+    sh(f"mkfs.ext4 -q -F {dev} && mount {dev} {mnt}", timeout=300)
+    log = RESULTS / "failover-ext4.log"
+    script = (f"set -e; i=0; while [ ! -e /tmp/failover-stop ]; do "
+              f"head -c 65536 /dev/urandom >{mnt}/f$i; sha256sum {mnt}/f$i >>{mnt}/sums; "
+              f"[ $((i % 8)) -ne 7 ] || sync; i=$((i + 1)); done; sync; echo wrote $i")
+    Path("/tmp/failover-stop").unlink(missing_ok=True)
+    writer = subprocess.Popen(["bash", "-c", f"({script}) >{log} 2>&1"])
+    try:
+        time.sleep(4)
+        assert writer.poll() is None, log.read_text()
+        _kill(pair["daemons"]["b"])
+        before = len(os.listdir(mnt))
+        time.sleep(2)
+        print(_promote("a"))
+        _wait_state(PORTS["a"], "optimized")
+        deadline = time.monotonic() + 120
+        # more than two sync rounds (every 8th file) past the kill: the device took writes again
+        while len(os.listdir(mnt)) < before + 17 and time.monotonic() < deadline and writer.poll() is None:
+            time.sleep(0.5)  # writing through A now
+        assert len(os.listdir(mnt)) >= before + 17, "the writes did not go on through A"
+        Path("/tmp/failover-stop").touch()
+        rc = writer.wait(600)
+    finally:
+        Path("/tmp/failover-stop").touch()
+        if writer.poll() is None:
+            writer.kill()
+    output = log.read_text()
+    print(output)
+    assert rc == 0, output
+    sh(f"cd {mnt} && sha256sum -c --quiet sums", timeout=300)
+    sh(f"umount {mnt} && e2fsck -fn {dev}", timeout=300)
+    assert "I/O error" not in sh("dmesg | grep -i 'ext4\\|buffer i/o' || true")
