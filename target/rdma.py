@@ -10,7 +10,10 @@ answers each command, calling back ``fetch_data`` and ``queue_response`` (see
   HSQSIZE+1 <= 32) and a bad one rejected with its NVMe-oF STS.  Otherwise a CQ and an external
   QP are created on the request's device, HSQSIZE+1 receives of 64 (+4096 in-capsule bytes on
   I/O queues; the admin queue takes 64-byte capsules only, as nvmet) are posted *before* the
-  accept, which carries CRQSIZE = HSQSIZE+1.
+  accept, which carries CRQSIZE = HSQSIZE+1.  A request past the connection maxima (shared with
+  NVMe/TCP) or whose receive buffers would pass ``rdma_recv_total`` is rejected with No
+  Resources; an accepted queue that sends no Fabrics Connect within ``hello_timeout`` is closed
+  (issue 12, docs/security.md).
 * Command (RECV): the SQE and any in-capsule data go to ``queue.submit``.  Host-to-controller
   data behind a keyed SGL is fetched (``fetch_data``) with RDMA READs of the SGL's (validated)
   address/length/key into a registered slot, in pieces of at most ``READ_CHUNK`` bytes, with at
@@ -141,6 +144,11 @@ def rdma_netdev_addresses() -> dict[str, str]:
     return out
 
 
+def _inline_size(qid: int) -> int:
+    """In-capsule data a queue's receive buffers hold: none on the admin queue, as nvmet."""
+    return INFO.admin_inline if qid == 0 else INFO.io_inline
+
+
 def _peer_of(cmid) -> str:
     """The peer's IPv4 address:port from the raw rdma_cm_id (route.addr.dst_addr @160)."""
     try:
@@ -182,12 +190,12 @@ class RdmaTargetConnection:
 
     info = INFO
 
-    def __init__(self, listener: "RdmaListener", creq) -> None:
+    def __init__(self, listener: "RdmaListener", creq, host: str, recv_bytes: int) -> None:
         from blockd.rdma.verbs import open_device
         nv = creq.nvme
         self.listener = listener
         self.depth = nv.hsqsize + 1
-        self.inline = INFO.admin_inline if nv.qid == 0 else INFO.io_inline
+        self.inline = _inline_size(nv.qid)
         self.loop = asyncio.get_running_loop()
         self.dev = dev = open_device(creq.dev_name)
         self.data = _device_slots(dev)
@@ -219,6 +227,8 @@ class RdmaTargetConnection:
         self._batching = False
         self._recv_out: list = []
         self._send_out: list = []
+        self._admitted = None
+        self._hello: asyncio.TimerHandle | None = None
         self.peer = _peer_of(creq.cmid)
         port = listener.port
         self.queue = TargetQueue(listener.target, self, port.port_id, peer=self.peer,
@@ -229,9 +239,18 @@ class RdmaTargetConnection:
         except Exception:
             self._destroy()
             raise
+        # from here on _destroy gives back what the listener counted for this queue
+        self._admitted: tuple[str, int] | None = (host, recv_bytes)
+        self._hello = self.loop.call_later(listener.target.limits.hello_timeout, self._hello_expired)
         self.cq.attach(self.loop, self._completions)
         log.info("rdma queue accepted", peer=self.peer, qid=nv.qid, depth=depth,
                  inline=self.inline, initiator_depth=self.cm.initiator_depth, dev=dev.name)
+
+    def _hello_expired(self) -> None:
+        """An established queue that sent no Fabrics Connect within ``hello_timeout`` holds its
+        QP and receive buffers for nothing: close it (as NVMe/TCP's hello timeout)."""
+        if not self.closing and self.queue.controller is None:
+            self._fatal("no Connect in time", timeout=str(self.listener.target.limits.hello_timeout))
 
     # -- receives -------------------------------------------------------------------------------
 
@@ -523,6 +542,8 @@ class RdmaTargetConnection:
         self.queue.note_teardown("local shutdown")
         self.closing = True
         self._held = []
+        if self._hello is not None:
+            self._hello.cancel()
         self.listener.connections.discard(self)
         try:
             self.queue.close()
@@ -582,6 +603,16 @@ class RdmaTargetConnection:
         self.resp_pool.close()
         for slot in held:
             self.data.put(slot)  # also serves other connections' waiters
+        if self._admitted is not None:
+            self.listener.release(*self._admitted)
+            self._admitted = None
+
+
+def _reject(creq, sts: int) -> None:
+    try:
+        creq.reject_nvme(sts)
+    except Exception:
+        log.exception("reject failed")
 
 
 class RdmaListener:
@@ -641,22 +672,45 @@ class RdmaListener:
         if sts is not None:
             log.warning("rejecting rdma connection", sts=sts,
                         why=pcm.REJECT_STS.get(sts, "?"), request=str(nv))
-            try:
-                creq.reject_nvme(sts)
-            except Exception:
-                log.exception("reject failed")
+            _reject(creq, sts)
+            return
+        peer = _peer_of(creq.cmid)
+        host = peer.rpartition(":")[0]
+        recv_bytes = (nv.hsqsize + 1) * (SQE_SIZE + _inline_size(nv.qid))
+        if not self._admit(host, recv_bytes, peer, nv.qid):
+            _reject(creq, pcm.STS_NO_RESOURCES)  # as nvmet-rdma when it cannot set a queue up
             return
         try:
-            conn = RdmaTargetConnection(self, creq)
+            conn = RdmaTargetConnection(self, creq, host, recv_bytes)
         except Exception as exc:
             log.exception("cannot accept rdma connection", error=str(exc))
+            self.release(host, recv_bytes)
             if not creq.done:
-                try:
-                    creq.reject_nvme(pcm.STS_NO_RESOURCES)
-                except Exception:
-                    pass
+                _reject(creq, pcm.STS_NO_RESOURCES)
             return
         self.connections.add(conn)
+
+    def _admit(self, host: str, recv_bytes: int, peer: str, qid: int) -> bool:
+        """Count a new queue against the connection maxima (shared with NVMe/TCP) and the
+        daemon's receive-buffer budget, or log why not."""
+        target = self.target
+        if not target.connections.admit(host):
+            log.warning("rejecting rdma connection: too many connections", peer=peer, qid=qid,
+                        total=target.connections.total,
+                        from_host=target.connections.by_host.get(host, 0))
+            return False
+        if not target.rdma_recv.try_take(recv_bytes):
+            target.connections.release(host)
+            log.warning("rejecting rdma connection: receive buffers would pass rdma_recv_total",
+                        peer=peer, qid=qid, need=recv_bytes, used=target.rdma_recv.used,
+                        limit=target.rdma_recv.limit)
+            return False
+        return True
+
+    def release(self, host: str, recv_bytes: int) -> None:
+        """A queue :meth:`_admit` counted is gone: its connection and receive buffers are free."""
+        self.target.connections.release(host)
+        self.target.rdma_recv.give(recv_bytes)
 
     async def stop(self) -> None:
         for lst in self.listeners:

@@ -17,7 +17,7 @@ from protocol.fabrics import IPO_CONNECT_CNTLID, IPO_CONNECT_QID, IPO_CONNECT_SQ
 from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_HEADER
 from protocol.status import Status
 from target.controller import MQES, Controller
-from target.limits import ConnectionCount, DataBudget
+from target.limits import ConnectionCount, DataBudget, UnsentTotal
 from target.queue import TargetQueue
 from target.subsystem import Namespace, Subsystem
 from target.transport import transport_info
@@ -58,6 +58,10 @@ class Target:
         self.connections = ConnectionCount(limits.max_connections, limits.max_connections_per_host)
         self.r2t_budget = DataBudget(limits.r2t_budget_total)
         """Write data buffers asked for with R2T, over every queue (see target.limits)."""
+        self.unsent = UnsentTotal(limits.max_unsent_total)
+        """Replies waiting in the NVMe/TCP sockets, over every queue."""
+        self.rdma_recv = DataBudget(limits.rdma_recv_total)
+        """Receive buffers posted by every NVMe/RDMA queue."""
         self.genctr = 1
         self._next_cntlid = 1
         self._reaper: asyncio.Task[None] | None = None

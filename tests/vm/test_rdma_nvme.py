@@ -33,6 +33,12 @@ def test_hostile_host(guest_case):
     """bad lengths -> NVMe errors; bad keys/addresses -> that queue torn down; others unharmed."""
 
 
+def test_hostile_host_limits(guest_case):
+    """CM connect requests past max_connections_per_host or rdma_recv_total rejected (No
+    Resources); a queue sending no Connect closed after hello_timeout, counts released; a good
+    host does verified I/O throughout."""
+
+
 def test_service_rdma_port(guest_case):
     """`blockd target --config` with an rdma port: blockctl discover/connect/write/read over RDMA,
     the kernel nvme-rdma host reads and writes; clean SIGTERM."""

@@ -482,6 +482,105 @@ def test_hostile_host(rxe, record_property):
     record_property("events", "; ".join(events))
 
 
+def test_hostile_host_limits(rxe, record_property):
+    """The daemon-wide limits on NVMe/RDMA (issue 12): a CM connect request past
+    max_connections_per_host, or whose receive buffers would pass rdma_recv_total, is rejected
+    with No Resources; an established queue that sends no Fabrics Connect is closed after
+    hello_timeout and its count is released (as is that of a queue its host disconnects); a good
+    host keeps doing verified I/O throughout and never loses a queue."""
+    from initiator.controller import Controller
+    from initiator.errors import ConnectError
+    from initiator.queue import HostQueue
+    from initiator.rdma import open_queue
+    from target.config import Limits
+    from target.rdma import SQE_SIZE, RDMA_INLINE
+    from tests.vm.guest_tests.rdma_target import serve
+
+    vol = "/dev/shm/rdma-limits.img"
+    if os.path.exists(vol):
+        os.unlink(vol)
+    port = 4434
+    hello = 2.0
+    # the good host: admin (32 x 64 B) + 2 I/O queues (32 x (64 + 4096) B) = 268 KiB posted
+    limits = Limits(hello_timeout=hello, max_connections_per_host=5, rdma_recv_total=1 << 20)
+    events = []
+    lost = []
+
+    async def good_loop(ctrl, stop):
+        rounds = 0
+        while not stop.is_set():
+            await _workload(ctrl, 20000 + (rounds % 2) * 6000, 300 + rounds)
+            rounds += 1
+        return rounds
+
+    async def silent(qid: int, depth: int):
+        """A queue that completes the CM handshake and then never sends Connect."""
+        return await open_queue(_params(port), HostQueue(qid, depth), lambda c, e: lost.append(c))
+
+    async def rejected(qid: int, depth: int) -> str:
+        with pytest.raises(ConnectError) as err:
+            await silent(qid, depth)
+        assert "no resources" in str(err.value), str(err.value)
+        return str(err.value)
+
+    async def main():
+        async with serve(ADDR0, port, NQN, vol, SIZE, limits=limits) as (target, listener):
+            good = await Controller.connect(_params(port))
+            good_conns = [good.admin, *good.io]
+            used_by_good = target.rdma_recv.used
+            assert used_by_good == 32 * SQE_SIZE + 2 * 32 * (SQE_SIZE + RDMA_INLINE)
+            assert target.connections.total == 3
+            stop = asyncio.Event()
+            gtask = asyncio.ensure_future(good_loop(good, stop))
+
+            # 1. an I/O queue of 256 receives of 4160 bytes (1040 KiB) would pass the 1 MiB budget
+            events.append("recv budget: " + await rejected(1, 256))
+            assert target.rdma_recv.used == used_by_good and target.connections.total == 3
+            # 2. two silent queues fill the per-host maximum (5); a third is rejected
+            s1, s2 = await silent(0, 32), await silent(0, 32)
+            assert target.connections.total == 5
+            t0 = time.monotonic()
+            events.append("per-host max: " + await rejected(0, 32))
+            # 3. the silent ones are closed by the target after hello_timeout, counts released
+            await _wait_closed(s1, timeout=hello + 10)
+            await _wait_closed(s2, timeout=hello + 10)
+            waited = time.monotonic() - t0
+            events.append(f"silent queues closed by the target after {waited:.1f} s")
+            assert s1 in lost and s2 in lost
+            deadline = time.monotonic() + 15
+            while target.connections.total != 3 or target.rdma_recv.used != used_by_good:
+                assert time.monotonic() < deadline, "counts of closed queues not released"
+                await asyncio.sleep(0.1)
+            # 4. room again: a new queue is accepted; its host's disconnect releases it too
+            s3 = await silent(0, 32)
+            assert target.connections.total == 4
+            s3.close()
+            deadline = time.monotonic() + 15
+            while target.connections.total != 3 or target.rdma_recv.used != used_by_good:
+                assert time.monotonic() < deadline, "count of a disconnected queue not released"
+                await asyncio.sleep(0.1)
+            events.append("host disconnect released its count")
+
+            await asyncio.sleep(0.5)
+            stop.set()
+            rounds = await gtask
+            assert rounds >= 1
+            assert [good.admin, *good.io] == good_conns
+            assert not any(c.closed for c in good_conns)
+            await good.close()
+            deadline = time.monotonic() + 15
+            while listener.connections or listener.teardowns:
+                assert time.monotonic() < deadline, "target queues not torn down"
+                await asyncio.sleep(0.1)
+            assert target.connections.total == 0 and target.rdma_recv.used == 0
+            return rounds
+
+    rounds = asyncio.run(asyncio.wait_for(main(), 240))
+    print("\n".join(events))
+    record_property("good_rounds", rounds)
+    record_property("events", "; ".join(events))
+
+
 async def _raw_expect_death(conn, sqe):
     try:
         status = await _raw(conn, sqe, timeout=15)
