@@ -100,6 +100,8 @@ class UnsentTotal:
     a timer re-reads every counted queue each ``POLL`` seconds. The count can only be high between
     two reads, never low, so the cap holds. Past the cap each queue that adds to the backlog stops
     reading commands; all of them read again once the total is below three quarters of it.
+    While the cap is passed (``over``) queues hand each read's data to the socket at once, so
+    that a queue not yet held adds at most one reply before its backlog shows.
     """
 
     POLL = 0.05
@@ -108,6 +110,8 @@ class UnsentTotal:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.total = 0
+        self.over = False
+        """``total`` is past ``limit``."""
         self.counted: dict[Unsending, int] = {}
         self.held: set[Unsending] = set()
         self._timer: asyncio.TimerHandle | None = None
@@ -117,7 +121,8 @@ class UnsentTotal:
         n = queue.unsent()
         self.total += n - self.counted.get(queue, 0)
         self.counted[queue] = n
-        if self.total > self.limit and queue not in self.held:
+        self.over = self.total > self.limit
+        if self.over and queue not in self.held:
             self.held.add(queue)
             queue.hold_reading(True)
         if self._timer is None:
@@ -145,6 +150,7 @@ class UnsentTotal:
 
     def _poll_done(self) -> None:
         """Release the held queues once the total fell below three quarters of the cap."""
+        self.over = self.total > self.limit
         if self.held and self.total <= self.limit * 3 // 4:
             held, self.held = self.held, set()
             for queue in held:

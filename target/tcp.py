@@ -24,6 +24,7 @@ from protocol.tcp import (
     CAPSULE_RESP_HLEN, COMMON_HEADER, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_PDU_HEADER, DATA_PDU_HEADER_FAST,
     IC_REQ, IC_REQ_FAST, IC_RESP, PduFlags, PduType, TermReqFes, fei_of,
 )
+from target.limits import UnsentTotal
 from target.queue import TargetQueue
 from target.request import Request
 from target.target import PortInfo, Target
@@ -59,6 +60,23 @@ _FEI_FLAGS, _FEI_TTAG, _FEI_DATAO, _FEI_DATAL = (
 _FEI_PLEN = fei_of(COMMON_HEADER, "plen")
 
 
+class _CountedOutput(OutputBatcher):
+    """The target's output: whatever a write leaves in the socket's buffer is reported to the
+    daemon-wide count of unsent replies (``max_unsent_total``). A host that reads its replies
+    leaves the buffer empty, and then this costs one length read per write."""
+
+    def __init__(self, transport: asyncio.Transport, unsent: UnsentTotal, conn: "TcpTargetConnection") -> None:
+        super().__init__(transport)
+        self._unsent = unsent
+        self._conn = conn
+
+    def flush(self) -> None:
+        super().flush()
+        transport = self.transport
+        if transport.get_write_buffer_size() and not transport.is_closing():
+            self._unsent.note(self._conn)
+
+
 class TcpTargetConnection(PduProtocol):
     """One NVMe/TCP connection; becomes an admin or I/O queue at Connect.
 
@@ -68,7 +86,8 @@ class TcpTargetConnection(PduProtocol):
     What a host can make it hold is bounded (issue 12, limits in :class:`target.config.Limits`):
     nothing but the header staging before ICReq, in-capsule data only up to the queue's size,
     write buffers only for R2Ts sent within a per-queue and a global budget, and replies the
-    host does not read only up to ``max_unsent``, after which the socket is not read."""
+    host does not read only up to ``max_unsent`` (and while all queues' together stay within
+    ``max_unsent_total``), after which the socket is not read."""
 
     info = INFO
     read_buffer = None
@@ -88,11 +107,15 @@ class TcpTargetConnection(PduProtocol):
         self.limits = target.limits
         self.host = ""
         self.paused = False
-        """Replies the host has not read passed ``max_unsent``: the socket is not read, and
+        """Replies the host has not read passed ``max_unsent`` (``_stopped_by_queue``), or all
+        queues' passed ``max_unsent_total`` (``_stopped_by_total``): the socket is not read, and
         commands already received wait in the reader until the replies drain."""
+        self._stopped_by_queue = False
+        self._stopped_by_total = False
         self._batched = 0
         """Read data queued in the output batch since it last went to the socket."""
         self._flush_at = self.limits.max_unsent // 4
+        self._unsent = target.unsent
         self._r2t_waiting: deque[Request] = deque()
         """Writes whose R2T waits for budget, in arrival order."""
         self._r2t_held = 0
@@ -113,7 +136,7 @@ class TcpTargetConnection(PduProtocol):
             transport.close()
             return
         self.host = host
-        self.out = OutputBatcher(self.transport)
+        self.out = _CountedOutput(self.transport, self.target.unsent, self)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -135,6 +158,7 @@ class TcpTargetConnection(PduProtocol):
         else:
             self.queue.note_teardown("connection error", error=str(exc))
         self.target.connections.release(self.host)
+        self.target.unsent.forget(self)
         self._timer.cancel()
         # writes still waiting for their H2CData end here (no response goes out on a closed
         # transport), so they let go of their namespace: a removed one may then close
@@ -153,13 +177,31 @@ class TcpTargetConnection(PduProtocol):
 
     def pause_writing(self) -> None:
         """The host does not read its replies fast enough: read no more commands from it."""
-        self.paused = True
-        self.transport.pause_reading()
+        self._stopped_by_queue = True
+        self._set_paused()
 
     def resume_writing(self) -> None:
         """The replies drained: take the commands that waited in the reader, then read again."""
-        self.paused = False
-        if not self.transport.is_closing():
+        self._stopped_by_queue = False
+        self._set_paused()
+
+    def unsent(self) -> int:
+        """Replies handed to the socket and not sent yet (for :class:`UnsentTotal`)."""
+        return self.transport.get_write_buffer_size()
+
+    def hold_reading(self, held: bool) -> None:
+        """All queues' unsent replies passed ``max_unsent_total`` (or fell back below it)."""
+        self._stopped_by_total = held
+        self._set_paused()
+
+    def _set_paused(self) -> None:
+        paused = self._stopped_by_queue or self._stopped_by_total
+        if paused == self.paused:
+            return
+        self.paused = paused
+        if paused:
+            self.transport.pause_reading()
+        elif not self.transport.is_closing():
             self.transport.resume_reading()
             asyncio.get_running_loop().call_soon(self._take_waiting)
 
@@ -327,9 +369,9 @@ class TcpTargetConnection(PduProtocol):
             success = PduFlags.SUCCESS if queue.sqhd_disabled else 0
             self.out.send(self.writer.data_pdu(_C2H_DATA, req.cid, 0, 0, req.reply, PduFlags.LAST_PDU | success))
             self._batched += req.length
-            if self._batched > self._flush_at:
-                # to the socket now, so that a host not reading shows (pause_writing) before
-                # the rest of this receive's commands pile up more replies
+            if self._batched > self._flush_at or self._unsent.over:
+                # to the socket now, so that a host not reading shows (pause_writing, or the
+                # daemon-wide count) before the rest of this receive's commands pile up more replies
                 self._batched = 0
                 self.out.flush()
             if success:

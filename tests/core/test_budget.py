@@ -182,6 +182,28 @@ def test_reads_nobody_reads_stay_within_max_unsent(tmp_path: Path) -> None:
     within_budget(tmp_path, attack)
 
 
+def test_many_queues_nobody_reads_stay_within_max_unsent_total(tmp_path: Path) -> None:
+    """16 I/O queues, each with 16 Reads of 1 MiB whose replies are never read: each queue alone
+    stays within its 4 MiB ``max_unsent``, but together they would hold some 80 MiB; the
+    daemon-wide ``max_unsent_total`` (8 MiB) stops them, each past it by one reply at most."""
+    conns: list[RawConn] = []
+    queues, total = 16, 8 * MiB
+
+    async def attack(port: int) -> None:
+        admin, cntlid = await raw_admin(port)
+        conns.append(admin)
+        for qid in range(1, queues + 1):
+            io = await RawConn.open(port)
+            await io.initialize()
+            await io.connect_io(cntlid, qid=qid)
+            _small_rcvbuf(io)
+            conns.append(io)
+            io.send(b"".join(capsule(_read_1m(cid)) for cid in range(16)))
+            await io.writer.drain()
+
+    within_budget(tmp_path, attack, limits=f"max_unsent_total = {total}", bound=total + queues * MiB)
+
+
 def test_discovery_log_flood_stays_within_max_unsent(tmp_path: Path) -> None:
     """96 Get Log Page (discovery, 1 MiB each) on a discovery controller, which takes any host,
     and the replies are never read (was: +97 MiB)."""
@@ -523,3 +545,49 @@ def test_limits_from_the_config_file() -> None:
                         ({"max_unsent": "lots"}, "max_unsent"), ({"max_inflight": 1}, "unknown")]:
         with pytest.raises(ConfigError, match=needle):
             parse({"target": bad})
+
+
+class _Backlog:
+    """A queue as :class:`UnsentTotal` sees it: a backlog, and whether it was told to hold."""
+
+    def __init__(self, unsent: int) -> None:
+        self.backlog = unsent
+        self.held = False
+
+    def unsent(self) -> int:
+        return self.backlog
+
+    def hold_reading(self, held: bool) -> None:
+        self.held = held
+
+
+def test_unsent_total_holds_queues_past_the_cap_and_releases_them_below_three_quarters() -> None:
+    """Queues that leave replies unsent past ``max_unsent_total`` stop reading; the count follows
+    their backlogs as they drain (the timer's re-reads), and below 3/4 of the cap all read again."""
+    from target.limits import UnsentTotal
+
+    async def main() -> None:
+        total = UnsentTotal(10 * MiB)
+        total.POLL = 0.01
+        a, b, c = _Backlog(6 * MiB), _Backlog(5 * MiB), _Backlog(MiB)
+        total.note(a)
+        assert not a.held and not total.over
+        total.note(b)  # 11 MiB: b, which passed the cap, holds; a is held at its next write
+        assert b.held and not a.held and total.over
+        total.note(a)
+        assert a.held
+        a.backlog = 3 * MiB  # 8 MiB: below the cap, not below 7.5 MiB
+        await asyncio.sleep(0.05)
+        assert total.total == 8 * MiB and a.held and b.held and not total.over
+        total.note(c)  # not over the cap: c goes on
+        assert not c.held
+        b.backlog = 0  # 4 MiB: everybody reads again, b is no longer counted
+        await asyncio.sleep(0.05)
+        assert not a.held and not b.held and total.total == 4 * MiB and b not in total.counted
+        total.forget(a)
+        total.forget(c)
+        assert total.total == 0 and not total.counted
+        await asyncio.sleep(0.05)
+        assert total._timer is None  # nothing counted: no re-reads
+
+    run(main())
