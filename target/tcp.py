@@ -58,6 +58,40 @@ _FEI_PFV, _FEI_HPDA = fei_of(IC_REQ, "pfv"), fei_of(IC_REQ, "hpda")
 _FEI_FLAGS, _FEI_TTAG, _FEI_DATAO, _FEI_DATAL = (
     fei_of(DATA_PDU_HEADER, n) for n in ("flags", "ttag", "datao", "datal"))
 _FEI_PLEN = fei_of(COMMON_HEADER, "plen")
+_HELLO_STAGING = IC_REQ.sizeof()
+
+
+TERM_LINGER = 2.0
+"""Seconds a terminated connection waits for the host to close after its C2HTermReq (see
+``TcpTargetConnection._terminate``)."""
+
+
+class _Discard:
+    """Reader and output of a terminated connection: what the host still sends is dropped, and
+    so is what commands still running would answer."""
+
+    completed = 0
+    _scratch = memoryview(bytearray(4096))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> tuple[()]:
+        return ()
+
+    def in_pdu(self) -> bool:
+        return False
+
+    def send(self, bufs: list[bytes | memoryview]) -> None:
+        pass
+
+    def hold(self) -> None:
+        pass
+
+    release = flush = hold
+
+
+_DISCARD = _Discard()
 
 
 class _CountedOutput(OutputBatcher):
@@ -96,10 +130,12 @@ class TcpTargetConnection(PduProtocol):
     def __init__(self, target: Target, port: PortInfo) -> None:
         self.target = target
         self.port = port
-        self.reader = PduReader(_H2C_TYPES, max_data=INFO.max_transfer, place=self._place)
+        # until ICReq only an ICReq (or H2CTermReq) may come: staging for that, not 64 KiB per
+        # connection that never said hello (grown in _icreq)
+        self.reader = PduReader(_H2C_TYPES, max_data=INFO.max_transfer, place=self._place, staging=_HELLO_STAGING)
         self.writer = PduWriter()
         self.transport: asyncio.Transport | None = None
-        self.out: OutputBatcher | None = None
+        self.out: OutputBatcher | _Discard | None = None
         self.queue: TargetQueue | None = None
         self.r2t_pending: dict[int, tuple[Request, int]] = {}
         self._next_ttag = 0
@@ -274,6 +310,7 @@ class TcpTargetConnection(PduProtocol):
         self.reader.hdgst = self.writer.hdgst = bool(dgst & 1)
         self.reader.ddgst = self.writer.ddgst = bool(dgst & 2)
         self.reader.allowed = _AFTER_IC
+        self.reader.grow_staging()
         self.transport.write(IC_RESP.build(dict(
             pdu_type=PduType.IC_RESP, flags=0, hlen=128, pdo=0, plen=128, pfv=0, cpda=0,
             dgst=dgst & 3, maxh2cdata=MAXH2CDATA)))
@@ -384,9 +421,22 @@ class TcpTargetConnection(PduProtocol):
         queue.response_sent(req)
 
     def _terminate(self, exc: FramingError) -> None:
+        """Send the C2HTermReq, then close: after a FIN, reading and dropping what the host still
+        sends for up to ``TERM_LINGER`` seconds. Closing a socket with unread bytes sends a reset,
+        and a reset makes the host's kernel drop the C2HTermReq it has not read yet; before ICReq
+        the reader takes no more than an ICReq, so a host sending anything else has bytes unread."""
         self.queue.note_teardown("framing error", fes=str(exc.fes), fei=str(exc.fei), error=str(exc))
         self.out.send([term_req(PduType.C2H_TERM_REQ, exc.fes, exc.fei, exc.header)])
-        self.close()
+        self.out.flush()
+        transport = self.transport
+        if transport.is_closing() or transport.get_write_buffer_size() or self.paused:
+            self.close()  # the host does not read: it will not see the C2HTermReq either way
+            return
+        self.reader = _DISCARD
+        self.out = _DISCARD  # nothing may be written after the FIN
+        transport.write_eof()
+        self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(TERM_LINGER, self.close)
 
     def close(self) -> None:
         """Send what is queued, then close."""

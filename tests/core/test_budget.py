@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -243,6 +245,41 @@ def test_h2c_data_before_icreq_allocates_nothing(tmp_path: Path) -> None:
             await expect_termination(conn, 2, 0)
 
     within_budget(tmp_path, attack, bound=0)
+
+
+IDLE_CONNECTIONS = 1000
+IDLE_COST = 12 << 10
+"""What an idle connection that sent nothing may cost the daemon's RSS (docs/security.md: about
+5 KiB measured; with the 64 KiB staging allocated at accept it was 69 KiB)."""
+
+
+def test_idle_connections_before_icreq_cost_a_few_kib_each(tmp_path: Path) -> None:
+    """1,000 connections that never send ICReq: each holds only its connection state and the
+    128-byte staging an ICReq needs, not the 64 KiB staging of an established queue."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * IDLE_CONNECTIONS + 200  # ours and the daemon's (inherited) ends
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+    limits = f"hello_timeout = 300\nmax_connections = {IDLE_CONNECTIONS}\nmax_connections_per_host = {IDLE_CONNECTIONS}"
+    with target_process(tmp_path, limits) as (proc, port, _):
+        fds = Path(f"/proc/{proc.pid}/fd")
+        base_fds = len(list(fds.iterdir()))
+        before = rss(proc.pid)
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(IDLE_CONNECTIONS)]
+        try:
+            deadline = time.monotonic() + 30
+            while len(list(fds.iterdir())) < base_fds + IDLE_CONNECTIONS:
+                assert time.monotonic() < deadline, "the daemon did not accept every connection"
+                time.sleep(0.1)
+            time.sleep(0.5)
+            per = (rss(proc.pid) - before) / IDLE_CONNECTIONS
+            print(f"RSS before {before >> 10} KiB, with {IDLE_CONNECTIONS} idle connections "
+                  f"{rss(proc.pid) >> 10} KiB: {per / 1024:.1f} KiB each")
+            assert per <= IDLE_COST, per
+        finally:
+            for sock in socks:
+                sock.close()
+        assert proc.poll() is None
 
 
 def test_writes_whose_data_never_comes_hold_only_the_r2t_budget(tmp_path: Path) -> None:
