@@ -493,6 +493,7 @@ def test_hostile_host_limits(rxe, record_property):
     from initiator.queue import HostQueue
     from initiator.rdma import open_queue
     from target.config import Limits
+    from target.controller import MQES
     from target.rdma import SQE_SIZE, RDMA_INLINE
     from tests.vm.guest_tests.rdma_target import serve
 
@@ -501,8 +502,11 @@ def test_hostile_host_limits(rxe, record_property):
         os.unlink(vol)
     port = 4434
     hello = 2.0
-    # the good host: admin (32 x 64 B) + 2 I/O queues (32 x (64 + 4096) B) = 268 KiB posted
-    limits = Limits(hello_timeout=hello, max_connections_per_host=5, rdma_recv_total=1 << 20)
+    # the good host: admin (32 x 64 B) + 2 I/O queues (32 x (64 + 4096) B) = 262 KiB posted;
+    # the budget leaves room for small admin queues, not for an I/O queue of the largest depth
+    good_recv = 32 * SQE_SIZE + 2 * 32 * (SQE_SIZE + RDMA_INLINE)
+    big_recv = (MQES + 1) * (SQE_SIZE + RDMA_INLINE)
+    limits = Limits(hello_timeout=hello, max_connections_per_host=5, rdma_recv_total=good_recv + big_recv - 4096)
     events = []
     lost = []
 
@@ -528,13 +532,13 @@ def test_hostile_host_limits(rxe, record_property):
             good = await Controller.connect(_params(port))
             good_conns = [good.admin, *good.io]
             used_by_good = target.rdma_recv.used
-            assert used_by_good == 32 * SQE_SIZE + 2 * 32 * (SQE_SIZE + RDMA_INLINE)
+            assert used_by_good == good_recv
             assert target.connections.total == 3
             stop = asyncio.Event()
             gtask = asyncio.ensure_future(good_loop(good, stop))
 
-            # 1. an I/O queue of 256 receives of 4160 bytes (1040 KiB) would pass the 1 MiB budget
-            events.append("recv budget: " + await rejected(1, 256))
+            # 1. an I/O queue of MQES+1 receives of 4160 bytes would pass the budget
+            events.append("recv budget: " + await rejected(1, MQES + 1))
             assert target.rdma_recv.used == used_by_good and target.connections.total == 3
             # 2. two silent queues fill the per-host maximum (5); a third is rejected
             s1, s2 = await silent(0, 32), await silent(0, 32)
