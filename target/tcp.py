@@ -24,7 +24,6 @@ from protocol.tcp import (
     CAPSULE_RESP_HLEN, COMMON_HEADER, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_PDU_HEADER, DATA_PDU_HEADER_FAST,
     IC_REQ, IC_REQ_FAST, IC_RESP, PduFlags, PduType, TermReqFes, fei_of,
 )
-from target.limits import UnsentTotal
 from target.queue import TargetQueue
 from target.request import Request
 from target.target import PortInfo, Target
@@ -94,23 +93,6 @@ class _Discard:
 _DISCARD = _Discard()
 
 
-class _CountedOutput(OutputBatcher):
-    """The target's output: whatever a write leaves in the socket's buffer is reported to the
-    daemon-wide count of unsent replies (``max_unsent_total``). A host that reads its replies
-    leaves the buffer empty, and then this costs one length read per write."""
-
-    def __init__(self, transport: asyncio.Transport, unsent: UnsentTotal, conn: "TcpTargetConnection") -> None:
-        super().__init__(transport)
-        self._unsent = unsent
-        self._conn = conn
-
-    def flush(self) -> None:
-        super().flush()
-        transport = self.transport
-        if transport.get_write_buffer_size() and not transport.is_closing():
-            self._unsent.note(self._conn)
-
-
 class TcpTargetConnection(PduProtocol):
     """One NVMe/TCP connection; becomes an admin or I/O queue at Connect.
 
@@ -172,7 +154,8 @@ class TcpTargetConnection(PduProtocol):
             transport.close()
             return
         self.host = host
-        self.out = _CountedOutput(self.transport, self.target.unsent, self)
+        # what a write leaves unsent counts against the daemon-wide max_unsent_total
+        self.out = OutputBatcher(self.transport, on_backlog=self._note_unsent)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -220,6 +203,9 @@ class TcpTargetConnection(PduProtocol):
         """The replies drained: take the commands that waited in the reader, then read again."""
         self._stopped_by_queue = False
         self._set_paused()
+
+    def _note_unsent(self) -> None:
+        self._unsent.note(self)
 
     def unsent(self) -> int:
         """Replies handed to the socket and not sent yet (for :class:`UnsentTotal`)."""

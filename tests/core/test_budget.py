@@ -272,13 +272,17 @@ def test_idle_connections_before_icreq_cost_a_few_kib_each(tmp_path: Path) -> No
                 assert time.monotonic() < deadline, "the daemon did not accept every connection"
                 time.sleep(0.1)
             time.sleep(0.5)
-            per = (rss(proc.pid) - before) / IDLE_CONNECTIONS
-            print(f"RSS before {before >> 10} KiB, with {IDLE_CONNECTIONS} idle connections "
-                  f"{rss(proc.pid) >> 10} KiB: {per / 1024:.1f} KiB each")
+            peak = rss(proc.pid)
+            per = (peak - before) / IDLE_CONNECTIONS
             assert per <= IDLE_COST, per
         finally:
             for sock in socks:
                 sock.close()
+        while len(list(fds.iterdir())) > base_fds:
+            assert time.monotonic() < deadline + 30, "the daemon did not close the connections"
+            time.sleep(0.1)
+        print(f"RSS before {before >> 10} KiB, with {IDLE_CONNECTIONS} idle connections {peak >> 10} KiB "
+              f"({per / 1024:.1f} KiB each), after they closed {rss(proc.pid) >> 10} KiB")
         assert proc.poll() is None
 
 
