@@ -22,7 +22,9 @@ answers each command, calling back ``fetch_data`` and ``queue_response`` (see
 * Execution: the core runs the command at once, in the completion handler; only a command
   that really waits (an fsync, a slow backend) becomes a Task.
 * Reply (``queue_response``): a read goes straight into a registered slot when one is free
-  (``read_buffer``; else it is copied into one) and is RDMA WRITTEN to the SGL's address/key
+  (``read_buffer``; else it is copied into one once one is free, and while it waits it counts
+  against the daemon's ``max_unsent_total``, past which queues adding to it take no new
+  commands until the total drops) and is RDMA WRITTEN to the SGL's address/key
   (never more than the SGL length), chained with the 16-byte response SEND; the command's
   receive buffer is re-posted before that SEND.  SEND_WITH_INV carries the command's key only
   when the host asked for it (SGL id 0x4F with data).  What one batch of completions produces
@@ -216,6 +218,12 @@ class RdmaTargetConnection:
         self.tokens: dict[int, tuple[_Cmd, int]] = {}  # RDMA READs in flight: command, bytes
         self._next_token = 0
         self.cmds: set[_Cmd] = set()
+        self.unsent_total = listener.target.unsent
+        self.waiting_bytes = 0
+        """Read data waiting in ordinary buffers for a registered slot (``unsent``)."""
+        self.deferring = False
+        """Past ``max_unsent_total``: received commands wait in their receive slots, unsubmitted."""
+        self.deferred: collections.deque[tuple[int, int]] = collections.deque()
         # work requests as the fast post path takes them, built once
         lkey = self.recv_pool.lkey
         self._recv_wrs = [((_RECV << _KIND_SHIFT) | s.index, s.addr, s.size, lkey)
@@ -329,6 +337,9 @@ class RdmaTargetConnection:
                 self._fatal, "completion error", wc=wr, wc_status=wc_status_name(status), **detail))
 
     def _command(self, idx: int, nbytes: int) -> None:
+        if self.deferring:
+            self.deferred.append((idx, nbytes))
+            return
         if nbytes < SQE_SIZE:
             self._fatal("framing error", error=f"capsule of {nbytes} bytes is shorter than an SQE")
             return
@@ -450,7 +461,36 @@ class RdmaTargetConnection:
             if cmd.data is not None:
                 self.data.put(cmd.data)
                 cmd.data = None
-            self.data.get(n, lambda slot, cmd=cmd: self._write_slot(cmd, slot))
+            self.waiting_bytes += n
+            self.data.get(n, lambda slot, cmd=cmd: self._waited_slot(cmd, slot))
+            if cmd.data is None:  # no slot now: the reply waits in memory
+                self.unsent_total.note(self)
+
+    def _waited_slot(self, cmd: _Cmd, slot) -> None:
+        self.waiting_bytes -= cmd.nbytes
+        self._write_slot(cmd, slot)
+
+    # -- the daemon-wide count of replies waiting (target.limits.UnsentTotal) -------------------
+
+    def unsent(self) -> int:
+        return self.waiting_bytes
+
+    def hold_reading(self, held: bool) -> None:
+        """Take no new commands while the daemon's waiting replies are past the cap (the host
+        can send no more than the receives it has, which are posted again only with responses)."""
+        self.deferring = held
+        if not held and self.deferred:
+            self.loop.call_soon(self._submit_deferred)
+
+    def _submit_deferred(self) -> None:
+        self._batching = True
+        try:
+            while self.deferred and not self.deferring and not self.closing:
+                self._command(*self.deferred.popleft())
+        finally:
+            self._batching = False
+            if self._send_out or self._recv_out:
+                self._flush()
 
     def _write_slot(self, cmd: _Cmd, slot) -> None:
         if self.closing:
@@ -545,6 +585,8 @@ class RdmaTargetConnection:
         if self._hello is not None:
             self._hello.cancel()
         self.listener.connections.discard(self)
+        self.unsent_total.forget(self)
+        self.deferred.clear()
         try:
             self.queue.close()
         except Exception:

@@ -187,7 +187,8 @@ class TcpTargetConnection(PduProtocol):
         self._r2t_waiting.clear()
         for req in pending:
             self.queue.data_failed(req)
-        self.queue.close()
+        if self.out is not _DISCARD:  # else _terminate closed the queue already
+            self.queue.close()
         budget = self.target.r2t_budget
         budget.forget(self._send_r2ts)
         if self._r2t_held:
@@ -421,6 +422,9 @@ class TcpTargetConnection(PduProtocol):
         self.reader = _DISCARD
         self.out = _DISCARD  # nothing may be written after the FIN
         transport.write_eof()
+        # the queue ends now, not when the socket does: its QID is free for the host's next
+        # connection at once, as when the target closed without waiting
+        self.queue.close()
         self._timer.cancel()
         self._timer = asyncio.get_running_loop().call_later(TERM_LINGER, self.close)
 

@@ -267,7 +267,7 @@ def test_idle_connections_before_icreq_cost_a_few_kib_each(tmp_path: Path) -> No
         before = rss(proc.pid)
         socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(IDLE_CONNECTIONS)]
         try:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 120  # accepting takes a few seconds, more on a busy machine
             while len(list(fds.iterdir())) < base_fds + IDLE_CONNECTIONS:
                 assert time.monotonic() < deadline, "the daemon did not accept every connection"
                 time.sleep(0.1)
@@ -279,7 +279,7 @@ def test_idle_connections_before_icreq_cost_a_few_kib_each(tmp_path: Path) -> No
             for sock in socks:
                 sock.close()
         while len(list(fds.iterdir())) > base_fds:
-            assert time.monotonic() < deadline + 30, "the daemon did not close the connections"
+            assert time.monotonic() < deadline + 60, "the daemon did not close the connections"
             time.sleep(0.1)
         print(f"RSS before {before >> 10} KiB, with {IDLE_CONNECTIONS} idle connections {peak >> 10} KiB "
               f"({per / 1024:.1f} KiB each), after they closed {rss(proc.pid) >> 10} KiB")

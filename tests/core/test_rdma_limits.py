@@ -1,11 +1,14 @@
 """The NVMe/RDMA target's daemon-wide limits without a device (issue 12): what a CM connect
 request is checked against before anything is created for it -- the connection maxima, shared
 with NVMe/TCP, and the receive-buffer budget ``rdma_recv_total`` -- what is given back when a
-queue goes, and the hello timeout of a queue that never sends Connect. The VM group's
+queue goes, the hello timeout of a queue that never sends Connect, and read replies waiting for
+a registered slot counted against ``max_unsent_total``. The VM group's
 ``test_hostile_host_limits`` runs the same against a real rxe host."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,6 +20,7 @@ from target.config import Limits
 from target.rdma import RDMA_INLINE, SQE_SIZE, RdmaListener, RdmaTargetConnection
 from target.target import PortInfo, Target
 
+MiB = 1 << 20
 ADMIN_RECV = 32 * SQE_SIZE
 IO_RECV = 128 * (SQE_SIZE + RDMA_INLINE)
 
@@ -119,3 +123,59 @@ def test_hello_timeout_closes_a_queue_that_sent_no_connect(connected: bool) -> N
         assert not c.closing and c.queue.teardown is None
     else:
         assert c.closing and c.queue.teardown == ("no Connect in time", {"timeout": "3.0"})
+
+
+class _Pool:
+    """The device's data slots with none free: ``get`` waits until the test gives one."""
+
+    def __init__(self) -> None:
+        self.waiting: list = []
+
+    def get(self, length: int, callback) -> None:
+        self.waiting.append(callback)
+
+    def put(self, slot: object) -> None:
+        pass
+
+
+class _Core:
+    def __init__(self) -> None:
+        self.submitted: list[bytes] = []
+
+    def submit(self, sqe: memoryview, data: memoryview | None, cmd: object) -> None:
+        self.submitted.append(bytes(sqe[:1]))
+
+
+def test_replies_waiting_for_a_data_slot_count_against_max_unsent_total() -> None:
+    """A read whose data waits in memory for a registered slot counts against the daemon-wide
+    ``max_unsent_total`` (shared with NVMe/TCP); past it the queue leaves new commands in their
+    receive slots, unsubmitted, and submits them in order once the total has dropped."""
+    from target.limits import UnsentTotal
+
+    async def main() -> None:
+        c = object.__new__(RdmaTargetConnection)
+        c.loop = asyncio.get_running_loop()
+        c.closing, c._batching, c._send_out, c._recv_out = False, False, [], []
+        c.unsent_total = UnsentTotal(MiB // 2)
+        c.unsent_total.POLL = 0.01
+        c.waiting_bytes, c.deferring, c.deferred = 0, False, collections.deque()
+        c.data, c.queue, c.cmds = _Pool(), _Core(), set()
+        c.recv_pool = SimpleNamespace(slots=[SimpleNamespace(view=memoryview(bytes([i]) * 128)) for i in range(4)])
+        responded: list[object] = []
+        c._respond = responded.append
+        cmd = rdma._Cmd(0)
+        reply = bytes(range(256)) * 4096
+        req = SimpleNamespace(reply=reply, length=MiB, transport_ctx=cmd)
+        c.queue_response(req)
+        assert c.waiting_bytes == MiB and c.unsent_total.total == MiB and c.deferring
+        c._command(2, 64)
+        c._command(1, 64)
+        assert c.queue.submitted == [] and list(c.deferred) == [(2, 64), (1, 64)]
+        slot = SimpleNamespace(view=memoryview(bytearray(MiB)), size=MiB)
+        c.data.waiting.pop()(slot)  # a slot came back: the reply is copied, the memory freed
+        assert c.waiting_bytes == 0 and responded == [cmd] and bytes(slot.view) == reply
+        await asyncio.sleep(0.1)  # the count's next look sees it, and the queue takes commands
+        assert not c.deferring and c.queue.submitted == [b"\x02", b"\x01"] and not c.deferred
+        assert c.unsent_total.total == 0 and not c.unsent_total.counted
+
+    asyncio.run(main())
