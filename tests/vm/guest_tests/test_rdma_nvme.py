@@ -347,6 +347,27 @@ async def _wait_closed(conn, timeout=20):
         await asyncio.sleep(0.05)
 
 
+async def _good_host_loop(ctrl, stop: asyncio.Event, seed: int) -> int:
+    """A well-behaved host's verified rounds while hostile ones do their worst, until ``stop``."""
+    rounds = 0
+    while not stop.is_set():
+        await _workload(ctrl, 20000 + (rounds % 2) * 6000, seed + rounds)
+        rounds += 1
+    return rounds
+
+
+async def _good_host_unharmed(good, conns: list, stop: asyncio.Event, task: asyncio.Future) -> int:
+    """Stop the good host's loop; it did I/O and never lost a queue (same connections, none
+    closed, no reconnect)."""
+    await asyncio.sleep(0.5)
+    stop.set()
+    rounds = await task
+    assert rounds >= 1
+    assert [good.admin, *good.io] == conns
+    assert not any(c.closed for c in conns)
+    return rounds
+
+
 def test_hostile_host(rxe, record_property):
     """A host sending bad lengths/SGL types gets NVMe errors; bad keys/addresses (RDMA READ and
     WRITE) get its queue torn down; nothing it targeted is written; meanwhile and afterwards
@@ -362,13 +383,6 @@ def test_hostile_host(rxe, record_property):
     VICTIM = 4096  # LBA range the hostile host aims at
     events = []
 
-    async def good_loop(ctrl, stop):
-        rounds = 0
-        while not stop.is_set():
-            st = await _workload(ctrl, 20000 + (rounds % 2) * 6000, 100 + rounds)
-            rounds += 1
-        return rounds
-
     async def hostile(mode: str):
         p = _params(4432, nr_io_queues=1, ctrl_loss_tmo=0, reconnect_delay=0.1, rdma_keys=mode)
         return await Controller.connect(p)
@@ -379,7 +393,7 @@ def test_hostile_host(rxe, record_property):
             good_conns = [good.admin, *good.io]
             victim_before = bytes(await good.read(1, VICTIM, 64))
             stop = asyncio.Event()
-            gtask = asyncio.ensure_future(good_loop(good, stop))
+            gtask = asyncio.ensure_future(_good_host_loop(good, stop, 100))
 
             # 1. protocol-level garbage: NVMe errors, the queue lives on
             h = await hostile("mr")
@@ -452,13 +466,7 @@ def test_hostile_host(rxe, record_property):
                 events.append("stale MW key write: queue torn down")
             await asyncio.wait_for(h.close(), 20)
 
-            await asyncio.sleep(0.5)
-            stop.set()
-            rounds = await gtask
-            assert rounds >= 1
-            # the good host never lost a queue (same connections, none closed, no reconnect)
-            assert [good.admin, *good.io] == good_conns
-            assert not any(c.closed for c in good_conns)
+            rounds = await _good_host_unharmed(good, good_conns, stop, gtask)
             # the victim range is untouched and the target still serves new hosts
             assert bytes(await good.read(1, VICTIM, 64)) == victim_before
             await good.close()
@@ -510,13 +518,6 @@ def test_hostile_host_limits(rxe, record_property):
     events = []
     lost = []
 
-    async def good_loop(ctrl, stop):
-        rounds = 0
-        while not stop.is_set():
-            await _workload(ctrl, 20000 + (rounds % 2) * 6000, 300 + rounds)
-            rounds += 1
-        return rounds
-
     async def silent(qid: int, depth: int):
         """A queue that completes the CM handshake and then never sends Connect."""
         return await open_queue(_params(port), HostQueue(qid, depth), lambda c, e: lost.append(c))
@@ -535,7 +536,14 @@ def test_hostile_host_limits(rxe, record_property):
             assert used_by_good == good_recv
             assert target.connections.total == 3
             stop = asyncio.Event()
-            gtask = asyncio.ensure_future(good_loop(good, stop))
+            gtask = asyncio.ensure_future(_good_host_loop(good, stop, 300))
+
+            async def released(what: str) -> None:
+                """Back to the good host's 3 queues and their receive buffers."""
+                deadline = time.monotonic() + 15
+                while target.connections.total != 3 or target.rdma_recv.used != used_by_good:
+                    assert time.monotonic() < deadline, what
+                    await asyncio.sleep(0.1)
 
             # 1. an I/O queue of MQES+1 receives of 4160 bytes would pass the budget
             events.append("recv budget: " + await rejected(1, MQES + 1))
@@ -551,26 +559,15 @@ def test_hostile_host_limits(rxe, record_property):
             waited = time.monotonic() - t0
             events.append(f"silent queues closed by the target after {waited:.1f} s")
             assert s1 in lost and s2 in lost
-            deadline = time.monotonic() + 15
-            while target.connections.total != 3 or target.rdma_recv.used != used_by_good:
-                assert time.monotonic() < deadline, "counts of closed queues not released"
-                await asyncio.sleep(0.1)
+            await released("counts of closed queues not released")
             # 4. room again: a new queue is accepted; its host's disconnect releases it too
             s3 = await silent(0, 32)
             assert target.connections.total == 4
             s3.close()
-            deadline = time.monotonic() + 15
-            while target.connections.total != 3 or target.rdma_recv.used != used_by_good:
-                assert time.monotonic() < deadline, "count of a disconnected queue not released"
-                await asyncio.sleep(0.1)
+            await released("count of a disconnected queue not released")
             events.append("host disconnect released its count")
 
-            await asyncio.sleep(0.5)
-            stop.set()
-            rounds = await gtask
-            assert rounds >= 1
-            assert [good.admin, *good.io] == good_conns
-            assert not any(c.closed for c in good_conns)
+            rounds = await _good_host_unharmed(good, good_conns, stop, gtask)
             await good.close()
             deadline = time.monotonic() + 15
             while listener.connections or listener.teardowns:
