@@ -579,9 +579,12 @@ def test_limits_from_the_config_file() -> None:
     assert parse({}).limits == Limits()
     got = parse({"target": {"max_unsent": "8MiB", "r2t_budget": "2MiB", "r2t_budget_total": "1GiB",
                             "hello_timeout": 2, "pdu_timeout": 0.5, "max_connections": 10,
-                            "max_connections_per_host": 3}}).limits
-    assert got == Limits(8 * MiB, 2 * MiB, 1 << 30, 2.0, 0.5, 10, 3)
+                            "max_connections_per_host": 3, "max_unsent_total": "64MiB",
+                            "rdma_recv_total": "16MiB", "auth_timeout": 30}}).limits
+    assert got == Limits(8 * MiB, 2 * MiB, 1 << 30, 2.0, 0.5, 10, 3, 64 * MiB, 16 * MiB, 30.0)
     for bad, needle in [({"r2t_budget": "512KiB"}, "largest write"), ({"hello_timeout": 0}, "hello_timeout"),
+                        ({"auth_timeout": 7200}, "auth_timeout"), ({"rdma_recv_total": 0}, "rdma_recv_total"),
+                        ({"max_unsent_total": "x"}, "max_unsent_total"),
                         ({"pdu_timeout": "1"}, "pdu_timeout"), ({"max_connections": 0}, "max_connections"),
                         ({"max_unsent": "lots"}, "max_unsent"), ({"max_inflight": 1}, "unknown")]:
         with pytest.raises(ConfigError, match=needle):
