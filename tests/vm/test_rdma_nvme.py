@@ -8,7 +8,7 @@ import pytest
 pytestmark = pytest.mark.vm
 
 GUEST_TESTS = "tests/vm/guest_tests/test_rdma_nvme.py"
-VM_TIMEOUT = 600
+VM_TIMEOUT = 900  # the group took 532 s of 600 once the limits test was added
 
 
 def test_blockd_host_blockd_target(guest_case):
