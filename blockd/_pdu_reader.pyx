@@ -26,7 +26,6 @@ from protocol.tcp import COMMON_HEADER, COMMON_HEADER_SIZE, DIGEST_SIZE, MAX_TER
 cdef Py_ssize_t _HDR = COMMON_HEADER_SIZE
 cdef Py_ssize_t _DIGEST = DIGEST_SIZE
 cdef Py_ssize_t _MAX_TERM = MAX_TERM_COPY
-cdef Py_ssize_t _STAGING = STAGING
 cdef Py_ssize_t _MIN_FREE = MIN_FREE
 cdef int _F_HDGST = PduFlags.HDGST
 cdef int _F_DDGST = PduFlags.DDGST
@@ -96,6 +95,7 @@ cdef class PduReader:
     cdef Py_ssize_t _start
     cdef Py_ssize_t _end
     cdef Py_ssize_t _need
+    cdef Py_ssize_t _min_free
     # the data PDU being received into the buffer ``place`` gave (``_pl_dest`` not None)
     cdef object _pl_dest
     cdef bytes _pl_header
@@ -105,7 +105,7 @@ cdef class PduReader:
     cdef Py_ssize_t _pl_filled
     cdef bint _pl_digest
 
-    def __init__(self, accepted, Py_ssize_t max_data, place=None):
+    def __init__(self, accepted, Py_ssize_t max_data, place=None, Py_ssize_t staging=STAGING):
         self.accepted = accepted
         self.allowed = accepted
         self.max_data = max_data
@@ -113,7 +113,8 @@ cdef class PduReader:
         self.place = place
         self.hdgst = False
         self.ddgst = False
-        self._set_buffer(bytearray(_STAGING))
+        self._set_buffer(bytearray(staging))
+        self._min_free = min(_MIN_FREE, staging)
         self._start = 0
         self._end = 0
         self._need = _HDR
@@ -146,14 +147,14 @@ cdef class PduReader:
     def get_buffer(self, Py_ssize_t sizehint=-1):
         if self._pl_dest is not None and self._pl_filled < self._pl_len:
             return self._pl_dest[self._pl_filled:]
-        if self._size - self._end < _MIN_FREE or self._size - self._start < self._need:
+        if self._size - self._end < self._min_free or self._size - self._start < self._need:
             self._make_room()
         return self._view[self._end:]
 
     cdef void _make_room(self) except *:
         """Move the unparsed bytes to the front (into a bigger buffer when the PDU needs it)."""
         cdef Py_ssize_t pending = self._end - self._start
-        cdef Py_ssize_t size = max(self._size, self._need + _MIN_FREE)
+        cdef Py_ssize_t size = max(self._size, self._need + self._min_free)
         cdef bytearray buf
         if size > self._size:
             buf = bytearray(size)
@@ -163,6 +164,18 @@ cdef class PduReader:
             memmove(self._p, self._p + self._start, pending)
         self._start = 0
         self._end = pending
+
+    def grow_staging(self, Py_ssize_t size=STAGING):
+        """Receive into ``size`` bytes of staging from now on; bytes not yet parsed are kept."""
+        cdef Py_ssize_t pending = self._end - self._start
+        cdef bytearray buf
+        self._min_free = _MIN_FREE
+        if size > self._size:
+            buf = bytearray(size)
+            memcpy(PyByteArray_AS_STRING(buf), self._p + self._start, pending)
+            self._set_buffer(buf)
+            self._start = 0
+            self._end = pending
 
     def buffer_updated(self, Py_ssize_t nbytes):
         """``nbytes`` arrived where ``get_buffer`` said: yield every PDU now complete."""

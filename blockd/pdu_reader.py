@@ -45,7 +45,8 @@ class PduReader:
     rest of the data is received there directly: large transfers are never copied in Python.
     """
 
-    def __init__(self, accepted: frozenset[int], max_data: int, place: Place | None = None) -> None:
+    def __init__(self, accepted: frozenset[int], max_data: int, place: Place | None = None,
+                 staging: int = STAGING) -> None:
         self.accepted = accepted
         self.allowed = accepted
         """The types the connection's state allows now (a subset of ``accepted``): another
@@ -57,8 +58,10 @@ class PduReader:
         self.place = place
         self.hdgst = False
         self.ddgst = False
-        self._buf = bytearray(STAGING)
+        self._buf = bytearray(staging)
         self._view = memoryview(self._buf)
+        self._min_free = min(MIN_FREE, staging)
+        """Free room below which staging is compacted (or grown) before the next receive."""
         self._start = 0
         """First byte of the staging buffer not yet parsed."""
         self._end = 0
@@ -72,14 +75,14 @@ class PduReader:
         if placing is not None and placing.filled < len(placing.dest):
             return placing.dest[placing.filled:]
         free = len(self._buf) - self._end
-        if free < MIN_FREE or len(self._buf) - self._start < self._need:
+        if free < self._min_free or len(self._buf) - self._start < self._need:
             self._make_room()
         return self._view[self._end:]
 
     def _make_room(self) -> None:
         """Move the unparsed bytes to the front (into a bigger buffer when the PDU needs it)."""
         pending = self._end - self._start
-        size = max(len(self._buf), self._need + MIN_FREE)
+        size = max(len(self._buf), self._need + self._min_free)
         if size > len(self._buf):
             buf = bytearray(size)
             buf[:pending] = self._view[self._start:self._end]
@@ -87,6 +90,17 @@ class PduReader:
         elif pending:
             self._buf[:pending] = bytes(self._view[self._start:self._end])
         self._start, self._end = 0, pending
+
+    def grow_staging(self, size: int = STAGING) -> None:
+        """Receive into ``size`` bytes of staging from now on (a reader started small, before
+        its peer said hello); bytes not yet parsed are kept. Safe between two PDUs it yielded."""
+        self._min_free = MIN_FREE
+        if size > len(self._buf):
+            pending = self._end - self._start
+            buf = bytearray(size)
+            buf[:pending] = self._view[self._start:self._end]
+            self._buf, self._view = buf, memoryview(buf)
+            self._start, self._end = 0, pending
 
     def buffer_updated(self, nbytes: int) -> Iterator[Pdu]:
         """``nbytes`` arrived where ``get_buffer`` said: yield every PDU now complete."""

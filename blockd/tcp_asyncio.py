@@ -8,6 +8,7 @@ bytes); this module is the one place where those bytes meet an ``asyncio`` trans
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
 from blockd.tcp_pdu import PduReader
 
@@ -20,10 +21,14 @@ class OutputBatcher:
     and ``release()`` (a receive callback, say; holds nest) buffers only queue, and ``release`` sends them
     together; sends outside a hold go out once the loop has run everything that was ready.
     Order is kept either way.
+
+    ``on_backlog`` is called after a write that left bytes in the transport's buffer (the peer
+    reads less than we send); a peer that keeps up costs one length read per write.
     """
 
-    def __init__(self, transport: asyncio.Transport) -> None:
+    def __init__(self, transport: asyncio.Transport, on_backlog: Callable[[], None] | None = None) -> None:
         self.transport = transport
+        self.on_backlog = on_backlog
         self._bufs: list[bytes | memoryview] = []
         self._held = 0
         self._scheduled = False
@@ -54,6 +59,8 @@ class OutputBatcher:
             self.transport.write(b"".join(bufs))
         else:
             self.transport.writelines(bufs)
+        if self.on_backlog is not None and self.transport.get_write_buffer_size():
+            self.on_backlog()
 
 
 class PduProtocol(asyncio.BufferedProtocol):

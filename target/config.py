@@ -15,6 +15,9 @@ Example::
     pdu_timeout = 30.0
     max_connections = 1024
     max_connections_per_host = 128
+    max_unsent_total = "256MiB"
+    rdma_recv_total = "256MiB"
+    auth_timeout = 120.0
 
     [control]
     socket = "/run/blockd/target.sock"   # root-only; "" turns the control socket off
@@ -171,11 +174,20 @@ class Limits:
     """Connections open at once, over all ports; more are closed at accept."""
     max_connections_per_host: int = 128
     """Connections open at once from one source address."""
+    max_unsent_total: int = 256 << 20
+    """Replies waiting to be sent over all queues; past it, queues with unsent replies stop reading."""
+    rdma_recv_total: int = 256 << 20
+    """Receive buffers posted by all NVMe/RDMA queues (depth x (64 + in-capsule size) each); a
+    queue that would pass it is refused at its CM connect request."""
+    auth_timeout: float = 120.0
+    """Seconds a queue of a host with a DH-HMAC-CHAP secret has to authenticate from Connect, when
+    its controller has no KATO (else the KATO), as nvmet's transaction timer; then it is closed."""
 
 
 _LIMIT_KINDS = {"max_unsent": "size", "r2t_budget": "size", "r2t_budget_total": "size",
                 "hello_timeout": "seconds", "pdu_timeout": "seconds",
-                "max_connections": "count", "max_connections_per_host": "count"}
+                "max_connections": "count", "max_connections_per_host": "count",
+                "max_unsent_total": "size", "rdma_recv_total": "size", "auth_timeout": "seconds"}
 
 
 def _limits(table: dict[str, Any], where: str) -> Limits:

@@ -22,6 +22,7 @@ command runs inside ``submit`` without an event loop.
 
 from __future__ import annotations
 
+import asyncio
 from time import monotonic_ns
 from typing import TYPE_CHECKING, Awaitable, Callable
 
@@ -42,12 +43,10 @@ from protocol.nvme import (
 )
 from protocol.status import MORE, Status, to_wire
 from target.auth import QueueAuth
-from target.rejections import AUTH_FAILED, COMMAND_POOL_EXHAUSTED, connect_refused
+from target.rejections import AUTH_FAILED, AUTH_TIMEOUT, COMMAND_POOL_EXHAUSTED, connect_refused
 from target.request import Direction, IllegalTransition, Request, RequestState
 
 if TYPE_CHECKING:
-    import asyncio
-
     from target.controller import Controller
     from target.target import Target
     from target.transport import TargetTransport
@@ -130,6 +129,8 @@ class TargetQueue:
         self.locked = False
         """Every command but Connect and Authentication Send/Receive is refused: the host has
         a secret and this queue has not authenticated (or its authentication failed)."""
+        self._auth_timer: asyncio.TimerHandle | None = None
+        """While ``locked``: closes the queue if it is still locked when it fires."""
         self.counters: IoCounters | None = None
         """The host's counters once this is a connected I/O queue (admin commands are not
         counted: they are the host's housekeeping, not its load)."""
@@ -333,8 +334,25 @@ class TargetQueue:
         if self._teardown is None:
             self._teardown = (cause, detail)
 
+    def _watch_auth(self) -> None:
+        """A locked queue has its controller's KATO, or ``auth_timeout`` without one, to
+        authenticate, then it is closed (docs/security.md: nvmet's transaction timer has the same
+        length but only restarts the transaction)."""
+        seconds = self.controller.kato_ms / 1000 or self.target.limits.auth_timeout
+        self._auth_timer = asyncio.get_running_loop().call_later(seconds, self._auth_expired, seconds)
+
+    def _auth_expired(self, seconds: float) -> None:
+        self._auth_timer = None
+        if self.locked:
+            self.target.rejections.add(AUTH_TIMEOUT)
+            self.note_teardown("not authenticated in time", timeout=str(seconds))
+            self.transport.close()
+
     def close(self) -> None:
         """The connection is gone: say why, detach from the controller."""
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
+            self._auth_timer = None
         cause, detail = self._teardown or ("connection closed", {})
         log.info("queue torn down", peer=self.peer, transport=self.transport.info.name,
                  qid=self.qid, cntlid=self.controller.cntlid if self.controller else None,
@@ -405,6 +423,7 @@ class TargetQueue:
             if auth is not None:
                 self.auth = QueueAuth(auth, data.hostnqn, data.subnqn)
                 self.locked = True
+                self._watch_auth()
                 req.dw0 |= CONNECT_AUTHREQ_ATR
             log.info("queue connected", subnqn=data.subnqn, hostnqn=data.hostnqn,
                      cntlid=ctrl.cntlid, qid=qid, sqsize=sqsize + 1, peer=self.peer)
@@ -434,6 +453,11 @@ class TargetQueue:
     def _auth_settled(self) -> None:
         auth = self.auth
         self.locked = not auth.authenticated
+        if not self.locked and self._auth_timer is not None:
+            self._auth_timer.cancel()
+            self._auth_timer = None
+        elif self.locked and self._auth_timer is None:  # a re-authentication failed
+            self._watch_auth()
         if auth.failed:
             self.target.rejections.add(AUTH_FAILED)
             # the host NQN is a name, not a secret; the secret never reaches a log line

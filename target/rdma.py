@@ -10,7 +10,10 @@ answers each command, calling back ``fetch_data`` and ``queue_response`` (see
   HSQSIZE+1 <= 32) and a bad one rejected with its NVMe-oF STS.  Otherwise a CQ and an external
   QP are created on the request's device, HSQSIZE+1 receives of 64 (+4096 in-capsule bytes on
   I/O queues; the admin queue takes 64-byte capsules only, as nvmet) are posted *before* the
-  accept, which carries CRQSIZE = HSQSIZE+1.
+  accept, which carries CRQSIZE = HSQSIZE+1.  A request past the connection maxima (shared with
+  NVMe/TCP) or whose receive buffers would pass ``rdma_recv_total`` is rejected with No
+  Resources; an accepted queue that sends no Fabrics Connect within ``hello_timeout`` is closed
+  (issue 12, docs/security.md).
 * Command (RECV): the SQE and any in-capsule data go to ``queue.submit``.  Host-to-controller
   data behind a keyed SGL is fetched (``fetch_data``) with RDMA READs of the SGL's (validated)
   address/length/key into a registered slot, in pieces of at most ``READ_CHUNK`` bytes, with at
@@ -19,7 +22,9 @@ answers each command, calling back ``fetch_data`` and ``queue_response`` (see
 * Execution: the core runs the command at once, in the completion handler; only a command
   that really waits (an fsync, a slow backend) becomes a Task.
 * Reply (``queue_response``): a read goes straight into a registered slot when one is free
-  (``read_buffer``; else it is copied into one) and is RDMA WRITTEN to the SGL's address/key
+  (``read_buffer``; else it is copied into one once one is free, and while it waits it counts
+  against the daemon's ``max_unsent_total``, past which queues adding to it take no new
+  commands until the total drops) and is RDMA WRITTEN to the SGL's address/key
   (never more than the SGL length), chained with the 16-byte response SEND; the command's
   receive buffer is re-posted before that SEND.  SEND_WITH_INV carries the command's key only
   when the host asked for it (SGL id 0x4F with data).  What one batch of completions produces
@@ -55,6 +60,7 @@ from protocol.logpage import TSAS_RDMA
 from target.controller import MQES
 from target.queue import TargetQueue
 from target.request import Request, RequestState
+from target.rejections import HELLO_TIMEOUT, RDMA_RECV_BUDGET
 from target.target import ADMIN_QUEUE_MAX, PortInfo, Target
 from target.transport import DEFAULT_MAX_TRANSFER, TransportInfo
 
@@ -141,6 +147,11 @@ def rdma_netdev_addresses() -> dict[str, str]:
     return out
 
 
+def _inline_size(qid: int) -> int:
+    """In-capsule data a queue's receive buffers hold: none on the admin queue, as nvmet."""
+    return INFO.admin_inline if qid == 0 else INFO.io_inline
+
+
 def _peer_of(cmid) -> str:
     """The peer's IPv4 address:port from the raw rdma_cm_id (route.addr.dst_addr @160)."""
     try:
@@ -182,12 +193,12 @@ class RdmaTargetConnection:
 
     info = INFO
 
-    def __init__(self, listener: "RdmaListener", creq) -> None:
+    def __init__(self, listener: "RdmaListener", creq, host: str, recv_bytes: int) -> None:
         from blockd.rdma.verbs import open_device
         nv = creq.nvme
         self.listener = listener
         self.depth = nv.hsqsize + 1
-        self.inline = INFO.admin_inline if nv.qid == 0 else INFO.io_inline
+        self.inline = _inline_size(nv.qid)
         self.loop = asyncio.get_running_loop()
         self.dev = dev = open_device(creq.dev_name)
         self.data = _device_slots(dev)
@@ -208,6 +219,12 @@ class RdmaTargetConnection:
         self.tokens: dict[int, tuple[_Cmd, int]] = {}  # RDMA READs in flight: command, bytes
         self._next_token = 0
         self.cmds: set[_Cmd] = set()
+        self.unsent_total = listener.target.unsent
+        self.waiting_bytes = 0
+        """Read data waiting in ordinary buffers for a registered slot (``unsent``)."""
+        self.deferring = False
+        """Past ``max_unsent_total``: received commands wait in their receive slots, unsubmitted."""
+        self.deferred: collections.deque[tuple[int, int]] = collections.deque()
         # work requests as the fast post path takes them, built once
         lkey = self.recv_pool.lkey
         self._recv_wrs = [((_RECV << _KIND_SHIFT) | s.index, s.addr, s.size, lkey)
@@ -219,6 +236,8 @@ class RdmaTargetConnection:
         self._batching = False
         self._recv_out: list = []
         self._send_out: list = []
+        self._admitted = None
+        self._hello: asyncio.TimerHandle | None = None
         self.peer = _peer_of(creq.cmid)
         port = listener.port
         self.queue = TargetQueue(listener.target, self, port.port_id, peer=self.peer,
@@ -229,9 +248,19 @@ class RdmaTargetConnection:
         except Exception:
             self._destroy()
             raise
+        # from here on _destroy gives back what the listener counted for this queue
+        self._admitted: tuple[str, int] | None = (host, recv_bytes)
+        self._hello = self.loop.call_later(listener.target.limits.hello_timeout, self._hello_expired)
         self.cq.attach(self.loop, self._completions)
         log.info("rdma queue accepted", peer=self.peer, qid=nv.qid, depth=depth,
                  inline=self.inline, initiator_depth=self.cm.initiator_depth, dev=dev.name)
+
+    def _hello_expired(self) -> None:
+        """An established queue that sent no Fabrics Connect within ``hello_timeout`` holds its
+        QP and receive buffers for nothing: close it (as NVMe/TCP's hello timeout)."""
+        if not self.closing and self.queue.controller is None:
+            self.listener.target.rejections.add(HELLO_TIMEOUT)
+            self._fatal("no Connect in time", timeout=str(self.listener.target.limits.hello_timeout))
 
     # -- receives -------------------------------------------------------------------------------
 
@@ -310,6 +339,9 @@ class RdmaTargetConnection:
                 self._fatal, "completion error", wc=wr, wc_status=wc_status_name(status), **detail))
 
     def _command(self, idx: int, nbytes: int) -> None:
+        if self.deferring:
+            self.deferred.append((idx, nbytes))
+            return
         if nbytes < SQE_SIZE:
             self._fatal("framing error", error=f"capsule of {nbytes} bytes is shorter than an SQE")
             return
@@ -431,7 +463,36 @@ class RdmaTargetConnection:
             if cmd.data is not None:
                 self.data.put(cmd.data)
                 cmd.data = None
-            self.data.get(n, lambda slot, cmd=cmd: self._write_slot(cmd, slot))
+            self.waiting_bytes += n
+            self.data.get(n, lambda slot, cmd=cmd: self._waited_slot(cmd, slot))
+            if cmd.data is None:  # no slot now: the reply waits in memory
+                self.unsent_total.note(self)
+
+    def _waited_slot(self, cmd: _Cmd, slot) -> None:
+        self.waiting_bytes -= cmd.nbytes
+        self._write_slot(cmd, slot)
+
+    # -- the daemon-wide count of replies waiting (target.limits.UnsentTotal) -------------------
+
+    def unsent(self) -> int:
+        return self.waiting_bytes
+
+    def hold_reading(self, held: bool) -> None:
+        """Take no new commands while the daemon's waiting replies are past the cap (the host
+        can send no more than the receives it has, which are posted again only with responses)."""
+        self.deferring = held
+        if not held and self.deferred:
+            self.loop.call_soon(self._submit_deferred)
+
+    def _submit_deferred(self) -> None:
+        self._batching = True
+        try:
+            while self.deferred and not self.deferring and not self.closing:
+                self._command(*self.deferred.popleft())
+        finally:
+            self._batching = False
+            if self._send_out or self._recv_out:
+                self._flush()
 
     def _write_slot(self, cmd: _Cmd, slot) -> None:
         if self.closing:
@@ -523,7 +584,11 @@ class RdmaTargetConnection:
         self.queue.note_teardown("local shutdown")
         self.closing = True
         self._held = []
+        if self._hello is not None:
+            self._hello.cancel()
         self.listener.connections.discard(self)
+        self.unsent_total.forget(self)
+        self.deferred.clear()
         try:
             self.queue.close()
         except Exception:
@@ -582,6 +647,16 @@ class RdmaTargetConnection:
         self.resp_pool.close()
         for slot in held:
             self.data.put(slot)  # also serves other connections' waiters
+        if self._admitted is not None:
+            self.listener.release(*self._admitted)
+            self._admitted = None
+
+
+def _reject(creq, sts: int) -> None:
+    try:
+        creq.reject_nvme(sts)
+    except Exception:
+        log.exception("reject failed")
 
 
 class RdmaListener:
@@ -641,22 +716,46 @@ class RdmaListener:
         if sts is not None:
             log.warning("rejecting rdma connection", sts=sts,
                         why=pcm.REJECT_STS.get(sts, "?"), request=str(nv))
-            try:
-                creq.reject_nvme(sts)
-            except Exception:
-                log.exception("reject failed")
+            _reject(creq, sts)
+            return
+        peer = _peer_of(creq.cmid)
+        host = peer.rpartition(":")[0]
+        recv_bytes = (nv.hsqsize + 1) * (SQE_SIZE + _inline_size(nv.qid))
+        if not self._admit(host, recv_bytes, peer, nv.qid):
+            _reject(creq, pcm.STS_NO_RESOURCES)  # as nvmet-rdma when it cannot set a queue up
             return
         try:
-            conn = RdmaTargetConnection(self, creq)
+            conn = RdmaTargetConnection(self, creq, host, recv_bytes)
         except Exception as exc:
             log.exception("cannot accept rdma connection", error=str(exc))
+            self.release(host, recv_bytes)
             if not creq.done:
-                try:
-                    creq.reject_nvme(pcm.STS_NO_RESOURCES)
-                except Exception:
-                    pass
+                _reject(creq, pcm.STS_NO_RESOURCES)
             return
         self.connections.add(conn)
+
+    def _admit(self, host: str, recv_bytes: int, peer: str, qid: int) -> bool:
+        """Count a new queue against the connection maxima (shared with NVMe/TCP) and the
+        daemon's receive-buffer budget, or log why not."""
+        target = self.target
+        if not target.connections.admit(host):
+            log.warning("rejecting rdma connection: too many connections", peer=peer, qid=qid,
+                        total=target.connections.total,
+                        from_host=target.connections.by_host.get(host, 0))
+            return False
+        if not target.rdma_recv.try_take(recv_bytes):
+            target.connections.release(host)
+            target.rejections.add(RDMA_RECV_BUDGET)
+            log.warning("rejecting rdma connection: receive buffers would pass rdma_recv_total",
+                        peer=peer, qid=qid, need=recv_bytes, used=target.rdma_recv.used,
+                        limit=target.rdma_recv.limit)
+            return False
+        return True
+
+    def release(self, host: str, recv_bytes: int) -> None:
+        """A queue :meth:`_admit` counted is gone: its connection and receive buffers are free."""
+        self.target.connections.release(host)
+        self.target.rdma_recv.give(recv_bytes)
 
     async def stop(self) -> None:
         for lst in self.listeners:

@@ -33,6 +33,10 @@ INCAPSULE_TOO_LARGE = "incapsule_too_large"
 terminated with Data Transfer Out of Range, which also counts under ``framing_data_out_of_range``)."""
 AUTH_FAILED = "auth_failed"
 """A DH-HMAC-CHAP transaction failed (wrong secret or protocol error)."""
+AUTH_TIMEOUT = "auth_timeout"
+"""A queue closed: it did not authenticate within its KATO (``auth_timeout`` without one)."""
+RDMA_RECV_BUDGET = "rdma_recv_budget"
+"""An RDMA connection rejected: its receive buffers would pass ``rdma_recv_total``."""
 
 FRAMING = {int(fes): f"framing_{fes.name.lower()}" for fes in TermReqFes}
 """Framing errors (connection terminated with a C2HTermReq), by Fatal Error Status."""
@@ -49,7 +53,8 @@ def connect_refused(status: int) -> str:
 
 REASONS: tuple[str, ...] = (
     CONNECTIONS_TOTAL, CONNECTIONS_PER_HOST, HELLO_TIMEOUT, PDU_TIMEOUT, KEEP_ALIVE_TIMEOUT,
-    COMMAND_POOL_EXHAUSTED, R2T_BUDGET_WAIT, INCAPSULE_TOO_LARGE, AUTH_FAILED, *FRAMING.values(),
+    COMMAND_POOL_EXHAUSTED, R2T_BUDGET_WAIT, INCAPSULE_TOO_LARGE, AUTH_FAILED, AUTH_TIMEOUT, RDMA_RECV_BUDGET,
+    *FRAMING.values(),
 )
 """The reasons known in advance; a refused Connect adds its own (:func:`connect_refused`)."""
 

@@ -18,7 +18,7 @@ from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_HEADER
 from protocol.status import Status
 from target.ana import AnaStates
 from target.controller import MQES, Controller
-from target.limits import ConnectionCount, DataBudget
+from target.limits import ConnectionCount, DataBudget, UnsentTotal
 from target.queue import TargetQueue
 from target.rejections import KEEP_ALIVE_TIMEOUT, Rejections
 from target.subsystem import Namespace, Subsystem
@@ -62,6 +62,10 @@ class Target:
                                            self.rejections)
         self.r2t_budget = DataBudget(limits.r2t_budget_total)
         """Write data buffers asked for with R2T, over every queue (see target.limits)."""
+        self.unsent = UnsentTotal(limits.max_unsent_total)
+        """Replies waiting in the NVMe/TCP sockets, over every queue."""
+        self.rdma_recv = DataBudget(limits.rdma_recv_total)
+        """Receive buffers posted by every NVMe/RDMA queue."""
         self.genctr = 1
         self._next_cntlid: dict[str, int] = {}
         """Per subsystem, where the search for a free controller id starts."""

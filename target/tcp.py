@@ -59,6 +59,40 @@ _FEI_PFV, _FEI_HPDA = fei_of(IC_REQ, "pfv"), fei_of(IC_REQ, "hpda")
 _FEI_FLAGS, _FEI_TTAG, _FEI_DATAO, _FEI_DATAL = (
     fei_of(DATA_PDU_HEADER, n) for n in ("flags", "ttag", "datao", "datal"))
 _FEI_PLEN = fei_of(COMMON_HEADER, "plen")
+_HELLO_STAGING = IC_REQ.sizeof()
+
+
+TERM_LINGER = 2.0
+"""Seconds a terminated connection waits for the host to close after its C2HTermReq (see
+``TcpTargetConnection._terminate``)."""
+
+
+class _Discard:
+    """Reader and output of a terminated connection: what the host still sends is dropped, and
+    so is what commands still running would answer."""
+
+    completed = 0
+    _scratch = memoryview(bytearray(4096))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> tuple[()]:
+        return ()
+
+    def in_pdu(self) -> bool:
+        return False
+
+    def send(self, bufs: list[bytes | memoryview]) -> None:
+        pass
+
+    def hold(self) -> None:
+        pass
+
+    release = flush = hold
+
+
+_DISCARD = _Discard()
 
 
 class TcpTargetConnection(PduProtocol):
@@ -70,7 +104,8 @@ class TcpTargetConnection(PduProtocol):
     What a host can make it hold is bounded (issue 12, limits in :class:`target.config.Limits`):
     nothing but the header staging before ICReq, in-capsule data only up to the queue's size,
     write buffers only for R2Ts sent within a per-queue and a global budget, and replies the
-    host does not read only up to ``max_unsent``, after which the socket is not read."""
+    host does not read only up to ``max_unsent`` (and while all queues' together stay within
+    ``max_unsent_total``), after which the socket is not read."""
 
     info = INFO
     read_buffer = None
@@ -79,10 +114,12 @@ class TcpTargetConnection(PduProtocol):
     def __init__(self, target: Target, port: PortInfo) -> None:
         self.target = target
         self.port = port
-        self.reader = PduReader(_H2C_TYPES, max_data=INFO.max_transfer, place=self._place)
+        # until ICReq only an ICReq (or H2CTermReq) may come: staging for that, not 64 KiB per
+        # connection that never said hello (grown in _icreq)
+        self.reader = PduReader(_H2C_TYPES, max_data=INFO.max_transfer, place=self._place, staging=_HELLO_STAGING)
         self.writer = PduWriter()
         self.transport: asyncio.Transport | None = None
-        self.out: OutputBatcher | None = None
+        self.out: OutputBatcher | _Discard | None = None
         self.queue: TargetQueue | None = None
         self.fast = TcpFastPath(self, INFO.max_transfer) if TcpFastPath is not None else None
         """The compiled Read/Write path (:mod:`target.io_fast`): it answers the capsules it can,
@@ -93,11 +130,15 @@ class TcpTargetConnection(PduProtocol):
         self.limits = target.limits
         self.host = ""
         self.paused = False
-        """Replies the host has not read passed ``max_unsent``: the socket is not read, and
+        """Replies the host has not read passed ``max_unsent`` (``_stopped_by_queue``), or all
+        queues' passed ``max_unsent_total`` (``_stopped_by_total``): the socket is not read, and
         commands already received wait in the reader until the replies drain."""
+        self._stopped_by_queue = False
+        self._stopped_by_total = False
         self._batched = 0
         """Read data queued in the output batch since it last went to the socket."""
         self._flush_at = self.limits.max_unsent // 4
+        self._unsent = target.unsent
         self._r2t_waiting: deque[Request] = deque()
         """Writes whose R2T waits for budget, in arrival order."""
         self._r2t_held = 0
@@ -118,7 +159,8 @@ class TcpTargetConnection(PduProtocol):
             transport.close()
             return
         self.host = host
-        self.out = OutputBatcher(self.transport)
+        # what a write leaves unsent counts against the daemon-wide max_unsent_total
+        self.out = OutputBatcher(self.transport, on_backlog=self._note_unsent)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -140,6 +182,7 @@ class TcpTargetConnection(PduProtocol):
         else:
             self.queue.note_teardown("connection error", error=str(exc))
         self.target.connections.release(self.host)
+        self.target.unsent.forget(self)
         self._timer.cancel()
         # writes still waiting for their H2CData end here (no response goes out on a closed
         # transport), so they let go of their namespace: a removed one may then close
@@ -149,7 +192,8 @@ class TcpTargetConnection(PduProtocol):
         self._r2t_waiting.clear()
         for req in pending:
             self.queue.data_failed(req)
-        self.queue.close()
+        if self.out is not _DISCARD:  # else _terminate closed the queue already
+            self.queue.close()
         budget = self.target.r2t_budget
         budget.forget(self._send_r2ts)
         if self._r2t_held:
@@ -158,13 +202,34 @@ class TcpTargetConnection(PduProtocol):
 
     def pause_writing(self) -> None:
         """The host does not read its replies fast enough: read no more commands from it."""
-        self.paused = True
-        self.transport.pause_reading()
+        self._stopped_by_queue = True
+        self._set_paused()
 
     def resume_writing(self) -> None:
         """The replies drained: take the commands that waited in the reader, then read again."""
-        self.paused = False
-        if not self.transport.is_closing():
+        self._stopped_by_queue = False
+        self._set_paused()
+
+    def _note_unsent(self) -> None:
+        self._unsent.note(self)
+
+    def unsent(self) -> int:
+        """Replies handed to the socket and not sent yet (for :class:`UnsentTotal`)."""
+        return self.transport.get_write_buffer_size()
+
+    def hold_reading(self, held: bool) -> None:
+        """All queues' unsent replies passed ``max_unsent_total`` (or fell back below it)."""
+        self._stopped_by_total = held
+        self._set_paused()
+
+    def _set_paused(self) -> None:
+        paused = self._stopped_by_queue or self._stopped_by_total
+        if paused == self.paused:
+            return
+        self.paused = paused
+        if paused:
+            self.transport.pause_reading()
+        elif not self.transport.is_closing():
             self.transport.resume_reading()
             asyncio.get_running_loop().call_soon(self._take_waiting)
 
@@ -241,6 +306,7 @@ class TcpTargetConnection(PduProtocol):
         self.reader.hdgst = self.writer.hdgst = bool(dgst & 1)
         self.reader.ddgst = self.writer.ddgst = bool(dgst & 2)
         self.reader.allowed = _AFTER_IC
+        self.reader.grow_staging()
         self.transport.write(IC_RESP.build(dict(
             pdu_type=PduType.IC_RESP, flags=0, hlen=128, pdo=0, plen=128, pfv=0, cpda=0,
             dgst=dgst & 3, maxh2cdata=MAXH2CDATA)))
@@ -339,9 +405,9 @@ class TcpTargetConnection(PduProtocol):
             success = PduFlags.SUCCESS if queue.sqhd_disabled else 0
             self.out.send(self.writer.data_pdu(_C2H_DATA, req.cid, 0, 0, req.reply, PduFlags.LAST_PDU | success))
             self._batched += req.length
-            if self._batched > self._flush_at:
-                # to the socket now, so that a host not reading shows (pause_writing) before
-                # the rest of this receive's commands pile up more replies
+            if self._batched > self._flush_at or self._unsent.over:
+                # to the socket now, so that a host not reading shows (pause_writing, or the
+                # daemon-wide count) before the rest of this receive's commands pile up more replies
                 self._batched = 0
                 self.out.flush()
             if success:
@@ -354,10 +420,26 @@ class TcpTargetConnection(PduProtocol):
         queue.response_sent(req)
 
     def _terminate(self, exc: FramingError) -> None:
+        """Send the C2HTermReq, then close: after a FIN, reading and dropping what the host still
+        sends for up to ``TERM_LINGER`` seconds. Closing a socket with unread bytes sends a reset,
+        and a reset makes the host's kernel drop the C2HTermReq it has not read yet; before ICReq
+        the reader takes no more than an ICReq, so a host sending anything else has bytes unread."""
         self.target.rejections.add(FRAMING[exc.fes])
         self.queue.note_teardown("framing error", fes=str(exc.fes), fei=str(exc.fei), error=str(exc))
         self.out.send([term_req(PduType.C2H_TERM_REQ, exc.fes, exc.fei, exc.header)])
-        self.close()
+        self.out.flush()
+        transport = self.transport
+        if transport.is_closing() or transport.get_write_buffer_size() or self.paused:
+            self.close()  # the host does not read: it will not see the C2HTermReq either way
+            return
+        self.reader = _DISCARD
+        self.out = _DISCARD  # nothing may be written after the FIN
+        transport.write_eof()
+        # the queue ends now, not when the socket does: its QID is free for the host's next
+        # connection at once, as when the target closed without waiting
+        self.queue.close()
+        self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(TERM_LINGER, self.close)
 
     def close(self) -> None:
         """Send what is queued, then close."""

@@ -3,7 +3,10 @@ the secrets in the target's configuration and the host's connect parameters."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,9 +15,10 @@ from target.config import ConfigError, load
 from blockd.dhchap_secret import generate_secret
 from initiator.controller import ConnectError, Controller
 from initiator.errors import NvmeError
-from protocol.status import Status
+from protocol.status import Status, from_wire
+from target.rejections import AUTH_TIMEOUT
 
-from .conftest import HOSTNQN, NQN, config, connect, free_port, ns, run, serving, sub
+from .conftest import HOSTNQN, NQN, RawConn, config, connect, free_port, ns, prop_sqe, run, serving, sub, until
 
 HOST_KEY = generate_secret(HOSTNQN, 1).encode()
 CTRL_KEY = generate_secret(NQN, 3).encode()
@@ -177,3 +181,55 @@ def test_initiator_config_with_secrets_must_not_be_readable_by_others(tmp_path):
     path.chmod(0o600)
     conn = load_initiator(str(path)).connections[0]
     assert HOST_KEY not in repr(conn)
+
+
+@pytest.mark.parametrize("kato", [0, 2000])
+def test_a_queue_that_does_not_authenticate_is_closed_in_time(tmp_path, kato):
+    """A host with a secret that connects and never authenticates loses the queue (and so its
+    controller): after ``auth_timeout`` without KATO, after KATO with one, even while it keeps
+    sending commands (refused, but traffic that keeps the keep-alive from expiring)."""
+    port = free_port()
+    cfg = auth_config(tmp_path, port)
+    cfg = replace(cfg, limits=replace(cfg.limits, auth_timeout=1.0))
+    deadline = kato / 1000 or 1.0
+
+    async def main() -> None:
+        async with serving(cfg) as service:
+            conn = await RawConn.open(port)
+            await conn.initialize()
+            t0 = time.monotonic()
+            await conn.connect_admin(kato=kato)
+            assert len(service.target.controllers) == 1
+            while time.monotonic() - t0 < deadline + 3:
+                try:
+                    status, *_ = await conn.command(prop_sqe(5, True, 0x1C), timeout=1.0)
+                except (asyncio.TimeoutError, ConnectionError, AssertionError):
+                    break  # the target closed the connection
+                assert from_wire(status) == Status.AUTH_REQUIRED, hex(status)
+                await asyncio.sleep(0.3)
+            assert await conn.closed(timeout=2.0)
+            waited = time.monotonic() - t0
+            assert deadline - 0.1 <= waited <= deadline + 2.0, waited
+            await until(lambda: not service.target.controllers)
+            assert service.target.rejections.counts.get(AUTH_TIMEOUT) == 1
+            await conn.close()
+    run(main())
+
+
+def test_an_authenticated_host_outlives_the_auth_timeout(tmp_path):
+    port = free_port()
+    cfg = auth_config(tmp_path, port)
+    cfg = replace(cfg, limits=replace(cfg.limits, auth_timeout=1.0))
+
+    async def main() -> None:
+        async with serving(cfg):
+            ctrl = await connect(port, dhchap_secret=HOST_KEY, nr_io_queues=1, keep_alive_tmo=0)
+            conns = [ctrl.admin, *ctrl.io]
+            try:
+                await asyncio.sleep(2.0)
+                await write_read(ctrl)
+                # the same queues (the host would reconnect, and authenticate again, after a loss)
+                assert [ctrl.admin, *ctrl.io] == conns and not any(c.closed for c in conns)
+            finally:
+                await ctrl.close()
+    run(main())

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -182,6 +184,28 @@ def test_reads_nobody_reads_stay_within_max_unsent(tmp_path: Path) -> None:
     within_budget(tmp_path, attack)
 
 
+def test_many_queues_nobody_reads_stay_within_max_unsent_total(tmp_path: Path) -> None:
+    """16 I/O queues, each with 16 Reads of 1 MiB whose replies are never read: each queue alone
+    stays within its 4 MiB ``max_unsent``, but together they would hold some 80 MiB; the
+    daemon-wide ``max_unsent_total`` (8 MiB) stops them, each past it by one reply at most."""
+    conns: list[RawConn] = []
+    queues, total = 16, 8 * MiB
+
+    async def attack(port: int) -> None:
+        admin, cntlid = await raw_admin(port)
+        conns.append(admin)
+        for qid in range(1, queues + 1):
+            io = await RawConn.open(port)
+            await io.initialize()
+            await io.connect_io(cntlid, qid=qid)
+            _small_rcvbuf(io)
+            conns.append(io)
+            io.send(b"".join(capsule(_read_1m(cid)) for cid in range(16)))
+            await io.writer.drain()
+
+    within_budget(tmp_path, attack, limits=f"max_unsent_total = {total}", bound=total + queues * MiB)
+
+
 def test_discovery_log_flood_stays_within_max_unsent(tmp_path: Path) -> None:
     """96 Get Log Page (discovery, 1 MiB each) on a discovery controller, which takes any host,
     and the replies are never read (was: +97 MiB)."""
@@ -221,6 +245,49 @@ def test_h2c_data_before_icreq_allocates_nothing(tmp_path: Path) -> None:
             await expect_termination(conn, 2, 0)
 
     within_budget(tmp_path, attack, bound=0)
+
+
+IDLE_CONNECTIONS = 1000
+IDLE_COST = 12 << 10
+"""What an idle connection that sent nothing may cost the daemon's RSS (docs/security.md: about
+5 KiB measured; with the 64 KiB staging allocated at accept it was 69 KiB)."""
+
+
+def test_idle_connections_before_icreq_cost_a_few_kib_each(tmp_path: Path) -> None:
+    """1,000 connections that never send ICReq: each holds only its connection state and the
+    128-byte staging an ICReq needs, not the 64 KiB staging of an established queue."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * IDLE_CONNECTIONS + 200  # ours and the daemon's (inherited) ends
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+    limits = f"hello_timeout = 300\nmax_connections = {IDLE_CONNECTIONS}\nmax_connections_per_host = {IDLE_CONNECTIONS}"
+    with target_process(tmp_path, limits) as (proc, port, _):
+        fds = Path(f"/proc/{proc.pid}/fd")
+        base_fds = len(list(fds.iterdir()))
+        before = rss(proc.pid)
+        socks: list[socket.socket] = []
+        deadline = time.monotonic() + 120  # accepting takes a few seconds, more on a busy machine
+        try:
+            # in batches smaller than the listen backlog (100): past it the kernel drops the
+            # handshake's last ACK, and the connection waits for SYN-ACK retries, or is lost
+            while len(socks) < IDLE_CONNECTIONS:
+                socks += [socket.create_connection(("127.0.0.1", port)) for _ in range(50)]
+                while len(list(fds.iterdir())) < base_fds + len(socks):
+                    assert time.monotonic() < deadline, f"the daemon accepted {len(list(fds.iterdir())) - base_fds} of {len(socks)}"
+                    time.sleep(0.05)
+            time.sleep(0.5)
+            peak = rss(proc.pid)
+            per = (peak - before) / IDLE_CONNECTIONS
+            assert per <= IDLE_COST, per
+        finally:
+            for sock in socks:
+                sock.close()
+        while len(list(fds.iterdir())) > base_fds:
+            assert time.monotonic() < deadline + 60, "the daemon did not close the connections"
+            time.sleep(0.1)
+        print(f"RSS before {before >> 10} KiB, with {IDLE_CONNECTIONS} idle connections {peak >> 10} KiB "
+              f"({per / 1024:.1f} KiB each), after they closed {rss(proc.pid) >> 10} KiB")
+        assert proc.poll() is None
 
 
 def test_writes_whose_data_never_comes_hold_only_the_r2t_budget(tmp_path: Path) -> None:
@@ -516,10 +583,59 @@ def test_limits_from_the_config_file() -> None:
     assert parse({}).limits == Limits()
     got = parse({"target": {"max_unsent": "8MiB", "r2t_budget": "2MiB", "r2t_budget_total": "1GiB",
                             "hello_timeout": 2, "pdu_timeout": 0.5, "max_connections": 10,
-                            "max_connections_per_host": 3}}).limits
-    assert got == Limits(8 * MiB, 2 * MiB, 1 << 30, 2.0, 0.5, 10, 3)
+                            "max_connections_per_host": 3, "max_unsent_total": "64MiB",
+                            "rdma_recv_total": "16MiB", "auth_timeout": 30}}).limits
+    assert got == Limits(8 * MiB, 2 * MiB, 1 << 30, 2.0, 0.5, 10, 3, 64 * MiB, 16 * MiB, 30.0)
     for bad, needle in [({"r2t_budget": "512KiB"}, "largest write"), ({"hello_timeout": 0}, "hello_timeout"),
+                        ({"auth_timeout": 7200}, "auth_timeout"), ({"rdma_recv_total": 0}, "rdma_recv_total"),
+                        ({"max_unsent_total": "x"}, "max_unsent_total"),
                         ({"pdu_timeout": "1"}, "pdu_timeout"), ({"max_connections": 0}, "max_connections"),
                         ({"max_unsent": "lots"}, "max_unsent"), ({"max_inflight": 1}, "unknown")]:
         with pytest.raises(ConfigError, match=needle):
             parse({"target": bad})
+
+
+class _Backlog:
+    """A queue as :class:`UnsentTotal` sees it: a backlog, and whether it was told to hold."""
+
+    def __init__(self, unsent: int) -> None:
+        self.backlog = unsent
+        self.held = False
+
+    def unsent(self) -> int:
+        return self.backlog
+
+    def hold_reading(self, held: bool) -> None:
+        self.held = held
+
+
+def test_unsent_total_holds_queues_past_the_cap_and_releases_them_below_three_quarters() -> None:
+    """Queues that leave replies unsent past ``max_unsent_total`` stop reading; the count follows
+    their backlogs as they drain (the timer's re-reads), and below 3/4 of the cap all read again."""
+    from target.limits import UnsentTotal
+
+    async def main() -> None:
+        total = UnsentTotal(10 * MiB)
+        total.POLL = 0.01
+        a, b, c = _Backlog(6 * MiB), _Backlog(5 * MiB), _Backlog(MiB)
+        total.note(a)
+        assert not a.held and not total.over
+        total.note(b)  # 11 MiB: b, which passed the cap, holds; a is held at its next write
+        assert b.held and not a.held and total.over
+        total.note(a)
+        assert a.held
+        a.backlog = 3 * MiB  # 8 MiB: below the cap, not below 7.5 MiB
+        await asyncio.sleep(0.05)
+        assert total.total == 8 * MiB and a.held and b.held and not total.over
+        total.note(c)  # not over the cap: c goes on
+        assert not c.held
+        b.backlog = 0  # 4 MiB: everybody reads again, b is no longer counted
+        await asyncio.sleep(0.05)
+        assert not a.held and not b.held and total.total == 4 * MiB and b not in total.counted
+        total.forget(a)
+        total.forget(c)
+        assert total.total == 0 and not total.counted
+        await asyncio.sleep(0.05)
+        assert total._timer is None  # nothing counted: no re-reads
+
+    run(main())

@@ -1,7 +1,9 @@
 """The compiled PDU reader against its Python reference: the same streams, the same outputs.
 
 Random PDU streams of one direction's types (valid, then with bytes mutated, truncated, with
-and without digests, with some types not yet allowed) are cut into random chunks and fed to both
+and without digests, with some types not yet allowed, some into a reader that starts with the
+target's 128-byte pre-ICReq staging and grows it after the first PDU, as the target does after
+ICReq) are cut into random chunks and fed to both
 readers through ``get_buffer``/``buffer_updated``, as the asyncio protocols feed them. Every PDU
 (type, flags, header, data, placed), every ``place`` call, every error (FES, FEI, message, quoted
 header) and ``completed``/``in_pdu`` after each chunk must agree.
@@ -16,7 +18,7 @@ from typing import Any
 import pytest
 
 from blockd.pdu_reader import PduReader as PyReader
-from blockd.tcp_frames import DataDigestError, FramingError
+from blockd.tcp_frames import STAGING, DataDigestError, FramingError
 from blockd.tcp_pdu import PduWriter
 from protocol.tcp import COMMON_HEADER_SIZE, PduFlags, PduType
 
@@ -67,11 +69,13 @@ class Driver:
     """Feeds one reader the way ``PduProtocol`` does and records everything it shows."""
 
     def __init__(self, cls: type, types: frozenset[int], allowed: frozenset[int], hdgst: bool, ddgst: bool,
-                 place_every: int) -> None:
+                 place_every: int, staging: int = STAGING) -> None:
         self.events: list[Any] = []
         self.place_count = 0
         self.place_every = place_every
-        self.reader = cls(types, max_data=MAX_DATA, place=self.place if place_every else None)
+        self.reader = cls(types, max_data=MAX_DATA, place=self.place if place_every else None, staging=staging)
+        self.grow = staging < STAGING
+        """Grow staging to the full size after the first PDU (the target after ICReq)."""
         self.reader.allowed = allowed
         self.reader.hdgst = hdgst
         self.reader.ddgst = ddgst
@@ -102,6 +106,9 @@ class Driver:
                 for pdu in self.reader.buffer_updated(n):
                     self.events.append(("pdu", pdu.pdu_type, pdu.flags, bytes(pdu.header),
                                         None if pdu.data is None else bytes(pdu.data), pdu.placed))
+                    if self.grow:
+                        self.grow = False
+                        self.reader.grow_staging()
                 return
             except DataDigestError as exc:  # the command fails, the stream goes on
                 self.events.append(("ddgst", exc.pdu_type, bytes(exc.header), str(exc)))
@@ -128,7 +135,8 @@ def run_stream(seed: int) -> tuple[list[Any], list[Any]]:
         del stream[rng.randrange(len(stream)):]
     allowed = types if rng.random() < 0.8 else frozenset(rng.sample(sorted(types), rng.randint(1, len(types))))
     place_every = rng.choice((0, 1, 2, 5, 1000))
-    drivers = [Driver(cls, types, allowed, hdgst, ddgst, place_every) for cls in (PyReader, CReader)]
+    staging = random.Random(~seed).choice((STAGING, STAGING, 128))  # the other draws stay as they were
+    drivers = [Driver(cls, types, allowed, hdgst, ddgst, place_every, staging) for cls in (PyReader, CReader)]
     pos = 0
     while pos < len(stream):
         n = rng.choice((1, 3, 8, 50, 700, 4100, 70000, len(stream)))
@@ -147,6 +155,29 @@ def test_same_outputs_and_errors_on_random_streams(block: int) -> None:
         kinds.update(e[0] for e in py)
     # the streams reached every outcome the comparison is about
     assert {"pdu", "place", "framing", "ddgst", "state"} <= kinds
+
+
+def test_small_staging_until_grown() -> None:
+    """A reader started with 128 bytes of staging (the target before ICReq) keeps it that small
+    for an ICReq arriving in any chunks, and grows to the full staging when told, keeping the
+    bytes of the next PDU that arrived with the ICReq."""
+    icreq = b"".join(bytes(b) for b in PduWriter().pdu(PduType.IC_REQ, bytes(120)))
+    capsule = b"".join(bytes(b) for b in PduWriter().pdu(PduType.CAPSULE_CMD, bytes(range(64)), bytes(4096)))
+    for cls in (PyReader, CReader):
+        for cut in range(1, len(icreq) + 1):
+            reader = cls(H2C, max_data=MAX_DATA, staging=128)
+            got = [p.pdu_type for p in reader.feed(icreq[:cut])]
+            assert len(reader._buf) <= 256, (cls, cut, len(reader._buf))
+            got += [p.pdu_type for p in reader.feed(icreq[cut:])]
+            assert got == [PduType.IC_REQ] and len(reader._buf) <= 256
+        reader = cls(H2C, max_data=MAX_DATA, staging=128)
+        got = []
+        for p in reader.feed(icreq + capsule[:100]):
+            got.append(p.pdu_type)
+            reader.grow_staging()
+        assert len(reader._buf) == STAGING
+        got += [(p.pdu_type, bytes(p.header[8:72]), len(p.data)) for p in reader.feed(capsule[100:])]
+        assert got == [PduType.IC_REQ, (PduType.CAPSULE_CMD, bytes(range(64)), 4096)]
 
 
 def test_staging_growth_and_placement_across_chunks() -> None:

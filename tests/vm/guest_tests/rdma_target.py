@@ -14,11 +14,13 @@ import signal
 import sys
 
 
-def build_target(nqn: str, path: str, size: int, block_size: int = 512, serial: str = "BLOCKDRDMA01"):
+def build_target(nqn: str, path: str, size: int, block_size: int = 512, serial: str = "BLOCKDRDMA01",
+                 limits=None):
     from target.backend import FileBackend
+    from target.config import Limits
     from target.subsystem import Namespace, Subsystem
     from target.target import Target
-    t = Target()
+    t = Target(limits=limits or Limits())
     sub = Subsystem(nqn, serial=serial, model="blockd", allow_any_host=True)
     t.add_subsystem(sub)
     t.add_namespace(sub, Namespace(1, FileBackend(path, size), block_size=block_size,
@@ -27,10 +29,10 @@ def build_target(nqn: str, path: str, size: int, block_size: int = 512, serial: 
 
 
 @contextlib.asynccontextmanager
-async def serve(addr: str, port: int, nqn: str, path: str, size: int):
+async def serve(addr: str, port: int, nqn: str, path: str, size: int, limits=None):
     from target.rdma import RdmaListener
     from target.target import PortInfo
-    t = build_target(nqn, path, size)
+    t = build_target(nqn, path, size, limits=limits)
     info = PortInfo(1, "rdma", addr, str(port))
     t.add_port(info)
     lst = RdmaListener(t, info)

@@ -347,6 +347,27 @@ async def _wait_closed(conn, timeout=20):
         await asyncio.sleep(0.05)
 
 
+async def _good_host_loop(ctrl, stop: asyncio.Event, seed: int) -> int:
+    """A well-behaved host's verified rounds while hostile ones do their worst, until ``stop``."""
+    rounds = 0
+    while not stop.is_set():
+        await _workload(ctrl, 20000 + (rounds % 2) * 6000, seed + rounds)
+        rounds += 1
+    return rounds
+
+
+async def _good_host_unharmed(good, conns: list, stop: asyncio.Event, task: asyncio.Future) -> int:
+    """Stop the good host's loop; it did I/O and never lost a queue (same connections, none
+    closed, no reconnect)."""
+    await asyncio.sleep(0.5)
+    stop.set()
+    rounds = await task
+    assert rounds >= 1
+    assert [good.admin, *good.io] == conns
+    assert not any(c.closed for c in conns)
+    return rounds
+
+
 def test_hostile_host(rxe, record_property):
     """A host sending bad lengths/SGL types gets NVMe errors; bad keys/addresses (RDMA READ and
     WRITE) get its queue torn down; nothing it targeted is written; meanwhile and afterwards
@@ -362,13 +383,6 @@ def test_hostile_host(rxe, record_property):
     VICTIM = 4096  # LBA range the hostile host aims at
     events = []
 
-    async def good_loop(ctrl, stop):
-        rounds = 0
-        while not stop.is_set():
-            st = await _workload(ctrl, 20000 + (rounds % 2) * 6000, 100 + rounds)
-            rounds += 1
-        return rounds
-
     async def hostile(mode: str):
         p = _params(4432, nr_io_queues=1, ctrl_loss_tmo=0, reconnect_delay=0.1, rdma_keys=mode)
         return await Controller.connect(p)
@@ -379,7 +393,7 @@ def test_hostile_host(rxe, record_property):
             good_conns = [good.admin, *good.io]
             victim_before = bytes(await good.read(1, VICTIM, 64))
             stop = asyncio.Event()
-            gtask = asyncio.ensure_future(good_loop(good, stop))
+            gtask = asyncio.ensure_future(_good_host_loop(good, stop, 100))
 
             # 1. protocol-level garbage: NVMe errors, the queue lives on
             h = await hostile("mr")
@@ -452,13 +466,7 @@ def test_hostile_host(rxe, record_property):
                 events.append("stale MW key write: queue torn down")
             await asyncio.wait_for(h.close(), 20)
 
-            await asyncio.sleep(0.5)
-            stop.set()
-            rounds = await gtask
-            assert rounds >= 1
-            # the good host never lost a queue (same connections, none closed, no reconnect)
-            assert [good.admin, *good.io] == good_conns
-            assert not any(c.closed for c in good_conns)
+            rounds = await _good_host_unharmed(good, good_conns, stop, gtask)
             # the victim range is untouched and the target still serves new hosts
             assert bytes(await good.read(1, VICTIM, 64)) == victim_before
             await good.close()
@@ -477,6 +485,98 @@ def test_hostile_host(rxe, record_property):
 
     rounds, ctrls = asyncio.run(asyncio.wait_for(main(), 240))
     assert ctrls == 0, f"{ctrls} controllers left on the target"
+    print("\n".join(events))
+    record_property("good_rounds", rounds)
+    record_property("events", "; ".join(events))
+
+
+def test_hostile_host_limits(rxe, record_property):
+    """The daemon-wide limits on NVMe/RDMA (issue 12): a CM connect request past
+    max_connections_per_host, or whose receive buffers would pass rdma_recv_total, is rejected
+    with No Resources; an established queue that sends no Fabrics Connect is closed after
+    hello_timeout and its count is released (as is that of a queue its host disconnects); a good
+    host keeps doing verified I/O throughout and never loses a queue."""
+    from initiator.controller import Controller
+    from initiator.errors import ConnectError
+    from initiator.queue import HostQueue
+    from initiator.rdma import open_queue
+    from target.config import Limits
+    from target.controller import MQES
+    from target.rdma import SQE_SIZE, RDMA_INLINE
+    from tests.vm.guest_tests.rdma_target import serve
+
+    vol = "/dev/shm/rdma-limits.img"
+    if os.path.exists(vol):
+        os.unlink(vol)
+    port = 4434
+    hello = 10.0  # opening three queues (CM handshakes in the TCG guest) must take less
+    # the good host: admin (32 x 64 B) + 2 I/O queues (32 x (64 + 4096) B) = 262 KiB posted;
+    # the budget leaves room for small admin queues, not for an I/O queue of the largest depth
+    good_recv = 32 * SQE_SIZE + 2 * 32 * (SQE_SIZE + RDMA_INLINE)
+    big_recv = (MQES + 1) * (SQE_SIZE + RDMA_INLINE)
+    limits = Limits(hello_timeout=hello, max_connections_per_host=5, rdma_recv_total=good_recv + big_recv - 4096)
+    events = []
+    lost = []
+
+    async def silent(qid: int, depth: int):
+        """A queue that completes the CM handshake and then never sends Connect."""
+        return await open_queue(_params(port), HostQueue(qid, depth), lambda c, e: lost.append(c))
+
+    async def rejected(qid: int, depth: int) -> str:
+        with pytest.raises(ConnectError) as err:
+            await silent(qid, depth)
+        assert "no resources" in str(err.value), str(err.value)
+        return str(err.value)
+
+    async def main():
+        async with serve(ADDR0, port, NQN, vol, SIZE, limits=limits) as (target, listener):
+            good = await Controller.connect(_params(port))
+            good_conns = [good.admin, *good.io]
+            used_by_good = target.rdma_recv.used
+            assert used_by_good == good_recv
+            assert target.connections.total == 3
+            stop = asyncio.Event()
+            gtask = asyncio.ensure_future(_good_host_loop(good, stop, 300))
+
+            async def released(what: str) -> None:
+                """Back to the good host's 3 queues and their receive buffers."""
+                deadline = time.monotonic() + 15
+                while target.connections.total != 3 or target.rdma_recv.used != used_by_good:
+                    assert time.monotonic() < deadline, what
+                    await asyncio.sleep(0.1)
+
+            # 1. an I/O queue of MQES+1 receives of 4160 bytes would pass the budget
+            events.append("recv budget: " + await rejected(1, MQES + 1))
+            assert target.rdma_recv.used == used_by_good and target.connections.total == 3
+            # 2. two silent queues fill the per-host maximum (5); a third is rejected
+            s1, s2 = await silent(0, 32), await silent(0, 32)
+            assert target.connections.total == 5
+            t0 = time.monotonic()
+            events.append("per-host max: " + await rejected(0, 32))
+            # 3. the silent ones are closed by the target after hello_timeout, counts released
+            await _wait_closed(s1, timeout=hello + 10)
+            await _wait_closed(s2, timeout=hello + 10)
+            waited = time.monotonic() - t0
+            events.append(f"silent queues closed by the target after {waited:.1f} s")
+            assert s1 in lost and s2 in lost
+            await released("counts of closed queues not released")
+            # 4. room again: a new queue is accepted; its host's disconnect releases it too
+            s3 = await silent(0, 32)
+            assert target.connections.total == 4
+            s3.close()
+            await released("count of a disconnected queue not released")
+            events.append("host disconnect released its count")
+
+            rounds = await _good_host_unharmed(good, good_conns, stop, gtask)
+            await good.close()
+            deadline = time.monotonic() + 15
+            while listener.connections or listener.teardowns:
+                assert time.monotonic() < deadline, "target queues not torn down"
+                await asyncio.sleep(0.1)
+            assert target.connections.total == 0 and target.rdma_recv.used == 0
+            return rounds
+
+    rounds = asyncio.run(asyncio.wait_for(main(), 240))
     print("\n".join(events))
     record_property("good_rounds", rounds)
     record_property("events", "; ".join(events))
