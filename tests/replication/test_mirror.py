@@ -1,0 +1,283 @@
+"""ReplicatedBackend in one process: a RAM local copy and RAM replicas behind a fake link that
+can fail, hang up and come back. The loopback tests (test_loopback.py) do the same through
+real target processes; these pin the rules one at a time, fast."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from typing import Any, Callable
+
+import pytest
+
+from protocol.status import Status
+from target.backend import MemoryBackend
+from target.replication import mirror as mirror_mod
+from target.replication.link import DEGRADED, IN_SYNC, REFUSED, SPLIT_BRAIN
+from target.replication.mirror import ReplicatedBackend, ReplicationError
+from target.replication.verify import verify
+
+DEVICE = 4 << 20
+REGION = 64 << 10
+
+
+class FakeReplica:
+    """A replica namespace in RAM; ``down`` makes every call fail as a lost connection would."""
+
+    def __init__(self, store: MemoryBackend, name: str) -> None:
+        self.store = store
+        self.size = store.size
+        self.name = name
+        self.down = False
+        self.written = 0
+        self.closed = False
+
+    def _check(self) -> None:
+        if self.down or self.closed:
+            raise ConnectionError(f"{self.name} is down")
+
+    def submit_write(self, offset: int, data: Any, fua: bool, done: Callable[[BaseException | None], None]) -> None:
+        async def go() -> None:
+            try:
+                await self.write(offset, bytes(data), fua)
+            except ConnectionError as exc:
+                done(exc)
+            else:
+                done(None)
+        asyncio.get_running_loop().create_task(go())
+
+    async def read(self, offset: int, length: int) -> bytes:
+        self._check()
+        return bytes(self.store.data[offset:offset + length])
+
+    async def write(self, offset: int, data: Any, fua: bool = False) -> None:
+        self._check()
+        await asyncio.sleep(0)
+        self.store.data[offset:offset + len(data)] = data
+        self.written += len(data)
+
+    async def flush(self) -> None:
+        self._check()
+
+    async def write_zeroes(self, offset: int, length: int) -> None:
+        await self.write(offset, bytes(length))
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class Bed:
+    """A primary over RAM with ``n`` RAM replicas; ``up[i]`` says whether replica ``i`` answers."""
+
+    def __init__(self, n: int = 2, local: MemoryBackend | None = None,
+                 stores: list[MemoryBackend] | None = None) -> None:
+        self.local = local or MemoryBackend(DEVICE)
+        self.stores = stores or [MemoryBackend(DEVICE) for _ in range(n)]
+        self.up = [True] * n
+        self.opened: list[list[FakeReplica]] = [[] for _ in range(n)]
+
+    def opener(self, i: int) -> Callable[[], Any]:
+        async def open_() -> FakeReplica:
+            if not self.up[i]:
+                raise ConnectionRefusedError(f"replica {i} refuses")
+            r = FakeReplica(self.stores[i], f"r{i}")
+            self.opened[i].append(r)
+            return r
+        return open_
+
+    async def primary(self, min_in_sync: int = 1, rate: int = 1 << 30) -> ReplicatedBackend:
+        backend = await ReplicatedBackend.open(self.local, [(f"r{i}", self.opener(i)) for i in range(len(self.stores))],
+                                               REGION, min_in_sync, rate, 4, name="test")
+        backend.start()
+        return backend
+
+    def kill(self, i: int) -> None:
+        self.up[i] = False
+        for r in self.opened[i]:
+            r.down = True
+
+
+def data_hash(store: MemoryBackend, size: int) -> str:
+    return hashlib.sha256(store.data[:size]).hexdigest()
+
+
+async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture(autouse=True)
+def fast_links(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mirror_mod, "RECONNECT_DELAY", 0.02)
+    monkeypatch.setattr(mirror_mod, "SWEEP_INTERVAL", 0.05)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_writes_reach_every_copy_and_the_data_area_excludes_metadata() -> None:
+    async def main() -> None:
+        bed = Bed(2)
+        m = await bed.primary()
+        assert m.size < DEVICE and m.size % 4096 == 0
+        await until(lambda: all(link.state == IN_SYNC for link in m.links))
+        payload = os.urandom(3 * REGION)
+        await m.write(REGION // 2, payload, fua=True)
+        for store in bed.stores:
+            assert store.data[REGION // 2:REGION // 2 + len(payload)] == payload
+        await m.stop()
+    run(main())
+
+
+def test_a_failed_replica_is_left_behind_and_resync_copies_only_what_it_missed() -> None:
+    async def main() -> None:
+        bed = Bed(2)
+        m = await bed.primary()
+        await until(lambda: all(link.state == IN_SYNC for link in m.links))
+        await m.write(0, os.urandom(m.size))  # everything written once, then settled
+        await until(lambda: all(not link.bitmap.dirty_count() for link in m.links))
+        bed.kill(1)
+        await m.write(5 * REGION, os.urandom(4096))  # the host sees no error
+        assert m.links[1].state == DEGRADED and m.links[0].state == IN_SYNC
+        await m.write(9 * REGION + 100 * 512, os.urandom(2 * REGION))  # regions 9, 10, 11
+        assert m.links[1].missing >= {5, 9, 10, 11}
+        base = m.links[1].copied_total
+        bed.up[1] = True
+        await until(lambda: m.links[1].state == IN_SYNC)
+        assert m.links[1].copied_total - base == 4 * REGION
+        for store in bed.stores:
+            assert data_hash(store, m.size) == data_hash(bed.local, m.size)
+        await m.stop()
+    run(main())
+
+
+def test_min_in_sync_refuses_writes_with_namespace_not_ready() -> None:
+    async def main() -> None:
+        bed = Bed(1)
+        m = await bed.primary(min_in_sync=2)
+        await until(lambda: m.links[0].state == IN_SYNC)
+        await m.write(0, bytes(4096))
+        bed.kill(0)
+        with pytest.raises(ReplicationError) as err:
+            await m.write(0, bytes(4096))  # the replica fails during this one: Write Fault
+        assert err.value.status == Status.WRITE_FAULT
+        with pytest.raises(ReplicationError) as err:
+            await m.write(0, bytes(4096))  # known out of sync: refused before anything is written
+        assert err.value.status == Status.NS_NOT_READY
+        await m.stop()
+    run(main())
+
+
+def test_a_write_during_resync_is_never_overwritten_by_the_copy() -> None:
+    async def main() -> None:
+        bed = Bed(1)
+        m = await bed.primary(rate=8 * REGION)  # slow: about 8 regions per second
+        await until(lambda: m.links[0].state == IN_SYNC)
+        bed.kill(0)
+        await m.write(0, os.urandom(m.size))
+        bed.up[0] = True
+        await until(lambda: m.links[0].state == "resyncing")
+        for _ in range(30):  # writes while the copy runs, across copied and uncopied regions
+            region = int.from_bytes(os.urandom(2), "little") % (m.size // REGION)
+            await m.write(region * REGION, os.urandom(REGION))
+            await asyncio.sleep(0.01)
+        m.resync_rate = 1 << 30
+        await until(lambda: m.links[0].state == IN_SYNC)
+        assert data_hash(bed.stores[0], m.size) == data_hash(bed.local, m.size)
+        await m.stop()
+    run(main())
+
+
+def test_bits_are_cleared_lazily_after_every_copy_has_the_write() -> None:
+    async def main() -> None:
+        bed = Bed(1)
+        m = await bed.primary()
+        await until(lambda: m.links[0].state == IN_SYNC)
+        await m.write(3 * REGION, bytes(4096))
+        assert m.links[0].bitmap.is_dirty(3)  # set before the write went out
+        await until(lambda: not m.links[0].bitmap.is_dirty(3))
+        await m.stop()
+    run(main())
+
+
+def test_primary_restart_resyncs_the_regions_its_bitmap_holds() -> None:
+    async def main() -> None:
+        bed = Bed(1)
+        m = await bed.primary()
+        await until(lambda: m.links[0].state == IN_SYNC and not m.links[0].bitmap.dirty_count())
+        bed.kill(0)
+        await m.write(7 * REGION, b"x" * 4096)
+        data = bed.local.data
+        m.close()  # a crash: nothing more persisted (close() does not sweep)
+        bed.local.data = data
+        bed.up[0] = True
+        m2 = await bed.primary()
+        await until(lambda: m2.links[0].state == IN_SYNC)
+        assert m2.links[0].copied_total == REGION
+        assert bed.stores[0].data[7 * REGION:7 * REGION + 4096] == b"x" * 4096
+        await m2.stop()
+    run(main())
+
+
+def test_split_brain_is_refused_and_discarding_the_replica_resolves_it() -> None:
+    async def main() -> None:
+        bed = Bed(1)
+        a = await bed.primary()
+        await until(lambda: a.links[0].state == IN_SYNC)
+        bed.kill(0)
+        await a.write(0, b"A" * 4096)
+        await a.stop()
+        # the replica becomes a primary of its own (its replica, A, is away) and takes writes
+        other = Bed(1, local=bed.stores[0], stores=[bed.local])
+        other.up[0] = False
+        b = await other.primary()
+        await b.write(REGION, b"B" * 4096)
+        await b.stop()
+        bed.up[0] = True
+        a2 = await bed.primary()
+        await until(lambda: a2.links[0].state == SPLIT_BRAIN)
+        assert bed.stores[0].data[REGION:REGION + 4096] == b"B" * 4096  # nothing overwritten
+        a2.discard_replica("r0")
+        await until(lambda: a2.links[0].state == IN_SYNC)
+        assert data_hash(bed.stores[0], a2.size) == data_hash(bed.local, a2.size)
+        await a2.stop()
+    run(main())
+
+
+def test_a_replica_ahead_of_this_copy_is_refused() -> None:
+    async def main() -> None:
+        bed = Bed(1)
+        a = await bed.primary()
+        await until(lambda: a.links[0].state == IN_SYNC)
+        await a.stop()
+        other = Bed(1, local=bed.stores[0], stores=[bed.local])
+        other.up[0] = False
+        b = await other.primary()
+        await b.write(0, b"B" * 4096)
+        await b.stop()
+        a2 = await bed.primary()
+        await until(lambda: a2.links[0].state == REFUSED)
+        assert a2.promotion_blocker() is not None
+        await a2.stop()
+    run(main())
+
+
+def test_verify_names_the_flipped_region_and_resync_mends_it() -> None:
+    async def main() -> None:
+        bed = Bed(1)
+        m = await bed.primary()
+        await until(lambda: m.links[0].state == IN_SYNC)
+        await m.write(0, os.urandom(m.size))
+        bed.stores[0].data[13 * REGION + 777] ^= 0xFF
+        report = await verify(m, m.links[0])
+        assert [x["region"] for x in report["mismatched"]] == [13]
+        await until(lambda: m.links[0].state == IN_SYNC)
+        assert data_hash(bed.stores[0], m.size) == data_hash(bed.local, m.size)
+        assert (await verify(m, m.links[0]))["mismatched"] == []
+        await m.stop()
+    run(main())
