@@ -361,7 +361,9 @@ class ReplicatedBackend(BackendFilter):
             link.missing.update(link.bitmap.dirty_regions())
             peer_slot = peer.slot_of(self.md.node_id)
             if peer_slot is not None:
-                link.missing.update(peer.bitmap(peer_slot).dirty_regions())
+                for region in peer.bitmap(peer_slot).dirty_regions():
+                    await link.bitmap.mark(*link.bitmap.span(region))  # kept here: resumable
+                    link.missing.add(region)
         if link.missing:
             await peer.begin_sync()
         link.peer_md = peer
