@@ -109,6 +109,7 @@ class ReplicatedBackend(BackendFilter):
         self._generation_bumped = False
         """A new generation was started since every replica was last in sync (one per outage)."""
         self._tasks: list[asyncio.Task[None]] = []
+        self._slot_lock = asyncio.Lock()
         self._closed = False
         self.read_into = inner.read_into  # type: ignore[method-assign]  # reads are local: no extra call
 
@@ -386,11 +387,12 @@ class ReplicatedBackend(BackendFilter):
             peer = await Metadata.format(io, self.region_size, self.md.max_peers, blank=True)
         if peer.region_size != self.region_size or peer.data_size != self.data_size:
             return SyncPlan.UNRELATED, peer
-        slot = self.md.slot_of(peer.node_id)
-        new_slot = slot is None
-        if slot is None:
-            slot = await self.md.assign_slot(peer.node_id)
-            self._bitmaps.append(self.md.bitmap(slot))
+        async with self._slot_lock:  # two replicas met at once must not both take the first free slot
+            slot = self.md.slot_of(peer.node_id)
+            new_slot = slot is None
+            if slot is None:
+                slot = await self.md.assign_slot(peer.node_id)
+                self._bitmaps.append(self.md.bitmap(slot))
         link.slot, link.bitmap = slot, self.md.bitmap(slot)
         peer_slot = peer.slot_of(self.md.node_id)
         local_ids, peer_ids = self.md.ids(slot), peer.ids(peer_slot)

@@ -1,0 +1,338 @@
+"""Replication on loopback with real daemons: a primary `blockd target` whose namespace has two
+replicas, each another `blockd target` process exporting a plain namespace. Killed with
+SIGKILL under a write load, restarted, split, verified: the copies' data areas are compared as
+files at the end of each test (sha256 of the bytes the namespace exports)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from initiator.controller import ConnectParams, Controller
+from protocol.replication import layout
+
+BIN = Path(sys.executable).parent
+NQN = "nqn.2026-11.io.blockd:mirror"
+RNQN = "nqn.2026-11.io.blockd:copy"
+HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:12121212-3434-5656-7878-909090909090"
+DEVICE = 8 << 20
+REGION = 64 << 10
+DATA = layout(DEVICE, REGION, 4).data_size
+"""What the replicated namespace exports: the device less its metadata (4 peer slots)."""
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    """One `blockd target` process: a plain namespace (a replica), or a replicated one."""
+
+    def __init__(self, tmp: Path, name: str) -> None:
+        self.tmp = tmp
+        self.name = name
+        self.port = free_port()
+        self.file = tmp / f"{name}.img"
+        self.sock = tmp / "run" / f"{name}.sock"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = tmp / f"{name}.log"
+
+    def config(self, nqn: str, replicas: list[Node], min_in_sync: int = 1) -> str:
+        text = f"""
+[control]
+socket = "{self.sock}"
+
+[[port]]
+transport = "tcp"
+address = "127.0.0.1"
+port = {self.port}
+
+[[subsystem]]
+nqn = "{nqn}"
+allow_any_host = true
+
+[[subsystem.namespace]]
+nsid = 1
+path = "{self.file}"
+size = {DEVICE}
+"""
+        if replicas:
+            text += f"min_in_sync = {min_in_sync}\nresync_rate = \"1GiB\"\n"
+        for r in replicas:
+            text += f"""
+[[subsystem.namespace.replica]]
+address = "127.0.0.1"
+port = {r.port}
+nqn = "{RNQN}"
+timeout = 2.0
+"""
+        return text
+
+    def start(self, replicas: list[Node] | None = None, nqn: str | None = None) -> None:
+        cfg = self.tmp / f"{self.name}.toml"
+        cfg.write_text(self.config(nqn or (NQN if replicas else RNQN), replicas or []))
+        seen = self.log.stat().st_size if self.log.exists() else 0  # the log of earlier runs stays
+        self.proc = subprocess.Popen([str(BIN / "blockd"), "target", "--config", str(cfg)],
+                                     stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
+        deadline = time.monotonic() + 20
+        while b"target ready" not in self.log.read_bytes()[seen:]:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "target never became ready"
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def ctl(self, *args: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run([str(BIN / "blockctl"), "target", "--target-socket", str(self.sock), *args],
+                              capture_output=True, timeout=60)
+
+    def replicas(self) -> list[dict[str, Any]]:
+        res = self.ctl("replicas", "--json")
+        assert res.returncode == 0, res.stderr.decode()
+        return json.loads(res.stdout)["namespaces"][0]["replicas"]
+
+    def wait_states(self, want: Callable[[list[dict[str, Any]]], bool], timeout: float = 30.0) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            reps = self.replicas()
+            if want(reps):
+                return reps
+            assert time.monotonic() < deadline, f"replica states never as wanted: {reps}"
+            time.sleep(0.1)
+
+    def data_hash(self) -> str:
+        with open(self.file, "rb") as f:
+            return hashlib.sha256(f.read(DATA)).hexdigest()
+
+
+def all_in_sync(settled: bool = False) -> Callable[[list[dict[str, Any]]], bool]:
+    """Every replica in sync (``settled``: and every write-intent bit cleared)."""
+    return lambda reps: all(r["state"] == "in_sync" and (not settled or r["dirty_regions"] == 0) for r in reps)
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[tuple[Node, Node, Node]]:
+    primary, r1, r2 = Node(tmp_path, "primary"), Node(tmp_path, "r1"), Node(tmp_path, "r2")
+    try:
+        r1.start()
+        r2.start()
+        primary.start([r1, r2])
+        yield primary, r1, r2
+    finally:
+        for n in (primary, r1, r2):
+            n.stop()
+
+
+async def connect(node: Node) -> Controller:
+    return await Controller.connect(ConnectParams(traddr="127.0.0.1", trsvcid=node.port, subnqn=NQN, hostnqn=HOSTNQN,
+                                                  ctrl_loss_tmo=0, command_timeout=10))
+
+
+def block_of(seq: int) -> bytes:
+    return hashlib.sha256(seq.to_bytes(8, "little")).digest() * 128  # 4 KiB, one per sequence number
+
+
+async def load(ctrl: Controller, blocks: list[int], stop: asyncio.Event, acked: list[int],
+               errors: list[BaseException], depth: int = 8) -> None:
+    """Write ``block_of(seq)`` at block ``blocks[seq % len(blocks)]`` (4 KiB blocks) at queue
+    depth ``depth`` until ``stop``; ``acked`` gets every sequence number whose write completed."""
+    seq = 0
+
+    async def worker() -> None:
+        nonlocal seq
+        while not stop.is_set():
+            mine = seq
+            seq += 1
+            try:
+                await ctrl.write_bytes(1, blocks[mine % len(blocks)] * 4096, block_of(mine))
+            except Exception as exc:  # the primary's death ends the load: recorded, not raised
+                errors.append(exc)
+                return
+            acked.append(mine)
+    await asyncio.gather(*(worker() for _ in range(depth)))
+
+
+def test_write_and_read_back_through_blockctl(nodes: tuple[Node, Node, Node], tmp_path: Path) -> None:
+    primary, r1, r2 = nodes
+    primary.wait_states(all_in_sync())
+    text = primary.ctl("replicas").stdout.decode()
+    assert "3 of 3 copies in sync" in text and text.count(" in_sync ") == 2
+    sock = tmp_path / "ctl" / "initiator.sock"
+    ini = subprocess.Popen([str(BIN / "blockd"), "initiator", "--socket", str(sock)],
+                           stdout=subprocess.DEVNULL, stderr=open(tmp_path / "initiator.log", "wb"))
+    try:
+        deadline = time.monotonic() + 15
+        while not sock.exists():
+            assert ini.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+
+        def ctl(*args: str) -> bytes:
+            res = subprocess.run([str(BIN / "blockctl"), "--socket", str(sock), *args], capture_output=True, timeout=60)
+            assert res.returncode == 0, (args, res.stderr.decode())
+            return res.stdout
+        ctl("connect", "-t", "tcp", "-a", "127.0.0.1", "-s", str(primary.port), "-n", NQN, "-q", HOSTNQN,
+            "--name", "m")
+        assert f"nsid 1: {DATA} bytes" in ctl("list").decode()  # the data area, not the device
+        pattern = os.urandom(3 << 20)
+        (tmp_path / "p.bin").write_bytes(pattern)
+        ctl("write", "m", "--nsid", "1", "--offset", "65536", "-i", str(tmp_path / "p.bin"))
+        assert ctl("read", "m", "--offset", "65536", "--length", str(len(pattern))) == pattern
+        ctl("disconnect", "m")
+    finally:
+        ini.send_signal(signal.SIGTERM)
+        ini.wait(15)
+    for node in (r1, r2):  # on every copy as soon as acknowledged: no resync involved
+        with open(node.file, "rb") as f:
+            f.seek(65536)
+            assert f.read(len(pattern)) == pattern
+    assert primary.data_hash() == r1.data_hash() == r2.data_hash()
+
+
+def test_replica_killed_under_load_gets_only_the_dirty_regions(nodes: tuple[Node, Node, Node]) -> None:
+    primary, r1, r2 = nodes
+    primary.wait_states(all_in_sync(settled=True), timeout=40)
+    base = primary.replicas()[1]["resynced_bytes"]
+    written = sorted({r * 16 + 3 for r in range(3, 13)})  # 4 KiB blocks in 10 regions of 16 blocks
+
+    async def main() -> tuple[list[int], list[BaseException]]:
+        ctrl = await connect(primary)
+        stop, acked, errors = asyncio.Event(), [], []
+        task = asyncio.get_running_loop().create_task(load(ctrl, written, stop, acked, errors))
+        await asyncio.sleep(0.5)
+        r2.kill()
+        before = len(acked)
+        await asyncio.sleep(3.0)  # past the replica's 2 s timeout: the load must go on meanwhile
+        stop.set()
+        await task
+        assert len(acked) > before + 50, "the load stalled after the replica died"
+        await ctrl.close()
+        return acked, errors
+
+    acked, errors = asyncio.run(main())
+    assert not errors, errors
+    reps = primary.replicas()
+    assert reps[0]["state"] == "in_sync" and reps[1]["state"] in ("degraded", "connecting"), reps
+    r2.start()
+    reps = primary.wait_states(all_in_sync(), timeout=40)
+    copied = reps[1]["resynced_bytes"] - base
+    assert 0 < copied <= 10 * REGION, copied  # the 10 written regions at most, not the volume
+    assert primary.data_hash() == r1.data_hash() == r2.data_hash()
+
+
+def test_primary_killed_under_load_loses_no_acknowledged_write(nodes: tuple[Node, Node, Node]) -> None:
+    primary, r1, r2 = nodes
+    primary.wait_states(all_in_sync())
+    blocks = list(range(DATA // 4096))
+
+    async def main() -> list[int]:
+        ctrl = await connect(primary)
+        stop, acked, errors = asyncio.Event(), [], []
+        task = asyncio.get_running_loop().create_task(load(ctrl, blocks, stop, acked, errors, depth=16))
+        await asyncio.sleep(1.0)
+        primary.kill()
+        await asyncio.wait_for(task, 20)  # every worker ends with the connection's loss
+        await ctrl.close()
+        assert errors, "the load never noticed the primary's death"
+        return acked
+
+    acked = asyncio.run(main())
+    assert len(acked) > 100 and len(acked) < len(blocks)
+    primary.start([r1, r2])
+    primary.wait_states(all_in_sync(), timeout=40)
+    for node in (primary, r1, r2):
+        with open(node.file, "rb") as f:
+            for seq in acked:
+                f.seek(blocks[seq] * 4096)
+                assert f.read(4096) == block_of(seq), (node.name, seq)
+    assert primary.data_hash() == r1.data_hash() == r2.data_hash()
+
+
+def test_split_brain_is_detected_kept_apart_and_resolved(tmp_path: Path) -> None:
+    a, b = Node(tmp_path, "a"), Node(tmp_path, "b")
+    try:
+        b.start()
+        a.start([b])
+        a.wait_states(all_in_sync(settled=True))
+
+        async def write(node: Node, offset: int, data: bytes) -> None:
+            ctrl = await connect(node)
+            await ctrl.write_bytes(1, offset, data)
+            await ctrl.close()
+
+        b.stop()  # apart: A goes on alone
+        asyncio.run(write(a, 0, b"A" * 4096))
+        a.stop()
+        b.start([a])  # B promoted, its replica (A) away: a primary of its own
+        asyncio.run(write(b, REGION, b"B" * 4096))
+        b.stop()
+        b.start()  # back to a plain replica; A primary again
+        a.start([b])
+        reps = a.wait_states(lambda reps: reps[0]["state"] == "split_brain")
+        assert "split brain" in reps[0]["reason"]
+        assert "split_brain" in a.ctl("replicas").stdout.decode()
+        with open(b.file, "rb") as f:  # nothing overwritten
+            f.seek(REGION)
+            assert f.read(4096) == b"B" * 4096
+        res = a.ctl("resolve", NQN, "1", "0", "--discard", "local")
+        assert res.returncode != 0 and "primary" in res.stderr.decode() and "Traceback" not in res.stderr.decode()
+        res = a.ctl("resolve", NQN, "1", "0", "--discard", "replica")
+        assert res.returncode == 0, res.stderr.decode()
+        a.wait_states(all_in_sync())
+        assert a.data_hash() == b.data_hash()
+        with open(b.file, "rb") as f:
+            assert f.read(4096) == b"A" * 4096
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_verify_finds_a_flipped_byte_and_resync_mends_it(nodes: tuple[Node, Node, Node]) -> None:
+    primary, r1, r2 = nodes
+    primary.wait_states(all_in_sync())
+
+    async def fill() -> None:
+        ctrl = await connect(primary)
+        await ctrl.write_bytes(1, 0, os.urandom(DATA))
+        await ctrl.close()
+    asyncio.run(fill())
+    offset = 37 * REGION + 1234
+    fd = os.open(r1.file, os.O_RDWR)
+    try:
+        old = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([old[0] ^ 0x40]), offset)
+    finally:
+        os.close(fd)
+    res = primary.ctl("verify", NQN, "1", "--json")
+    assert res.returncode == 1, res.stderr.decode()  # differences found
+    reply = {r["replica"]: r["mismatched"] for r in json.loads(res.stdout)["replicas"]}
+    assert sorted(len(m) for m in reply.values()) == [0, 1]
+    assert [m["region"] for ms in reply.values() for m in ms] == [37]
+    primary.wait_states(all_in_sync())
+    assert primary.data_hash() == r1.data_hash() == r2.data_hash()
+    res = primary.ctl("verify", NQN, "1")
+    assert res.returncode == 0 and "0 differ" in res.stdout.decode()
