@@ -32,6 +32,8 @@ class FakeReplica:
         self.down = False
         self.written = 0
         self.closed = False
+        self.gate: tuple[int, asyncio.Event] | None = None
+        """(offset, event): a write at that offset waits for the event (a slow replica, on cue)."""
 
     def _check(self) -> None:
         if self.down or self.closed:
@@ -54,6 +56,8 @@ class FakeReplica:
     async def write(self, offset: int, data: Any, fua: bool = False) -> None:
         self._check()
         await asyncio.sleep(0)
+        if self.gate is not None and self.gate[0] == offset:
+            await self.gate[1].wait()
         self.store.data[offset:offset + len(data)] = data
         self.written += len(data)
 
@@ -189,6 +193,34 @@ def test_a_write_during_resync_is_never_overwritten_by_the_copy() -> None:
         m.resync_rate = 1 << 30
         await until(lambda: m.links[0].state == IN_SYNC)
         assert data_hash(bed.stores[0], m.size) == data_hash(bed.local, m.size)
+        await m.stop()
+    run(main())
+
+
+def test_a_host_write_to_the_region_being_copied_waits_for_the_copy() -> None:
+    async def main() -> None:
+        bed = Bed(1)
+        m = await bed.primary()
+        await until(lambda: m.links[0].state == IN_SYNC)
+        bed.kill(0)
+        await m.write(2 * REGION, b"X" * 4096)
+        gate = asyncio.Event()
+        real_opener = bed.opener(0)
+
+        async def slow_opener() -> FakeReplica:
+            r = await real_opener()
+            r.gate = (2 * REGION, gate)
+            return r
+        m.links[0].opener = slow_opener
+        bed.up[0] = True
+        await until(lambda: 2 in m.copying)  # the copy of region 2 read X and waits at the replica
+        host = asyncio.get_running_loop().create_task(m.write(2 * REGION, b"Y" * 4096))
+        await asyncio.sleep(0.05)
+        assert not host.done()  # held by the region's lock
+        gate.set()
+        await host
+        await until(lambda: m.links[0].state == IN_SYNC)
+        assert bed.stores[0].data[2 * REGION:2 * REGION + 4096] == b"Y" * 4096
         await m.stop()
     run(main())
 
