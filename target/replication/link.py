@@ -20,6 +20,7 @@ A link never talks to the replica on the per-write path itself: the mirror
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -119,10 +120,22 @@ class ReplicaLink:
             out["resync"] = self.progress.view()
         return out
 
-    async def hang_up(self) -> None:
+    def hang_up(self) -> None:
+        """Drop the connection. Its close runs in the background: a replica that hangs must not
+        hold up the write that found it out."""
         io, self.io = self.io, None
         if io is not None:
-            try:
-                await io.close()
-            except (OSError, ConnectionError):
-                pass
+            task = asyncio.get_running_loop().create_task(_close(io))
+            _closing.add(task)
+            task.add_done_callback(_closing.discard)
+
+
+_closing: set[asyncio.Task[None]] = set()
+"""Closes under way (the event loop keeps only weak references to tasks)."""
+
+
+async def _close(io: ReplicaIO) -> None:
+    try:
+        await io.close()
+    except (OSError, ConnectionError, TimeoutError):
+        pass

@@ -177,7 +177,10 @@ class ReplicatedBackend(BackendFilter):
             fut = self._loop.create_future()
             join = _Join(fut, len(targets))
             for link in targets:
-                link.io.submit_write(offset, data, fua, functools.partial(join.done, link))
+                try:
+                    link.io.submit_write(offset, data, fua, functools.partial(join.done, link))
+                except (ValueError, ConnectionError) as exc:  # refused before it was sent
+                    join.done(link, exc)
             try:
                 await self._write_local(offset, data, fua, regions)
             finally:
@@ -297,7 +300,7 @@ class ReplicatedBackend(BackendFilter):
             log.warning("replica out of sync", namespace=self.name, replica=link.name, was=was, error=link.reason)
         if link.bitmap is not None:
             link.missing.update(link.bitmap.dirty_regions())
-        await link.hang_up()
+        link.hang_up()
         if was == IN_SYNC:
             await self._new_generation(f"lost {link.name}")
 
@@ -352,7 +355,7 @@ class ReplicatedBackend(BackendFilter):
             link.reason = _REFUSALS[plan]
             log.error("replica refused", namespace=self.name, replica=link.name, plan=plan.name,
                       local=str(self.md.ids(link.slot)), reason=link.reason)
-            await link.hang_up()
+            link.hang_up()
             return
         assert link.bitmap is not None
         if plan == SyncPlan.FULL:
@@ -522,13 +525,20 @@ class ReplicatedBackend(BackendFilter):
             await self._sweep()  # the first only forgot what was recent
         except (OSError, ConnectionError, asyncio.TimeoutError, TimeoutError) as exc:
             log.warning("final clear of write-intent bits failed", namespace=self.name, error=str(exc))
+        closes = [link.io.close() for link in self.links if link.io is not None]
         for link in self.links:
-            await link.hang_up()
+            link.io = None
+        await asyncio.gather(*closes, return_exceptions=True)
 
     def close(self) -> None:
+        """Without :meth:`stop` first (a namespace removed by a reload): the connections close
+        in the background, the bits stay as they are (the next start resyncs them)."""
         self._closed = True
         for task in self._tasks:
             task.cancel()
+        for link in self.links:
+            if link.io is not None:
+                link.hang_up()
         super().close()
 
 

@@ -336,3 +336,33 @@ def test_verify_finds_a_flipped_byte_and_resync_mends_it(nodes: tuple[Node, Node
     assert primary.data_hash() == r1.data_hash() == r2.data_hash()
     res = primary.ctl("verify", NQN, "1")
     assert res.returncode == 0 and "0 differ" in res.stdout.decode()
+
+
+def test_a_replica_that_stops_answering_is_left_behind_after_its_timeout(nodes: tuple[Node, Node, Node]) -> None:
+    primary, r1, r2 = nodes
+    primary.wait_states(all_in_sync())
+    written = list(range(0, DATA // 4096, 37))
+
+    async def main() -> None:
+        ctrl = await connect(primary)
+        stop, acked, errors = asyncio.Event(), [], []
+        task = asyncio.get_running_loop().create_task(load(ctrl, written, stop, acked, errors))
+        await asyncio.sleep(0.3)
+        assert r1.proc is not None
+        r1.proc.send_signal(signal.SIGSTOP)  # alive, connected, silent
+        try:
+            await asyncio.sleep(2.0 + 1.5)  # the replica's timeout is 2 s
+            before = len(acked)
+            await asyncio.sleep(1.0)
+            assert len(acked) > before + 50, "writes still wait for the silent replica"
+        finally:
+            r1.proc.send_signal(signal.SIGCONT)
+        stop.set()
+        await task
+        await ctrl.close()
+        assert not errors, errors
+
+    asyncio.run(main())
+    assert [r["state"] for r in primary.replicas()][1] == "in_sync"
+    primary.wait_states(all_in_sync(), timeout=40)
+    assert primary.data_hash() == r1.data_hash() == r2.data_hash()
