@@ -242,15 +242,3 @@ def test_set_all_and_span() -> None:
         assert last[0] + last[1] == md.data_size and 0 < last[1] <= 1 << 16
     run(go())
 
-
-def test_mark_fast_path_cost() -> None:
-    """The fast path stays a byte test: well under the cost of one coroutine switch of I/O."""
-    async def go() -> float:
-        _, _, bm = await bitmap()
-        await bm.mark(0, RS)
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        for _ in range(20000):
-            await bm.mark(100, 200)
-        return (loop.time() - start) / 20000
-    assert run(go()) < 20e-6
