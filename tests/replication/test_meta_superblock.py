@@ -208,3 +208,29 @@ def test_a_failed_save_changes_nothing() -> None:
         await md.save()
         assert (await Metadata.open(io)).current == before[0]
     run(go())
+
+
+class _NoFuaBackend(MemoryBackend):
+    can_fua = False
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.calls: list[str] = []
+
+    async def write(self, offset: int, data: Any, fua: bool = False) -> None:
+        self.calls.append(f"write fua={fua}")
+        await super().write(offset, data, fua)
+
+    async def flush(self) -> None:
+        self.calls.append("flush")
+
+
+def test_backend_without_fua_gets_a_flush_after_each_fua_write() -> None:
+    async def go() -> None:
+        backend = _NoFuaBackend(1 << 20)
+        io = BackendBlockIO(backend)
+        await io.write(0, b"x", fua=True)
+        await io.write(1, b"y")
+        assert backend.calls == ["write fua=False", "flush", "write fua=False"]
+        assert await io.read(0, 3) == b"xy\0" and io.size == 1 << 20
+    run(go())
