@@ -20,6 +20,7 @@ leaves each bit either old or new; a new bit that did not land was never reporte
 no data write depended on it, and an old set bit only makes resync copy more. A checksum would
 turn that harmless tear into an unreadable block.
 
+docs/replication.md ("On-disk metadata") tabulates the superblock and says why it is so.
 All integers are little-endian. Generation identifiers and node ids are random 64-bit values;
 0 means "none" (a blank copy, a free peer slot, no bitmap generation).
 """

@@ -98,6 +98,7 @@ class WriteIntentBitmap:
         queued = self._queued.get(block)
         if queued is None:
             queued = self._queued[block] = asyncio.get_running_loop().create_future()
+            queued.add_done_callback(_retrieved)
             if block not in self._writers:
                 self._writers[block] = asyncio.get_running_loop().create_task(self._writer(block))
         return queued
@@ -185,3 +186,9 @@ class WriteIntentBitmap:
         start = region << self._shift
         return start, min(self.region_size, self.data_size - start)
 
+
+def _retrieved(fut: asyncio.Future[None]) -> None:
+    """A failed block write raises in every mark that waits for it; one whose waiters were all
+    cancelled has nobody to tell, and asyncio would log it as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()

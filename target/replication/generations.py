@@ -20,7 +20,7 @@ only older identifiers: that is how split brain is told from a copy that merely 
 those of DRBD's ``drbd_uuid_compare`` (the kernel's drivers/block/drbd/drbd_receiver.c) for
 the primary side, without DRBD's roles-at-crash-time arbitration: here the node deciding is the
 primary by configuration, and a crashed primary's write-intent bits are passed in as
-``local_dirty``.
+``local_dirty``. The rules as a table: docs/replication.md, "Generations and split brain".
 """
 
 from __future__ import annotations

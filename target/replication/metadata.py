@@ -51,14 +51,11 @@ class Metadata:
         and a new random generation (``blank``: no generation, for a new replica whose data
         area holds nothing yet; it then gets a FULL sync). The data area is not touched."""
         lay = layout(io.size, region_size, max_peers)
-        bitmaps_end = lay.data_size + max_peers * lay.bitmap_length
-        for offset in range(lay.data_size, bitmaps_end, len(_ZERO_CHUNK)):
-            await io.write(offset, _ZERO_CHUNK[:min(len(_ZERO_CHUNK), bitmaps_end - offset)])
+        await _zero(io, lay.data_size, max_peers * lay.bitmap_length)
         sb = Superblock(sequence=0, node_id=new_id(), region_size=region_size, max_peers=max_peers,
                         device_size=io.size, data_size=lay.data_size,
                         current=BLANK if blank else new_id(), history=(),
                         peers=(PeerSlot(),) * max_peers)
-        await io.flush()
         # Both copies, so that no older superblock with a higher sequence survives there.
         for copy in (0, 1):
             sb = replace(sb, sequence=copy + 1)
@@ -166,9 +163,7 @@ class Metadata:
         slot = free[0]
         length = self.layout.bitmap_length
         offset = self.layout.bitmap_offset(slot)
-        for start in range(0, length, len(_ZERO_CHUNK)):
-            await self.io.write(offset + start, _ZERO_CHUNK[:min(len(_ZERO_CHUNK), length - start)])
-        await self.io.flush()
+        await _zero(self.io, offset, length)
         self._bitmaps[slot] = WriteIntentBitmap(self.io, offset, self.region_size, self.data_size,
                                                 bytes(length))
         await self._set_peer(slot, PeerSlot(node_id, bitmap_generation))
@@ -223,3 +218,10 @@ class Metadata:
             copy = 1 - self._copy
             await self.io.write(self.layout.superblock_offsets[copy], build_superblock(sb), fua=True)
             self._sb, self._copy = sb, copy
+
+
+async def _zero(io: BlockIO, offset: int, length: int) -> None:
+    """Zero ``length`` bytes (bitmaps), durable before the superblock that relies on them."""
+    for start in range(0, length, len(_ZERO_CHUNK)):
+        await io.write(offset + start, _ZERO_CHUNK[:min(len(_ZERO_CHUNK), length - start)])
+    await io.flush()
