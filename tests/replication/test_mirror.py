@@ -313,3 +313,25 @@ def test_verify_names_the_flipped_region_and_resync_mends_it() -> None:
         assert (await verify(m, m.links[0]))["mismatched"] == []
         await m.stop()
     run(main())
+
+
+def test_zeroes_deallocate_and_flush_reach_every_copy() -> None:
+    async def main() -> None:
+        bed = Bed(2)
+        m = await bed.primary()
+        await until(lambda: all(link.state == IN_SYNC for link in m.links))
+        await m.write(0, b"\xaa" * (4 * REGION))
+        await m.write_zeroes(4096, 8192)
+        await m.discard(2 * REGION, REGION)
+        flushed = []
+        for r in (bed.opened[0][-1], bed.opened[1][-1]):
+            async def flush(r: FakeReplica = r) -> None:
+                flushed.append(r.name)
+            r.flush = flush  # type: ignore[method-assign]
+        await m.flush()
+        assert sorted(flushed) == ["r0", "r1"]
+        for store in bed.stores:
+            assert store.data[:4 * REGION] == bed.local.data[:4 * REGION]
+            assert store.data[4096:12288] == bytes(8192) and store.data[2 * REGION:3 * REGION] == bytes(REGION)
+        await m.stop()
+    run(main())
