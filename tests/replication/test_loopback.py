@@ -177,7 +177,7 @@ async def load(ctrl: Controller, blocks: list[int], stop: asyncio.Event, acked: 
     await asyncio.gather(*(worker() for _ in range(depth)))
 
 
-def test_write_and_read_back_through_blockctl(nodes: tuple[Node, Node, Node], tmp_path: Path) -> None:
+def test_write_and_read_back_through_blockctl_and_the_fuse_mount(nodes: tuple[Node, Node, Node], tmp_path: Path) -> None:
     primary, r1, r2 = nodes
     primary.wait_states(all_in_sync())
     text = primary.ctl("replicas").stdout.decode()
@@ -202,6 +202,19 @@ def test_write_and_read_back_through_blockctl(nodes: tuple[Node, Node, Node], tm
         (tmp_path / "p.bin").write_bytes(pattern)
         ctl("write", "m", "--nsid", "1", "--offset", "65536", "-i", str(tmp_path / "p.bin"))
         assert ctl("read", "m", "--offset", "65536", "--length", str(len(pattern))) == pattern
+        mnt = tmp_path / "mnt"  # and through the FUSE mount, an unaligned write made durable by fsync
+        mnt.mkdir()
+        ctl("mount", "m", str(mnt))
+        try:
+            fd = os.open(mnt / "ns1", os.O_RDWR)
+            try:
+                assert os.pwrite(fd, b"through fuse", 4 << 20 | 7) == 12
+                os.fsync(fd)
+                assert os.pread(fd, 12, 4 << 20 | 7) == b"through fuse"
+            finally:
+                os.close(fd)
+        finally:
+            ctl("umount", str(mnt))
         ctl("disconnect", "m")
     finally:
         ini.send_signal(signal.SIGTERM)
@@ -210,6 +223,8 @@ def test_write_and_read_back_through_blockctl(nodes: tuple[Node, Node, Node], tm
         with open(node.file, "rb") as f:
             f.seek(65536)
             assert f.read(len(pattern)) == pattern
+            f.seek(4 << 20 | 7)
+            assert f.read(12) == b"through fuse"
     assert primary.data_hash() == r1.data_hash() == r2.data_hash()
 
 
