@@ -155,22 +155,9 @@ class ReplicatedBackend(BackendFilter):
     # -- the per-write path -----------------------------------------------------------------------
 
     async def write(self, offset: int, data: memoryview | bytes, fua: bool = False) -> None:
-        first = offset >> self._shift
-        last = (offset + len(data) - 1) >> self._shift
-        regions = range(first, last + 1)
-        if self.copying:
-            await self._wait_copies(regions)
-        inflight = self.inflight
-        for r in regions:
-            inflight[r] = inflight.get(r, 0) + 1
-        self._recent.update(regions)
+        regions = range(offset >> self._shift, ((offset + len(data) - 1) >> self._shift) + 1)
+        targets = await self._begin(offset, len(data), regions)
         try:
-            for bm in self._bitmaps:  # the bits on disk before the data is issued anywhere
-                await bm.mark(offset, len(data))
-            targets = self._targets(regions)
-            if len(targets) != len(self.links) and not self._generation_bumped:
-                await self._new_generation("writes while a replica is away")
-            self._enough(len(targets))
             if not targets:
                 await self._write_local(offset, data, fua, regions)
                 return
@@ -191,12 +178,39 @@ class ReplicatedBackend(BackendFilter):
                 raise ReplicationError(Status.WRITE_FAULT, f"{self.name}: the write reached "
                                        f"{len(targets) - len(failed) + 1} copies, min_in_sync is {self.min_in_sync}")
         finally:
-            for r in regions:
-                n = inflight[r] - 1
-                if n:
-                    inflight[r] = n
-                else:
-                    del inflight[r]
+            self._end(regions)
+
+    async def _begin(self, offset: int, length: int, regions: range) -> list[ReplicaLink]:
+        """What every command that changes data does first: wait for a copy of its regions in
+        progress, count it in flight there, set the bits on disk (before the data is issued
+        anywhere), and pick the replicas it goes to. Undone by :meth:`_end`."""
+        if self.copying:
+            await self._wait_copies(regions)
+        inflight = self.inflight
+        for r in regions:
+            inflight[r] = inflight.get(r, 0) + 1
+        self._recent.update(regions)
+        try:
+            for bm in self._bitmaps:
+                await bm.mark(offset, length)
+            targets = self._targets(regions)
+            if len(targets) != len(self.links) and not self._generation_bumped:
+                await self._new_generation("writes while a replica is away")
+                targets = self._targets(regions)  # telling the generation may have lost one
+            self._enough(len(targets))
+        except BaseException:
+            self._end(regions)
+            raise
+        return targets
+
+    def _end(self, regions: range) -> None:
+        inflight = self.inflight
+        for r in regions:
+            n = inflight[r] - 1
+            if n:
+                inflight[r] = n
+            else:
+                del inflight[r]
 
     def _targets(self, regions: range) -> list[ReplicaLink]:
         """The replicas this write goes to: those in sync, and those resyncing whose copy of
@@ -247,29 +261,15 @@ class ReplicatedBackend(BackendFilter):
 
     async def _range_op(self, offset: int, length: int, local: Callable[[], Awaitable[None]],
                         remote: Callable[[Any], Awaitable[None]]) -> None:
-        """Write Zeroes and Deallocate: the per-write rules (bits first, the replicas that take
-        writes, the rest remember the regions), with the operation of each side."""
+        """Write Zeroes and Deallocate: the rules of a write, with the operation of each side."""
         if not length:
             return
         regions = range(offset >> self._shift, ((offset + length - 1) >> self._shift) + 1)
-        if self.copying:
-            await self._wait_copies(regions)
-        for r in regions:
-            self.inflight[r] = self.inflight.get(r, 0) + 1
-        self._recent.update(regions)
+        links = await self._begin(offset, length, regions)
         try:
-            for bm in self._bitmaps:
-                await bm.mark(offset, length)
-            links = self._targets(regions)
-            if len(links) != len(self.links) and not self._generation_bumped:
-                await self._new_generation("writes while a replica is away")
-            self._enough(len(links))
             await self._each_copy(remote, local, links)
         finally:
-            for r in regions:
-                self.inflight[r] -= 1
-                if not self.inflight[r]:
-                    del self.inflight[r]
+            self._end(regions)
 
     async def _each_copy(self, remote: Callable[[Any], Awaitable[None]], local: Callable[[], Awaitable[None]],
                          links: list[ReplicaLink]) -> None:
