@@ -335,3 +335,25 @@ def test_zeroes_deallocate_and_flush_reach_every_copy() -> None:
             assert store.data[4096:12288] == bytes(8192) and store.data[2 * REGION:3 * REGION] == bytes(REGION)
         await m.stop()
     run(main())
+
+
+def test_a_write_in_flight_when_the_primary_dies_is_resynced_after_restart() -> None:
+    async def main() -> None:
+        bed = Bed(1)
+        m = await bed.primary()
+        await until(lambda: m.links[0].state == IN_SYNC and not m.links[0].bitmap.dirty_count())
+        replica = bed.opened[0][-1]
+        replica.gate = (9 * REGION, asyncio.Event())  # the replica never gets this write
+        write = asyncio.get_running_loop().create_task(m.write(9 * REGION, b"z" * 4096))
+        await until(lambda: bed.local.data[9 * REGION:9 * REGION + 4096] == b"z" * 4096)
+        data = bed.local.data
+        m.close()  # the primary dies: the local copy has the write, the replica not
+        write.cancel()
+        bed.local.data = data
+        replica.down = True
+        m2 = await bed.primary()
+        await until(lambda: m2.links[0].state == IN_SYNC)
+        assert m2.links[0].copied_total == REGION  # that region, from the bit set before the write
+        assert data_hash(bed.stores[0], m2.size) == data_hash(bed.local, m2.size)
+        await m2.stop()
+    run(main())
