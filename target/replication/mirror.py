@@ -427,6 +427,13 @@ class ReplicatedBackend(BackendFilter):
             del copying[region]
             done.set_result(None)
 
+    async def read_local(self, region: int) -> tuple[int, bytearray]:
+        """A region's offset and this copy's bytes of it (the last region may be short)."""
+        offset = region * self.region_size
+        buf = bytearray(min(self.region_size, self.data_size - offset))
+        await self.inner.read_into(offset, memoryview(buf))
+        return offset, buf
+
     def resync_done(self, link: ReplicaLink) -> None:
         """Called by the resync once ``link`` misses nothing and holds this copy's generation."""
         link.state, link.reason, link.progress = IN_SYNC, "", None

@@ -69,11 +69,8 @@ async def copy_region(mirror: ReplicatedBackend, link: ReplicaLink, region: int)
     """Copy one region from the local copy to the replica under the region's lock; returns the
     bytes copied (the last region may be short)."""
     async with mirror.region_lock(region):
-        offset = region * mirror.region_size
-        length = min(mirror.region_size, mirror.data_size - offset)
-        buf = bytearray(length)
-        await mirror.inner.read_into(offset, memoryview(buf))
+        offset, buf = await mirror.read_local(region)
         assert link.io is not None
         await link.io.write(offset, buf)
         link.missing.discard(region)
-        return length
+        return len(buf)

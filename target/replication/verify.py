@@ -63,9 +63,6 @@ async def verify(mirror: ReplicatedBackend, link: ReplicaLink) -> dict[str, Any]
 async def _read_both(mirror: ReplicatedBackend, link: ReplicaLink, region: int) -> tuple[bytearray, bytes]:
     """Both copies of one region, read under the region's lock (as a resync copies it)."""
     async with mirror.region_lock(region):
-        offset = region * mirror.region_size
-        length = min(mirror.region_size, mirror.data_size - offset)
-        local = bytearray(length)
-        await mirror.inner.read_into(offset, memoryview(local))
+        offset, local = await mirror.read_local(region)
         assert link.io is not None
-        return local, await link.io.read(offset, length)
+        return local, await link.io.read(offset, len(local))
