@@ -62,7 +62,8 @@ async def _open_namespace(sub: Subsystem, nc: NamespaceConfig, open_replica: Rep
                                                rc.nsid, rc.hostnqn, rc.timeout)) for rc in nc.replicas]
         try:
             backend = await ReplicatedBackend.open(backend, openers, nc.region_size, nc.min_in_sync,
-                                                   nc.resync_rate, MAX_REPLICAS, name=where)
+                                                   nc.resync_rate, MAX_REPLICAS, name=where,
+                                                   block_size=nc.block_size)
         except (OSError, ValueError) as exc:
             backend.close()
             raise RuntimeError(f"{where}: {exc}") from None

@@ -45,6 +45,8 @@ class ReplicaIO(BlockIO, Protocol):
     sent to N replicas costs no Task or Future per replica, zeroing, and a way to hang up."""
 
     name: str
+    block_size: int
+    """The replica namespace's logical block (a kernel nvmet file namespace has 4096)."""
 
     def submit_write(self, offset: int, data: memoryview | bytes, fua: bool,
                      done: Callable[[BaseException | None], None]) -> None: ...

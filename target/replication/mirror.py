@@ -86,8 +86,10 @@ class ReplicatedBackend(BackendFilter):
     """
 
     def __init__(self, inner: Backend, md: Metadata, openers: list[tuple[str, Opener]],
-                 min_in_sync: int, resync_rate: int, name: str = "") -> None:
+                 min_in_sync: int, resync_rate: int, name: str = "", block_size: int = 512) -> None:
         super().__init__(inner)
+        self.block_size = block_size
+        """The namespace's block: a replica must take writes of one such block."""
         self.md = md
         self.local = BackendBlockIO(inner)
         self.name = name
@@ -115,7 +117,8 @@ class ReplicatedBackend(BackendFilter):
 
     @classmethod
     async def open(cls, inner: Backend, openers: list[tuple[str, Opener]], region_size: int,
-                   min_in_sync: int, resync_rate: int, max_peers: int, name: str = "") -> ReplicatedBackend:
+                   min_in_sync: int, resync_rate: int, max_peers: int, name: str = "",
+                   block_size: int = 512) -> ReplicatedBackend:
         """Read this copy's metadata, or format it on a device that has none (a new primary:
         every replica then gets a full sync, as its slot knows no peer yet)."""
         io = BackendBlockIO(inner)
@@ -132,7 +135,7 @@ class ReplicatedBackend(BackendFilter):
                              f"{region_size} (the region size is fixed when the metadata is formatted)")
         if len(openers) > md.max_peers:
             raise ValueError(f"{name}: {len(openers)} replicas configured, the metadata has {md.max_peers} slots")
-        return cls(inner, md, openers, min_in_sync, resync_rate, name)
+        return cls(inner, md, openers, min_in_sync, resync_rate, name, block_size)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -349,6 +352,9 @@ class ReplicatedBackend(BackendFilter):
         if io.size != self.inner.size:
             raise ValueError(f"the replica has {io.size} bytes, this copy {self.inner.size}: "
                              "the copies must be the same size")
+        if self.block_size % io.block_size:
+            raise ValueError(f"the replica's blocks are {io.block_size} bytes, this namespace's {self.block_size}: "
+                             f"it could not take a write of one block (give the namespace block_size = {io.block_size})")
         plan, peer = await self._handshake(link)
         if plan in _REFUSALS:
             link.state = SPLIT_BRAIN if plan == SyncPlan.SPLIT_BRAIN else REFUSED

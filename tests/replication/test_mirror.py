@@ -29,6 +29,7 @@ class FakeReplica:
         self.store = store
         self.size = store.size
         self.name = name
+        self.block_size = 512
         self.down = False
         self.written = 0
         self.closed = False
@@ -356,4 +357,21 @@ def test_a_write_in_flight_when_the_primary_dies_is_resynced_after_restart() -> 
         assert m2.links[0].copied_total == REGION  # that region, from the bit set before the write
         assert data_hash(bed.stores[0], m2.size) == data_hash(bed.local, m2.size)
         await m2.stop()
+    run(main())
+
+
+def test_a_replica_with_larger_blocks_than_the_namespace_is_refused_with_the_reason() -> None:
+    async def main() -> None:
+        bed = Bed(1)
+        real = bed.opener(0)
+
+        async def big_blocks() -> FakeReplica:
+            r = await real()
+            r.block_size = 4096
+            return r
+        m = await bed.primary()  # a 512-byte-block namespace
+        m.links[0].opener = big_blocks
+        await until(lambda: "could not take a write of one block" in m.links[0].reason)
+        assert m.links[0].state == "connecting"
+        await m.stop()
     run(main())
