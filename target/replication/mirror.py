@@ -41,8 +41,16 @@ from target.replication.metadata import Metadata, MetadataError
 log = structlog.get_logger("blockd.target.replication")
 
 SWEEP_INTERVAL = 1.0
-"""Seconds between lazy clears of the bits of regions every copy has durably. A region written
-within the last interval keeps its bit (it is likely written again: no metadata write then)."""
+"""Seconds between lazy clears of the bits of regions every copy has durably."""
+IDLE_SWEEPS = 10
+"""A region not written for this many sweeps loses its bit (once every copy has it durably)."""
+ACTIVE_BYTES = 1 << 30
+"""At most this much of the most recently written data keeps its bits while being written,
+as DRBD's activity log keeps its hot extents (al-extents, 4 MiB each, 1237 by default: about
+4.8 GiB): a write to a region whose bit is set costs no metadata write, and after a crash of
+this copy at most this much (plus the regions a replica missed) is resynced. Measured on
+loopback with 4 KiB random writes over 256 MiB and bits cleared one second after the last
+write: every write paid a FUA metadata write, about 10x the primary's CPU per write."""
 
 
 LINK_ERRORS = (OSError, ConnectionError, ValueError, asyncio.TimeoutError, TimeoutError, MetadataError)
@@ -105,7 +113,11 @@ class ReplicatedBackend(BackendFilter):
         self.inflight: dict[int, int] = {}
         """Regions with host writes in flight (a resync waits for them before it copies one)."""
         self._recent: set[int] = set()
-        """Regions written since the last sweep: they keep their bits."""
+        """Regions written since the last sweep."""
+        self._epoch = 0
+        self._last_write: dict[int, int] = {}
+        """The sweep after which each active region was last written: the activity window."""
+        self._active_cap = max(1, ACTIVE_BYTES // self.region_size)
         self.copying: dict[int, asyncio.Future[None]] = {}
         """Regions a resync is copying: host writes to them wait (the per-region lock)."""
         self._generation_bumped = False
@@ -457,16 +469,27 @@ class ReplicatedBackend(BackendFilter):
                 log.warning("clearing write-intent bits failed; they stay set", namespace=self.name, error=str(exc))
 
     async def _sweep(self) -> None:
-        """Clear the bits of regions every copy has durably: not being written, not written
-        since the last sweep, not missed by the replica; after a flush of every copy (a write
+        """Clear the bits of regions every copy has durably and that left the activity window:
+        not being written, not missed by the replica, and not among the most recently written
+        (see :data:`ACTIVE_BYTES`, :data:`IDLE_SWEEPS`); after a flush of every copy (a write
         completed without FUA may sit in a cache until then)."""
         recent, self._recent = self._recent, set()
+        self._epoch += 1
+        last = self._last_write
+        for r in recent:
+            last[r] = self._epoch
+        active = [r for r, epoch in last.items() if self._epoch - epoch < IDLE_SWEEPS]
+        if len(active) > self._active_cap:
+            active.sort(key=last.__getitem__, reverse=True)
+            del active[self._active_cap:]
+        self._last_write = {r: last[r] for r in active}
+        keep = self._last_write.keys()
         candidates = {}
         for link in self.links:
             if not link.sendable:
                 continue
             regions = [r for r in link.bitmap.dirty_regions()
-                       if r not in recent and r not in self.inflight and r not in link.missing]
+                       if r not in keep and r not in self.inflight and r not in link.missing]
             if regions:
                 candidates[link] = regions
         if not candidates:
@@ -475,7 +498,7 @@ class ReplicatedBackend(BackendFilter):
         for link, regions in candidates.items():
             if not link.sendable:
                 continue  # lost during the flush: its bits stay
-            for r in regions:
+            for r in regions:  # written again meanwhile: the flush may not cover that write
                 if r not in self._recent and r not in self.inflight and r not in link.missing:
                     link.bitmap.clear(r)
             await link.bitmap.sync_clears()
