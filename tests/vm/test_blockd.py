@@ -102,3 +102,10 @@ def test_discover_treq_as_nvmet(guest_case):
 
 def test_ctratt_and_error_statuses_as_nvmet(guest_case):
     """CTRATT 0x41; failing admin commands' statuses (More bit) and error-log entries as nvmet's."""
+
+
+def test_blockd_primary_replicates_to_a_kernel_nvmet_namespace(guest_case):
+    """A blockd replicated namespace (4 KiB blocks) whose replica is a kernel nvmet-tcp namespace:
+    full sync on first contact, a blockctl write is on the kernel's file once acknowledged, verify
+    finds 0 differences, blockd's replication metadata sits at the end of the kernel's namespace."""
+

@@ -445,3 +445,85 @@ def test_ctratt_and_error_statuses_as_nvmet(blockd_target, kernel_target):
                           *((e["status_field"], e["parm_error_location"]) for e in (feature_entry, opcode_entry)))
         assert seen["blockd"] == seen["nvmet"], seen
         assert seen["blockd"] == (0x41, 0x600F, 0x6001, (0x400F, 24), (0x4001, 0)), seen
+
+
+# ------------------------------- blockd primary replicating to a kernel nvmet namespace ---
+REPL_NQN = "nqn.2026-11.io.blockd:kreplica"    # the kernel's namespace, the replica
+REPL_PORT = 4422
+MIRROR_NQN = "nqn.2026-11.io.blockd:mirrored"  # blockd's replicated namespace
+MIRROR_PORT = 4423
+MIRROR_SOCK = "/run/blockd/mirror-target.sock"
+
+
+@pytest.fixture(scope="module")
+def kernel_replica(rxe):
+    """A kernel nvmet-tcp namespace of 64 MiB (a file: 4096-byte blocks) on port 3."""
+    vol = "/dev/shm/kernel-replica.img"
+    sh(f"rm -f {vol} && truncate -s 64M {vol} && nvmet_subsys {REPL_NQN} KREPLICA001 && "
+       f"nvmet_ns_file {REPL_NQN} 1 {vol} && nvmet_port 3 tcp {ADDR0} {REPL_PORT} && nvmet_link 3 {REPL_NQN}")
+    wait_tcp(ADDR0, REPL_PORT, timeout=30, what="kernel nvmet-tcp (replica)")
+    yield vol
+    sh(f"nvmet_unlink 3 {REPL_NQN}; rmdir /sys/kernel/config/nvmet/ports/3; "
+       f"echo 0 >/sys/kernel/config/nvmet/subsystems/{REPL_NQN}/namespaces/1/enable; "
+       f"rmdir /sys/kernel/config/nvmet/subsystems/{REPL_NQN}/namespaces/1 "
+       f"/sys/kernel/config/nvmet/subsystems/{REPL_NQN}", check=False)
+
+
+def _replica_states() -> list[dict]:
+    out = sh(shlex.join([tool("blockctl"), "target", "--target-socket", MIRROR_SOCK, "replicas", "--json"]))
+    return json.loads(out)["namespaces"][0]["replicas"]
+
+
+def test_blockd_primary_replicates_to_a_kernel_nvmet_namespace(kernel_replica, blockd_initiator):
+    vol = "/dev/shm/mirror-primary.img"
+    Path(vol).unlink(missing_ok=True)
+    cfg = RESULTS / "mirror-target.toml"
+    cfg.write_text(f"""\
+[control]
+socket = "{MIRROR_SOCK}"
+
+[[port]]
+transport = "tcp"
+address = "{ADDR0}"
+port = {MIRROR_PORT}
+
+[[subsystem]]
+nqn = "{MIRROR_NQN}"
+allow_any_host = true
+
+[[subsystem.namespace]]
+nsid = 1
+path = "{vol}"
+size = "64MiB"
+block_size = 4096
+
+[[subsystem.namespace.replica]]
+address = "{ADDR0}"
+port = {REPL_PORT}
+nqn = "{REPL_NQN}"
+timeout = 30.0
+""")
+    d = start_target("blockd-mirror", cfg, port=MIRROR_PORT)
+    try:
+        deadline = time.monotonic() + 600  # the first contact copies the whole 64 MiB (TCG is slow)
+        while (states := _replica_states())[0]["state"] != "in_sync":
+            assert time.monotonic() < deadline, (states, d.log_tail())
+            time.sleep(1)
+        s = _scratch("mirror")
+        off, n = 3 << 20, 1 << 20
+        sh(f"head -c {n} /dev/urandom >{s}/pattern")
+        blockctl("connect", "-t", "tcp", "-a", ADDR0, "-s", str(MIRROR_PORT), "-n", MIRROR_NQN, "--name", "mirror")
+        try:
+            blockctl("write", "mirror", "--nsid", "1", "--offset", str(off), "-i", f"{s}/pattern")
+        finally:
+            blockctl("disconnect", "mirror", check=False)
+        # on the kernel's namespace as soon as acknowledged (protocol C), and on the local file
+        sh(f"cmp -n {n} {s}/pattern <(tail -c +{off + 1} {kernel_replica})")
+        sh(f"cmp -n {n} {s}/pattern <(tail -c +{off + 1} {vol})")
+        out = sh(shlex.join([tool("blockctl"), "target", "--target-socket", MIRROR_SOCK, "verify",
+                             MIRROR_NQN, "1"]), timeout=600)
+        assert " 0 differ" in out, out
+        # the replica's metadata is at the end of the kernel's namespace: blockd's magic there
+        sh(f"tail -c 8192 {kernel_replica} | head -c 8 | grep -q BLKDREPL")
+    finally:
+        d.stop()
