@@ -99,7 +99,6 @@ class ReplicatedBackend(BackendFilter):
         self.block_size = block_size
         """The namespace's block: a replica must take writes of one such block."""
         self.md = md
-        self.local = BackendBlockIO(inner)
         self.name = name
         self.data_size = md.data_size
         self.region_size = md.region_size
