@@ -186,7 +186,11 @@ def test_a_write_during_resync_is_never_overwritten_by_the_copy() -> None:
         bed.kill(0)
         await m.write(0, os.urandom(m.size))
         bed.up[0] = True
-        await until(lambda: m.links[0].state == "resyncing")
+        await until(lambda: m.links[0].state == "resyncing" and m.links[0].progress is not None
+                    and m.links[0].progress.copied > 0)
+        progress = m.view()["replicas"][0]["resync"]
+        assert 0 < progress["percent"] < 100 and progress["mb_per_s"] > 0 and progress["eta_s"] > 0
+        assert progress["total_bytes"] >= m.size - REGION
         for _ in range(30):  # writes while the copy runs, across copied and uncopied regions
             region = int.from_bytes(os.urandom(2), "little") % (m.size // REGION)
             await m.write(region * REGION, os.urandom(REGION))
