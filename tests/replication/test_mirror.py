@@ -379,3 +379,19 @@ def test_a_replica_with_larger_blocks_than_the_namespace_is_refused_with_the_rea
         assert m.links[0].state == "connecting"
         await m.stop()
     run(main())
+
+
+def test_promotion_hooks_for_failover() -> None:
+    async def main() -> None:
+        bed = Bed(1)
+        m = await bed.primary()
+        await until(lambda: m.links[0].state == IN_SYNC)
+        assert m.promotion_blocker() is None
+        bed.kill(0)
+        await m.write(0, bytes(4096))
+        assert "r0 (degraded)" in (m.promotion_blocker() or "")
+        before = m.md.current
+        await m.force_new_generation()
+        assert m.md.current != before and before in m.md.history
+        await m.stop()
+    run(main())
