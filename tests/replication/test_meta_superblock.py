@@ -234,3 +234,16 @@ def test_backend_without_fua_gets_a_flush_after_each_fua_write() -> None:
         assert backend.calls == ["write fua=False", "flush", "write fua=False"]
         assert await io.read(0, 3) == b"xy\0" and io.size == 1 << 20
     run(go())
+
+
+def test_concurrent_changes_are_all_kept() -> None:
+    async def go() -> None:
+        io, md = await formatted(max_peers=4)
+        slots = await asyncio.gather(*(md.assign_slot(node) for node in (0xA1, 0xA2, 0xA3, 0xA1)))
+        assert sorted(set(slots)) == [0, 1, 2] and slots[0] == slots[3]
+        first = md.current
+        await asyncio.gather(md.new_generation(), md.new_generation(), md.begin_sync())
+        again = await Metadata.open(io.survivor())
+        assert len(again.history) == 2 and again.history[1] == first and again.inconsistent
+        assert {p.node_id for p in again.peers} == {0xA1, 0xA2, 0xA3, BLANK}
+    run(go())
