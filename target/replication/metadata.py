@@ -37,7 +37,7 @@ class Metadata:
         self._sb = sb
         self._copy = copy
         """Which superblock copy (0 or 1) holds ``_sb``; the next save writes the other."""
-        self._save_lock = asyncio.Lock()
+        self._lock = asyncio.Lock()
         self._bitmaps = {slot: WriteIntentBitmap(io, layout_.bitmap_offset(slot), layout_.region_size,
                                                  layout_.data_size, data)
                          for slot, data in bitmaps.items()}
@@ -146,78 +146,85 @@ class Metadata:
         except KeyError:
             raise MetadataError(f"peer slot {slot} is not in use") from None
 
-    # -- changes (each one saved before it returns) -----------------------------------------
+    # -- changes (each one saved before it returns; one at a time) ---------------------------
 
     async def assign_slot(self, node_id: int, bitmap_generation: int = BLANK) -> int:
         """Give peer ``node_id`` a slot (its existing one if it has one) and return it. A new
         slot's bitmap starts empty on disk; ``bitmap_generation`` is the generation the peer
         is known to have (BLANK: none, so the peer gets a FULL sync on first contact)."""
-        existing = self.slot_of(node_id)
-        if existing is not None:
-            return existing
         if node_id == BLANK:
             raise MetadataError("peer node id 0 is reserved")
-        free = [slot for slot, peer in enumerate(self._sb.peers) if peer.node_id == BLANK]
-        if not free:
-            raise MetadataError(f"all {self.max_peers} peer slots are in use")
-        slot = free[0]
-        length = self.layout.bitmap_length
-        offset = self.layout.bitmap_offset(slot)
-        await _zero(self.io, offset, length)
-        self._bitmaps[slot] = WriteIntentBitmap(self.io, offset, self.region_size, self.data_size,
-                                                bytes(length))
-        await self._set_peer(slot, PeerSlot(node_id, bitmap_generation))
-        return slot
+        async with self._lock:
+            existing = self.slot_of(node_id)
+            if existing is not None:
+                return existing
+            free = [slot for slot, peer in enumerate(self._sb.peers) if peer.node_id == BLANK]
+            if not free:
+                raise MetadataError(f"all {self.max_peers} peer slots are in use")
+            slot = free[0]
+            length = self.layout.bitmap_length
+            offset = self.layout.bitmap_offset(slot)
+            await _zero(self.io, offset, length)
+            await self._write(peers=_with(self._sb.peers, slot, PeerSlot(node_id, bitmap_generation)))
+            self._bitmaps[slot] = WriteIntentBitmap(self.io, offset, self.region_size,
+                                                    self.data_size, bytes(length))
+            return slot
 
     async def release_slot(self, slot: int) -> None:
         """Forget the peer of ``slot`` (its bitmap goes with it)."""
-        self._bitmaps.pop(slot, None)
-        await self._set_peer(slot, PeerSlot())
+        async with self._lock:
+            await self._write(peers=_with(self._sb.peers, slot, PeerSlot()))
+            self._bitmaps.pop(slot, None)
 
     async def new_generation(self) -> GenerationIds:
         """Start a new generation (the primary lost a replica, or this copy is promoted): see
         :func:`target.replication.generations.new_generation`. Every slot in use that had no
         bitmap generation gets the old current. Returns the new identifiers (no slot's view)."""
-        ids = new_generation(self.ids())
-        old = self._sb.current
-        peers = tuple(replace(p, bitmap_generation=p.bitmap_generation or old)
-                      if p.node_id != BLANK else p for p in self._sb.peers)
-        await self._update(current=ids.current, history=ids.history, peers=peers)
-        return ids
+        async with self._lock:
+            ids = new_generation(self.ids())
+            old = self._sb.current
+            peers = tuple(replace(p, bitmap_generation=p.bitmap_generation or old)
+                          if p.node_id != BLANK else p for p in self._sb.peers)
+            await self._write(current=ids.current, history=ids.history, peers=peers)
+            return ids
 
     async def peer_in_sync(self, slot: int) -> None:
         """The peer of ``slot`` now has this copy's current generation (its metadata says so):
         the slot's bitmap records nothing more than writes in flight."""
-        await self._set_peer(slot, replace(self._sb.peers[slot], bitmap_generation=BLANK))
+        async with self._lock:
+            peer = replace(self._sb.peers[slot], bitmap_generation=BLANK)
+            await self._write(peers=_with(self._sb.peers, slot, peer))
 
     async def begin_sync(self) -> None:
         """Mark this copy as the target of a sync that has started (FLAG_INCONSISTENT)."""
-        await self._update(flags=self._sb.flags | FLAG_INCONSISTENT)
+        async with self._lock:
+            await self._write(flags=self._sb.flags | FLAG_INCONSISTENT)
 
     async def adopt(self, source: GenerationIds) -> None:
         """A sync from ``source`` into this copy has completed: take the source's generation
         (:func:`target.replication.generations.synced`) and drop the inconsistent flag."""
         ids = synced(source)
-        await self._update(current=ids.current, history=ids.history,
-                           flags=self._sb.flags & ~FLAG_INCONSISTENT)
+        async with self._lock:
+            await self._write(current=ids.current, history=ids.history,
+                              flags=self._sb.flags & ~FLAG_INCONSISTENT)
 
     async def save(self) -> None:
         """Write the superblock as it is (a new sequence number) to the copy that does not hold
         the newest good one, with FUA."""
-        await self._update()
+        async with self._lock:
+            await self._write()
 
-    async def _set_peer(self, slot: int, peer: PeerSlot) -> None:
-        peers = list(self._sb.peers)
-        peers[slot] = peer
-        await self._update(peers=tuple(peers))
+    async def _write(self, **changes: object) -> None:
+        """Save the superblock with ``changes``; they take effect once it is on disk. The
+        caller holds ``_lock``, so that a change computed from ``_sb`` is not lost to another."""
+        sb = replace(self._sb, sequence=self._sb.sequence + 1, **changes)  # type: ignore[arg-type]
+        copy = 1 - self._copy
+        await self.io.write(self.layout.superblock_offsets[copy], build_superblock(sb), fua=True)
+        self._sb, self._copy = sb, copy
 
-    async def _update(self, **changes: object) -> None:
-        """Save the superblock with ``changes``; they take effect once it is on disk."""
-        async with self._save_lock:
-            sb = replace(self._sb, sequence=self._sb.sequence + 1, **changes)  # type: ignore[arg-type]
-            copy = 1 - self._copy
-            await self.io.write(self.layout.superblock_offsets[copy], build_superblock(sb), fua=True)
-            self._sb, self._copy = sb, copy
+
+def _with(peers: tuple[PeerSlot, ...], slot: int, peer: PeerSlot) -> tuple[PeerSlot, ...]:
+    return peers[:slot] + (peer,) + peers[slot + 1:]
 
 
 async def _zero(io: BlockIO, offset: int, length: int) -> None:

@@ -13,6 +13,7 @@ from target.backend import MemoryBackend
 from target.replication.blockio import BackendBlockIO
 from target.replication.generations import BLANK
 from target.replication.metadata import Metadata, MetadataError
+from tests.core.test_durability import NoNativeFua
 from tests.replication.fake_blockio import Crashed, MemoryBlockIO
 
 SIZE = 64 << 20
@@ -210,27 +211,26 @@ def test_a_failed_save_changes_nothing() -> None:
     run(go())
 
 
-class _NoFuaBackend(MemoryBackend):
-    can_fua = False
-
-    def __init__(self, size: int) -> None:
-        super().__init__(size)
-        self.calls: list[str] = []
-
-    async def write(self, offset: int, data: Any, fua: bool = False) -> None:
-        self.calls.append(f"write fua={fua}")
-        await super().write(offset, data, fua)
-
-    async def flush(self) -> None:
-        self.calls.append("flush")
-
 
 def test_backend_without_fua_gets_a_flush_after_each_fua_write() -> None:
     async def go() -> None:
-        backend = _NoFuaBackend(1 << 20)
+        backend = NoNativeFua(MemoryBackend(1 << 20))
         io = BackendBlockIO(backend)
         await io.write(0, b"x", fua=True)
         await io.write(1, b"y")
-        assert backend.calls == ["write fua=False", "flush", "write fua=False"]
+        assert backend.events == ["write", "flush", "write"]
         assert await io.read(0, 3) == b"xy\0" and io.size == 1 << 20
+    run(go())
+
+
+def test_concurrent_changes_are_all_kept() -> None:
+    async def go() -> None:
+        io, md = await formatted(max_peers=4)
+        slots = await asyncio.gather(*(md.assign_slot(node) for node in (0xA1, 0xA2, 0xA3, 0xA1)))
+        assert sorted(set(slots)) == [0, 1, 2] and slots[0] == slots[3]
+        first = md.current
+        await asyncio.gather(md.new_generation(), md.new_generation(), md.begin_sync())
+        again = await Metadata.open(io.survivor())
+        assert len(again.history) == 2 and again.history[1] == first and again.inconsistent
+        assert {p.node_id for p in again.peers} == {0xA1, 0xA2, 0xA3, BLANK}
     run(go())
