@@ -423,8 +423,6 @@ class ReplicatedBackend(BackendFilter):
                       peer_dirty=peer_slot is not None and bool(peer.bitmap(peer_slot).dirty_count()))
         if new_slot and plan in (SyncPlan.IN_SYNC, SyncPlan.BITMAP):
             plan = SyncPlan.FULL  # a copy this slot never tracked: no bitmap says what it lacks
-        if peer.inconsistent and plan in (SyncPlan.IN_SYNC, SyncPlan.BITMAP) and not link.missing:
-            plan = SyncPlan.FULL  # an unfinished sync whose progress this copy did not keep
         return plan, peer
 
     @contextlib.asynccontextmanager

@@ -395,3 +395,27 @@ def test_promotion_hooks_for_failover() -> None:
         assert m.md.current != before and before in m.md.history
         await m.stop()
     run(main())
+
+
+def test_a_resync_cut_by_a_primary_restart_resumes_where_it_stopped() -> None:
+    async def main() -> None:
+        bed = Bed(1)
+        m = await bed.primary(rate=8 * REGION)  # 8 regions a second
+        await until(lambda: m.links[0].state == IN_SYNC and not m.links[0].bitmap.dirty_count())
+        bed.kill(0)
+        for r in range(20):
+            await m.write(r * REGION, os.urandom(4096))
+        bed.up[0] = True
+        await until(lambda: m.links[0].state == "resyncing" and m.links[0].copied_total >= 12 * REGION)
+        await until(lambda: m.links[0].bitmap.dirty_count() <= 9)  # copied regions' bits cleared
+        data = bed.local.data
+        m.close()  # the primary dies mid-resync
+        bed.local.data = data
+        for r in bed.opened[0]:
+            r.down = True
+        m2 = await bed.primary()
+        await until(lambda: m2.links[0].state == IN_SYNC)
+        assert 0 < m2.links[0].copied_total <= 9 * REGION  # the rest only, not the 20 regions again
+        assert data_hash(bed.stores[0], m2.size) == data_hash(bed.local, m2.size)
+        await m2.stop()
+    run(main())
