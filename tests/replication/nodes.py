@@ -81,9 +81,9 @@ timeout = 2.0
 """
         return text
 
-    def start(self, replicas: list[Node] | None = None, nqn: str | None = None) -> None:
+    def start(self, replicas: list[Node] | None = None, nqn: str | None = None, min_in_sync: int = 1) -> None:
         cfg = self.tmp / f"{self.name}.toml"
-        cfg.write_text(self.config(nqn or (NQN if replicas else RNQN), replicas or []))
+        cfg.write_text(self.config(nqn or (NQN if replicas else RNQN), replicas or [], min_in_sync))
         seen = self.log.stat().st_size if self.log.exists() else 0  # the log of earlier runs stays
         self.proc = subprocess.Popen([str(BIN / "blockd"), "target", "--config", str(cfg)],
                                      stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))

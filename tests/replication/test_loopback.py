@@ -16,6 +16,9 @@ from typing import Iterator
 
 import pytest
 
+from initiator.errors import NvmeError
+from protocol.status import Status
+
 from .nodes import BIN, DATA, HOSTNQN, NQN, REGION, Node, all_in_sync, block_of, connect, load
 
 
@@ -237,3 +240,22 @@ def test_a_replica_that_stops_answering_is_left_behind_after_its_timeout(nodes: 
     assert [r["state"] for r in primary.replicas()][1] == "in_sync"
     primary.wait_states(all_in_sync(), timeout=40)
     assert primary.data_hash() == r1.data_hash() == r2.data_hash()
+
+
+def test_too_few_copies_fail_the_write_with_namespace_not_ready(tmp_path: Path) -> None:
+    primary, away = Node(tmp_path, "primary"), Node(tmp_path, "away")  # "away" never starts
+    try:
+        primary.start([away], min_in_sync=2)
+
+        async def main() -> None:
+            ctrl = await connect(primary)
+            try:
+                with pytest.raises(NvmeError) as err:
+                    await ctrl.write_bytes(1, 0, bytes(4096))
+                assert err.value.status == Status.NS_NOT_READY
+                assert (await ctrl.read_bytes(1, 0, 4096)) == bytes(4096)  # reads go on
+            finally:
+                await ctrl.close()
+        asyncio.run(main())
+    finally:
+        primary.stop()
