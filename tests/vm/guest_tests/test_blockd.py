@@ -329,17 +329,24 @@ def test_blockctl_reads_what_khost_wrote(blockd_target, blockd_initiator):
 
 
 # ------------------------------------------------ blockctl -> kernel nvmet-tcp target ---
+@contextlib.contextmanager
+def kernel_namespace(nqn: str, serial: str, port_id: int, port: int, vol: str) -> Iterator[str]:
+    """A kernel nvmet-tcp subsystem with one 64 MiB file namespace ``vol`` on port ``port_id``
+    (ADDR0:``port``), any host allowed; removed afterwards."""
+    sh(f"rm -f {vol} && truncate -s 64M {vol} && nvmet_subsys {nqn} {serial} && "
+       f"nvmet_ns_file {nqn} 1 {vol} && nvmet_port {port_id} tcp {ADDR0} {port} && nvmet_link {port_id} {nqn}")
+    wait_tcp(ADDR0, port, timeout=30, what=f"kernel nvmet-tcp ({nqn})")
+    yield vol
+    sh(f"nvmet_unlink {port_id} {nqn}; rmdir /sys/kernel/config/nvmet/ports/{port_id}; "
+       f"echo 0 >/sys/kernel/config/nvmet/subsystems/{nqn}/namespaces/1/enable; "
+       f"rmdir /sys/kernel/config/nvmet/subsystems/{nqn}/namespaces/1 "
+       f"/sys/kernel/config/nvmet/subsystems/{nqn}", check=False)
+
+
 @pytest.fixture(scope="module")
 def kernel_target(rxe):
-    vol = "/dev/shm/kernel-target.img"
-    sh(f"rm -f {vol} && truncate -s 64M {vol} && nvmet_subsys {KNQN} KERNELTGT01 && "
-       f"nvmet_ns_file {KNQN} 1 {vol} && nvmet_port 2 tcp {ADDR0} {KPORT} && nvmet_link 2 {KNQN}")
-    wait_tcp(ADDR0, KPORT, timeout=30, what="kernel nvmet-tcp")
-    yield vol
-    sh(f"nvmet_unlink 2 {KNQN}; rmdir /sys/kernel/config/nvmet/ports/2; "
-       f"echo 0 >/sys/kernel/config/nvmet/subsystems/{KNQN}/namespaces/1/enable; "
-       f"rmdir /sys/kernel/config/nvmet/subsystems/{KNQN}/namespaces/1 "
-       f"/sys/kernel/config/nvmet/subsystems/{KNQN}", check=False)
+    with kernel_namespace(KNQN, "KERNELTGT01", 2, KPORT, "/dev/shm/kernel-target.img") as vol:
+        yield vol
 
 
 @pytest.fixture(scope="module")
@@ -458,15 +465,8 @@ MIRROR_SOCK = "/run/blockd/mirror-target.sock"
 @pytest.fixture(scope="module")
 def kernel_replica(rxe):
     """A kernel nvmet-tcp namespace of 64 MiB (a file: 4096-byte blocks) on port 3."""
-    vol = "/dev/shm/kernel-replica.img"
-    sh(f"rm -f {vol} && truncate -s 64M {vol} && nvmet_subsys {REPL_NQN} KREPLICA001 && "
-       f"nvmet_ns_file {REPL_NQN} 1 {vol} && nvmet_port 3 tcp {ADDR0} {REPL_PORT} && nvmet_link 3 {REPL_NQN}")
-    wait_tcp(ADDR0, REPL_PORT, timeout=30, what="kernel nvmet-tcp (replica)")
-    yield vol
-    sh(f"nvmet_unlink 3 {REPL_NQN}; rmdir /sys/kernel/config/nvmet/ports/3; "
-       f"echo 0 >/sys/kernel/config/nvmet/subsystems/{REPL_NQN}/namespaces/1/enable; "
-       f"rmdir /sys/kernel/config/nvmet/subsystems/{REPL_NQN}/namespaces/1 "
-       f"/sys/kernel/config/nvmet/subsystems/{REPL_NQN}", check=False)
+    with kernel_namespace(REPL_NQN, "KREPLICA001", 3, REPL_PORT, "/dev/shm/kernel-replica.img") as vol:
+        yield vol
 
 
 def _replica_states() -> list[dict]:
