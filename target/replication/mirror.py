@@ -53,9 +53,11 @@ loopback with 4 KiB random writes over 256 MiB and bits cleared one second after
 write: every write paid a FUA metadata write, about 10x the primary's CPU per write."""
 
 
-LINK_ERRORS = (OSError, ConnectionError, ValueError, asyncio.TimeoutError, TimeoutError, MetadataError)
-"""What a replica's connection, I/O or metadata can raise: the link goes out of sync, never the
-daemon down."""
+LINK_ERRORS = (Exception,)
+"""What a replica's connection, I/O or metadata may raise: the link goes out of sync, never the
+daemon down. Any exception: the host library's own (``NvmeError`` for a status, ``QueueLost``,
+``ConnectError``) cannot be named here (target/ does not import initiator/), and a replica that
+fails in a way nobody foresaw must still be left behind rather than fail the host's writes."""
 
 
 class ReplicationError(OSError):
@@ -180,7 +182,7 @@ class ReplicatedBackend(BackendFilter):
             for link in targets:
                 try:
                     link.io.submit_write(offset, data, fua, functools.partial(join.done, link))
-                except (ValueError, ConnectionError) as exc:  # refused before it was sent
+                except LINK_ERRORS as exc:  # refused before it was sent
                     join.done(link, exc)
             try:
                 await self._write_local(offset, data, fua, regions)
@@ -462,7 +464,7 @@ class ReplicatedBackend(BackendFilter):
             await asyncio.sleep(SWEEP_INTERVAL)
             try:
                 await self._sweep()
-            except (OSError, ConnectionError, asyncio.TimeoutError, TimeoutError) as exc:
+            except LINK_ERRORS as exc:
                 log.warning("clearing write-intent bits failed; they stay set", namespace=self.name, error=str(exc))
 
     async def _sweep(self) -> None:
@@ -556,7 +558,7 @@ class ReplicatedBackend(BackendFilter):
         try:
             await self._sweep()
             await self._sweep()  # the first only forgot what was recent
-        except (OSError, ConnectionError, asyncio.TimeoutError, TimeoutError) as exc:
+        except LINK_ERRORS as exc:
             log.warning("final clear of write-intent bits failed", namespace=self.name, error=str(exc))
         closes = [link.io.close() for link in self.links if link.io is not None]
         for link in self.links:

@@ -33,18 +33,22 @@ class FakeReplica:
         self.down = False
         self.written = 0
         self.closed = False
+        self.fail_with: Exception | None = None
+        """Every call raises this (a status from the replica, as the host library's NvmeError)."""
         self.gate: tuple[int, asyncio.Event] | None = None
         """(offset, event): a write at that offset waits for the event (a slow replica, on cue)."""
 
     def _check(self) -> None:
         if self.down or self.closed:
             raise ConnectionError(f"{self.name} is down")
+        if self.fail_with is not None:
+            raise self.fail_with
 
     def submit_write(self, offset: int, data: Any, fua: bool, done: Callable[[BaseException | None], None]) -> None:
         async def go() -> None:
             try:
                 await self.write(offset, bytes(data), fua)
-            except ConnectionError as exc:
+            except Exception as exc:
                 done(exc)
             else:
                 done(None)
@@ -418,4 +422,28 @@ def test_a_resync_cut_by_a_primary_restart_resumes_where_it_stopped() -> None:
         assert 0 < m2.links[0].copied_total <= 9 * REGION  # the rest only, not the 20 regions again
         assert data_hash(bed.stores[0], m2.size) == data_hash(bed.local, m2.size)
         await m2.stop()
+    run(main())
+
+
+def test_a_replica_refusing_with_an_error_status_is_retried_not_given_up() -> None:
+    class StatusError(Exception):  # not an OSError: as the host library's NvmeError
+        pass
+
+    async def main() -> None:
+        bed = Bed(1)
+        real = bed.opener(0)
+        refusing = True
+
+        async def opener() -> FakeReplica:
+            if refusing:
+                raise StatusError("Connect failed: CONNECT_INVALID_HOST (sct 1 sc 0x84, dnr)")
+            return await real()
+        m = await bed.primary()
+        m.links[0].opener = opener
+        await until(lambda: "CONNECT_INVALID_HOST" in m.links[0].reason)
+        await m.write(0, b"w" * 4096)  # the host sees no error
+        refusing = False  # the operator fixed the replica's host list
+        await until(lambda: m.links[0].state == IN_SYNC)
+        assert bed.stores[0].data[:4096] == b"w" * 4096
+        await m.stop()
     run(main())
