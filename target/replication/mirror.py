@@ -467,11 +467,12 @@ class ReplicatedBackend(BackendFilter):
             except LINK_ERRORS as exc:
                 log.warning("clearing write-intent bits failed; they stay set", namespace=self.name, error=str(exc))
 
-    async def _sweep(self) -> None:
+    async def _sweep(self, everything: bool = False) -> None:
         """Clear the bits of regions every copy has durably and that left the activity window:
         not being written, not missed by the replica, and not among the most recently written
-        (see :data:`ACTIVE_BYTES`, :data:`IDLE_SWEEPS`); after a flush of every copy (a write
-        completed without FUA may sit in a cache until then)."""
+        (see :data:`ACTIVE_BYTES`, :data:`IDLE_SWEEPS`; ``everything``: the window too, at a clean
+        stop); after a flush of every copy (a write completed without FUA may sit in a cache
+        until then)."""
         recent, self._recent = self._recent, set()
         self._epoch += 1
         last = self._last_write
@@ -481,7 +482,7 @@ class ReplicatedBackend(BackendFilter):
         if len(active) > self._active_cap:
             active.sort(key=last.__getitem__, reverse=True)
             del active[self._active_cap:]
-        self._last_write = {r: last[r] for r in active}
+        self._last_write = {} if everything else {r: last[r] for r in active}
         keep = self._last_write.keys()
         candidates = {}
         for link in self.links:
@@ -555,9 +556,8 @@ class ReplicatedBackend(BackendFilter):
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        try:
-            await self._sweep()
-            await self._sweep()  # the first only forgot what was recent
+        try:  # the writes have drained: after a flush, no bit is needed for the copies in sync
+            await self._sweep(everything=True)
         except LINK_ERRORS as exc:
             log.warning("final clear of write-intent bits failed", namespace=self.name, error=str(exc))
         closes = [link.io.close() for link in self.links if link.io is not None]

@@ -447,3 +447,19 @@ def test_a_replica_refusing_with_an_error_status_is_retried_not_given_up() -> No
         assert bed.stores[0].data[:4096] == b"w" * 4096
         await m.stop()
     run(main())
+
+
+def test_a_clean_stop_leaves_no_bit_for_the_copies_in_sync() -> None:
+    async def main() -> None:
+        bed = Bed(1)
+        m = await bed.primary()
+        await until(lambda: m.links[0].state == IN_SYNC and not m.links[0].bitmap.dirty_count())
+        for r in range(5):
+            await m.write(r * REGION, os.urandom(4096))
+        assert m.links[0].bitmap.dirty_count() == 5  # the activity window keeps them while running
+        await m.stop()
+        m2 = await bed.primary()
+        await until(lambda: m2.links[0].state == IN_SYNC)
+        assert m2.links[0].copied_total == 0  # nothing to resync after a clean restart
+        await m2.stop()
+    run(main())
