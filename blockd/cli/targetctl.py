@@ -55,8 +55,9 @@ def add_parsers(sub: Any) -> None:
     v.add_argument("nsid", type=int)
     v.add_argument("replica", help="slot number or name of the replica")
     v.add_argument("--discard", choices=("replica", "local"), required=True,
-                   help="whose writes are thrown away: 'replica' overwrites it from this copy; to keep the "
-                        "replica's, make it the primary and discard this copy there")
+                   help="whose writes are thrown away: 'replica' overwrites it from this copy (at its next "
+                        "connection); 'local' copies the replica over this copy now (one replica only; "
+                        "host I/O gets Namespace Not Ready until done)")
 
     io = sub.add_parser("iostat", help="per-second IOPS, MB/s and latency per namespace of a running "
                                        "target (or per connection of the initiator daemon)")
@@ -184,7 +185,10 @@ def cmd_target(args: argparse.Namespace) -> int:
     if args.verb == "resolve":
         reply = _call(args, {"op": "resolve", "nqn": args.nqn, "nsid": args.nsid, "replica": args.replica,
                              "discard": args.discard})
-        print(f"{reply['replica']}: its data is discarded; it is {reply['state']} and is overwritten from this copy")
+        if args.discard == "replica":
+            print(f"{reply['replica']}: its data is discarded; it is {reply['state']} and is overwritten from this copy")
+        else:
+            print(f"this copy now holds {reply['replica']}'s data; the replica is {reply['state']}")
         return 0
     if args.verb == "verify":
         reply = _call(args, {"op": "verify", "nqn": args.nqn, "nsid": args.nsid, "replica": args.replica},

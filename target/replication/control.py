@@ -4,9 +4,9 @@
   resyncing with percent, MB/s and ETA, split brain, refused) and why;
 * ``verify``: compare a namespace's copies region by region (all in-sync replicas, or one),
   report the regions that differ and mark them for resync; the reply comes when it is done;
-* ``resolve``: end a split brain (or a refusal) by discarding one replica's data: it is
-  overwritten from this copy. To keep a replica's data instead, make that copy the primary (a
-  target whose replica is this one) and discard this one from there.
+* ``resolve``: end a split brain (or a refusal) by discarding one side's writes: the replica's
+  (it is overwritten from this copy at its next connection), or this copy's (with one replica:
+  the replica's data is copied over this copy at once, host I/O waiting with Namespace Not Ready).
 """
 
 from __future__ import annotations
@@ -65,11 +65,15 @@ class ReplicationControl:
 
     async def op_resolve(self, nqn: str, nsid: int, replica: str, discard: str = "replica") -> dict[str, Any]:
         backend = self._one(nqn, nsid)
-        if discard != "replica":
-            raise RequestError("only --discard replica is done here: to keep the replica's data, run the "
-                               "other copy as the primary (its replica being this one) and discard this one there")
         try:
-            link = backend.discard_replica(replica)
+            if discard == "replica":
+                link = backend.discard_replica(replica)
+            elif discard == "local":
+                link = await backend.discard_local(replica)
+            else:
+                raise RequestError(f"discard must be 'replica' or 'local', not {discard!r}")
         except ValueError as exc:
             raise RequestError(str(exc)) from None
+        except LINK_ERRORS as exc:
+            raise RequestError(f"discarding this copy failed, it is unchanged or flagged inconsistent: {exc}") from None
         return {"subsystem": nqn, "nsid": nsid, "replica": link.name, "state": link.state}

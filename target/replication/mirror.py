@@ -531,6 +531,60 @@ class ReplicatedBackend(BackendFilter):
         link.state, link.reason = CONNECTING, "its data discarded: resync from this copy next"
         return link
 
+    async def discard_local(self, which: str | int) -> ReplicaLink:
+        """Resolve a split brain (or a refusal) by discarding THIS copy's writes: the replica's
+        data area is copied over this one, then this copy takes the replica's generation and the
+        replica is in sync. Only with a single replica (another would hold neither side's data
+        then). Host I/O gets Namespace Not Ready until the copy ends; a crash meanwhile leaves
+        this copy flagged inconsistent (never promoted as it is)."""
+        link = self.link(which)
+        if len(self.links) != 1:
+            raise ValueError("--discard local needs a namespace with one replica: with more, run the "
+                             "copy to keep as the primary and discard this one there")
+        if link.state not in (SPLIT_BRAIN, REFUSED):
+            raise ValueError(f"replica {link.name} is {link.state}: nothing to resolve")
+        refusing = _refuse_io(self.name)
+        for name in _HOST_IO:
+            setattr(self, name, refusing)  # instance attributes shadow the methods: no per-I/O test
+        try:
+            # the state stays split_brain/refused meanwhile: the link's own loop leaves it alone
+            link.reason = "discarding this copy: copying the replica over it"
+            link.io = io = await link.opener()
+            peer = await Metadata.open(io)
+            if peer.region_size != self.region_size or peer.data_size != self.data_size:
+                raise ValueError("the replica's metadata has another geometry: nothing copied")
+            log.warning("this copy's writes discarded by the operator; copying the replica over it",
+                        namespace=self.name, replica=link.name)
+            await self.md.begin_sync()
+            for region in range(-(-self.data_size // self.region_size)):
+                offset = region * self.region_size
+                data = await io.read(offset, min(self.region_size, self.data_size - offset))
+                await self.inner.write(offset, data)
+            await self.inner.flush()
+            async with self._slot_lock:
+                slot = self.md.slot_of(peer.node_id)
+                if slot is None:
+                    slot = await self.md.assign_slot(peer.node_id)
+                    self._bitmaps.append(self.md.bitmap(slot))
+            link.slot, link.bitmap, link.peer_md = slot, self.md.bitmap(slot), peer
+            await self.md.adopt(peer.ids(peer.slot_of(self.md.node_id)))
+            await self.md.peer_in_sync(slot)
+            for region in list(link.bitmap.dirty_regions()):
+                link.bitmap.clear(region)
+            await link.bitmap.sync_clears()
+            link.missing.clear()
+            self.resync_done(link)
+            log.info("this copy now holds the replica's data", namespace=self.name, replica=link.name)
+        except BaseException as exc:
+            link.state, link.reason = REFUSED, f"discarding this copy failed: {exc}"
+            link.hang_up()
+            raise
+        finally:
+            for name in _HOST_IO:
+                delattr(self, name)
+            self.read_into = self.inner.read_into  # type: ignore[method-assign]
+        return link
+
     def promotion_blocker(self) -> str | None:
         """None when this copy may serve as the optimized path (every replica is in sync, so
         this copy holds every acknowledged write and no other copy holds newer ones); else why not."""
@@ -585,6 +639,15 @@ _REFUSALS = {
     SyncPlan.UNRELATED: "the replica holds another data set (unrelated generations or another geometry); "
                         "blockctl target resolve --discard replica overwrites it",
 }
+
+
+_HOST_IO = ("read_into", "write", "flush", "write_zeroes", "discard")
+
+
+def _refuse_io(name: str) -> Callable[..., Awaitable[None]]:
+    async def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ReplicationError(Status.NS_NOT_READY, f"{name}: this copy is being overwritten from its replica")
+    return refuse
 
 
 async def _blank_metadata(io: Any) -> bool:

@@ -463,3 +463,47 @@ def test_a_clean_stop_leaves_no_bit_for_the_copies_in_sync() -> None:
         assert m2.links[0].copied_total == 0  # nothing to resync after a clean restart
         await m2.stop()
     run(main())
+
+
+def test_discarding_this_copy_takes_the_replicas_data() -> None:
+    async def main() -> None:
+        bed = Bed(1)
+        a = await bed.primary()
+        await until(lambda: a.links[0].state == IN_SYNC)
+        bed.kill(0)
+        await a.write(0, b"A" * 4096)
+        await a.stop()
+        other = Bed(1, local=bed.stores[0], stores=[bed.local])
+        other.up[0] = False
+        b = await other.primary()
+        await b.write(REGION, b"B" * 4096)
+        await b.stop()
+        bed.up[0] = True
+        a2 = await bed.primary()
+        await until(lambda: a2.links[0].state == SPLIT_BRAIN)
+        with pytest.raises(ReplicationError) as err:  # host I/O waits while this copy is overwritten
+            gate = asyncio.Event()
+            real = a2.links[0].opener
+
+            async def slow() -> Any:
+                await gate.wait()
+                return await real()
+            a2.links[0].opener = slow
+            task = asyncio.get_running_loop().create_task(a2.discard_local("r0"))
+            await asyncio.sleep(0.01)
+            try:
+                await a2.read_into(0, memoryview(bytearray(4096)))
+            finally:
+                gate.set()
+                await task
+        assert err.value.status == Status.NS_NOT_READY
+        assert a2.links[0].state == IN_SYNC and not a2.md.inconsistent
+        assert bed.local.data[REGION:REGION + 4096] == b"B" * 4096 and bed.local.data[:4096] != b"A" * 4096
+        await a2.write(0, b"C" * 4096)  # host I/O is back, and reaches the replica
+        assert bed.stores[0].data[:4096] == b"C" * 4096
+        assert data_hash(bed.stores[0], a2.size) == data_hash(bed.local, a2.size)
+        await a2.stop()
+        a3 = await bed.primary()  # the generations agree from now on
+        await until(lambda: a3.links[0].state == IN_SYNC)
+        await a3.stop()
+    run(main())
