@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from blockd.control_socket import RequestError
 from target.replication.link import IN_SYNC
 from target.replication.mirror import LINK_ERRORS, ReplicatedBackend
+from target.replication.resolve import discard_local, discard_replica
 from target.replication.verify import verify
 
 if TYPE_CHECKING:
@@ -67,9 +68,9 @@ class ReplicationControl:
         backend = self._one(nqn, nsid)
         try:
             if discard == "replica":
-                link = backend.discard_replica(replica)
+                link = discard_replica(backend, replica)
             elif discard == "local":
-                link = await backend.discard_local(replica)
+                link = await discard_local(backend, replica)
             else:
                 raise RequestError(f"discard must be 'replica' or 'local', not {discard!r}")
         except ValueError as exc:

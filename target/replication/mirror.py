@@ -34,7 +34,7 @@ from target.replication import resync
 from target.replication.blockio import BackendBlockIO
 from target.replication.generations import SyncPlan, decide, discard_plan
 from target.replication.link import (
-    CONNECTING, DEGRADED, IN_SYNC, RECONNECT_DELAY, REFUSED, RESYNCING, SPLIT_BRAIN, Opener, ReplicaLink,
+    DEGRADED, IN_SYNC, RECONNECT_DELAY, REFUSED, RESYNCING, SPLIT_BRAIN, Opener, ReplicaLink,
 )
 from target.replication.metadata import Metadata, MetadataError
 
@@ -409,15 +409,10 @@ class ReplicatedBackend(BackendFilter):
             peer = await Metadata.format(io, self.region_size, self.md.max_peers, blank=True)
         if peer.region_size != self.region_size or peer.data_size != self.data_size:
             return SyncPlan.UNRELATED, peer
-        async with self._slot_lock:  # two replicas met at once must not both take the first free slot
-            slot = self.md.slot_of(peer.node_id)
-            new_slot = slot is None
-            if slot is None:
-                slot = await self.md.assign_slot(peer.node_id)
-                self._bitmaps.append(self.md.bitmap(slot))
-        link.slot, link.bitmap = slot, self.md.bitmap(slot)
+        new_slot = await self.take_slot(link, peer.node_id)
+        assert link.bitmap is not None
         peer_slot = peer.slot_of(self.md.node_id)
-        local_ids, peer_ids = self.md.ids(slot), peer.ids(peer_slot)
+        local_ids, peer_ids = self.md.ids(link.slot), peer.ids(peer_slot)
         if link.discard_next:
             link.discard_next = False
             return (SyncPlan.FULL if new_slot else discard_plan(local_ids, peer_ids)), peer
@@ -426,6 +421,18 @@ class ReplicatedBackend(BackendFilter):
         if new_slot and plan in (SyncPlan.IN_SYNC, SyncPlan.BITMAP):
             plan = SyncPlan.FULL  # a copy this slot never tracked: no bitmap says what it lacks
         return plan, peer
+
+    async def take_slot(self, link: ReplicaLink, node_id: int) -> bool:
+        """Give ``link`` the peer slot of the copy ``node_id`` (a new one, whose bitmap joins
+        the marked ones, if it has none here); whether the slot is new."""
+        async with self._slot_lock:  # two replicas met at once must not both take the first free slot
+            slot = self.md.slot_of(node_id)
+            new = slot is None
+            if slot is None:
+                slot = await self.md.assign_slot(node_id)
+                self._bitmaps.append(self.md.bitmap(slot))
+        link.slot, link.bitmap = slot, self.md.bitmap(slot)
+        return new
 
     @contextlib.asynccontextmanager
     async def region_lock(self, region: int) -> AsyncIterator[None]:
@@ -519,72 +526,6 @@ class ReplicatedBackend(BackendFilter):
                 return link
         raise ValueError(f"no replica {which!r}; replicas: " + ", ".join(f"{k.slot} ({k.name})" for k in self.links))
 
-    def discard_replica(self, which: str | int) -> ReplicaLink:
-        """Resolve a split brain (or a refusal) for one replica by discarding its data: it gets a
-        full sync from this copy at the next connection."""
-        link = self.link(which)
-        if link.state not in (SPLIT_BRAIN, REFUSED, CONNECTING, DEGRADED):
-            raise ValueError(f"replica {link.name} is {link.state}: nothing to resolve")
-        link.discard_next = True
-        log.warning("replica's data discarded by the operator; it is overwritten from this copy",
-                    namespace=self.name, replica=link.name, was=link.state)
-        link.state, link.reason = CONNECTING, "its data discarded: resync from this copy next"
-        return link
-
-    async def discard_local(self, which: str | int) -> ReplicaLink:
-        """Resolve a split brain (or a refusal) by discarding THIS copy's writes: the replica's
-        data area is copied over this one, then this copy takes the replica's generation and the
-        replica is in sync. Only with a single replica (another would hold neither side's data
-        then). Host I/O gets Namespace Not Ready until the copy ends; a crash meanwhile leaves
-        this copy flagged inconsistent (never promoted as it is)."""
-        link = self.link(which)
-        if len(self.links) != 1:
-            raise ValueError("--discard local needs a namespace with one replica: with more, run the "
-                             "copy to keep as the primary and discard this one there")
-        if link.state not in (SPLIT_BRAIN, REFUSED):
-            raise ValueError(f"replica {link.name} is {link.state}: nothing to resolve")
-        refusing = _refuse_io(self.name)
-        for name in _HOST_IO:
-            setattr(self, name, refusing)  # instance attributes shadow the methods: no per-I/O test
-        try:
-            # the state stays split_brain/refused meanwhile: the link's own loop leaves it alone
-            link.reason = "discarding this copy: copying the replica over it"
-            link.io = io = await link.opener()
-            peer = await Metadata.open(io)
-            if peer.region_size != self.region_size or peer.data_size != self.data_size:
-                raise ValueError("the replica's metadata has another geometry: nothing copied")
-            log.warning("this copy's writes discarded by the operator; copying the replica over it",
-                        namespace=self.name, replica=link.name)
-            await self.md.begin_sync()
-            for region in range(-(-self.data_size // self.region_size)):
-                offset = region * self.region_size
-                data = await io.read(offset, min(self.region_size, self.data_size - offset))
-                await self.inner.write(offset, data)
-            await self.inner.flush()
-            async with self._slot_lock:
-                slot = self.md.slot_of(peer.node_id)
-                if slot is None:
-                    slot = await self.md.assign_slot(peer.node_id)
-                    self._bitmaps.append(self.md.bitmap(slot))
-            link.slot, link.bitmap, link.peer_md = slot, self.md.bitmap(slot), peer
-            await self.md.adopt(peer.ids(peer.slot_of(self.md.node_id)))
-            await self.md.peer_in_sync(slot)
-            for region in list(link.bitmap.dirty_regions()):
-                link.bitmap.clear(region)
-            await link.bitmap.sync_clears()
-            link.missing.clear()
-            self.resync_done(link)
-            log.info("this copy now holds the replica's data", namespace=self.name, replica=link.name)
-        except BaseException as exc:
-            link.state, link.reason = REFUSED, f"discarding this copy failed: {exc}"
-            link.hang_up()
-            raise
-        finally:
-            for name in _HOST_IO:
-                delattr(self, name)
-            self.read_into = self.inner.read_into  # type: ignore[method-assign]
-        return link
-
     def promotion_blocker(self) -> str | None:
         """None when this copy may serve as the optimized path (every replica is in sync, so
         this copy holds every acknowledged write and no other copy holds newer ones); else why not."""
@@ -639,15 +580,6 @@ _REFUSALS = {
     SyncPlan.UNRELATED: "the replica holds another data set (unrelated generations or another geometry); "
                         "blockctl target resolve --discard replica overwrites it",
 }
-
-
-_HOST_IO = ("read_into", "write", "flush", "write_zeroes", "discard")
-
-
-def _refuse_io(name: str) -> Callable[..., Awaitable[None]]:
-    async def refuse(*args: Any, **kwargs: Any) -> None:
-        raise ReplicationError(Status.NS_NOT_READY, f"{name}: this copy is being overwritten from its replica")
-    return refuse
 
 
 async def _blank_metadata(io: Any) -> bool:

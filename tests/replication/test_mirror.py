@@ -16,6 +16,7 @@ from target.backend import MemoryBackend
 from target.replication import mirror as mirror_mod
 from target.replication.link import DEGRADED, IN_SYNC, REFUSED, SPLIT_BRAIN
 from target.replication.mirror import ReplicatedBackend, ReplicationError
+from target.replication.resolve import discard_local, discard_replica
 from target.replication.verify import verify
 
 DEVICE = 4 << 20
@@ -283,7 +284,7 @@ def test_split_brain_is_refused_and_discarding_the_replica_resolves_it() -> None
         a2 = await bed.primary()
         await until(lambda: a2.links[0].state == SPLIT_BRAIN)
         assert bed.stores[0].data[REGION:REGION + 4096] == b"B" * 4096  # nothing overwritten
-        a2.discard_replica("r0")
+        discard_replica(a2, "r0")
         await until(lambda: a2.links[0].state == IN_SYNC)
         assert data_hash(bed.stores[0], a2.size) == data_hash(bed.local, a2.size)
         await a2.stop()
@@ -489,7 +490,7 @@ def test_discarding_this_copy_takes_the_replicas_data() -> None:
                 await gate.wait()
                 return await real()
             a2.links[0].opener = slow
-            task = asyncio.get_running_loop().create_task(a2.discard_local("r0"))
+            task = asyncio.get_running_loop().create_task(discard_local(a2, "r0"))
             await asyncio.sleep(0.01)
             try:
                 await a2.read_into(0, memoryview(bytearray(4096)))
