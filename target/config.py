@@ -65,6 +65,21 @@ Example::
     group = 1                 # optional: default 1
     state = "inaccessible"    # optimized, non-optimized, inaccessible, persistent-loss, change
 
+    # with replicas (docs/replication.md) the end of the file holds the replication metadata
+    # and the namespace exports less than ``size``; these three keys apply only then:
+    region_size = "64KiB"     # one write-intent bitmap bit
+    min_in_sync = 1           # copies (this one included) a write needs, else it fails
+    resync_rate = "100MiB"    # per second, per replica
+
+    [[subsystem.namespace.replica]]   # one table per copy: an NVMe-oF namespace
+    transport = "tcp"         # or "rdma"
+    address = "10.0.0.6"
+    port = 4420
+    nqn = "nqn.2026-11.io.blockd:vol1-copy"
+    nsid = 1
+    hostnqn = "nqn.2014-08.org.nvmexpress:uuid:..."  # optional: default this machine's
+    timeout = 5.0             # seconds a replica may take to answer before it goes out of sync
+
 Every mistake is reported as one :class:`ConfigError` line naming the offending entry. A file
 holding secrets must not be readable by others (mode o-r), or it is refused; the secrets
 themselves never appear in an error or a log line.
@@ -102,6 +117,29 @@ class PortConfig:
     port: int
 
 
+DEFAULT_REGION_SIZE = 64 << 10
+DEFAULT_RESYNC_RATE = 100 << 20
+MAX_REPLICAS = 4
+"""Replicas of one namespace; also the peer slots its metadata is formatted with."""
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """One remote copy of a replicated namespace: an NVMe-oF namespace address."""
+    transport: str
+    address: str
+    port: int
+    nqn: str
+    nsid: int = 1
+    hostnqn: str | None = None
+    timeout: float = 5.0
+
+    @property
+    def name(self) -> str:
+        """How logs and ``blockctl target replicas`` name it."""
+        return f"{self.transport}://{self.address}:{self.port}/{self.nqn}/{self.nsid}"
+
+
 @dataclass(frozen=True)
 class NamespaceConfig:
     nsid: int
@@ -112,6 +150,12 @@ class NamespaceConfig:
     ana_group: int = DEFAULT_ANA_GROUP
     ids: tuple[bytes | None, bytes | None, bytes | None] = (None, None, None)
     """Configured (NGUID, UUID, EUI-64); None: derived (target.subsystem.Namespace)."""
+    replicas: tuple[ReplicaConfig, ...] = ()
+    """Empty: a plain file namespace."""
+    region_size: int = DEFAULT_REGION_SIZE
+    min_in_sync: int = 1
+    resync_rate: int = DEFAULT_RESYNC_RATE
+    """Bytes per second one resync copies at most."""
 
 
 MAX_CNTLID = 0xFFEF
@@ -335,22 +379,8 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
         model = take(s, "model", str, where, "blockd")
         if len(model) > 40 or not model.isascii():
             raise ConfigError(f"{where}: model must be at most 40 ASCII characters")
-        namespaces = []
-        for j, n in enumerate(take(s, "namespace", list, where, [])):
-            nwhere = f"{where} namespace #{j + 1}"
-            unknown(n, {"nsid", "path", "size", "block_size", "read_only", "ana_group", "nguid", "uuid",
-                        "eui64"}, nwhere)
-            nsid = take(n, "nsid", int, nwhere, j + 1)
-            size = n.get("size")
-            block_size = take(n, "block_size", int, nwhere, 512)
-            if block_size not in (512, 4096):
-                raise ConfigError(f"{nwhere}: block_size must be 512 or 4096")
-            size_b = parse_size(size, nwhere) if size is not None else None
-            if size_b is not None and size_b % block_size:
-                raise ConfigError(f"{nwhere}: size must be a multiple of the block size {block_size}")
-            namespaces.append(NamespaceConfig(nsid, take(n, "path", str, nwhere), size_b,
-                                              block_size, take(n, "read_only", bool, nwhere, False),
-                                              _ana_group(n, nwhere), _namespace_ids(n, nwhere)))
+        namespaces = [_namespace(n, f"{where} namespace #{j + 1}", j + 1)
+                      for j, n in enumerate(take(s, "namespace", list, where, []))]
         nsids = [n.nsid for n in namespaces]
         if len(set(nsids)) != len(nsids) or any(not 1 <= x < 0xFFFFFFFF for x in nsids):
             raise ConfigError(f"{where}: namespace ids must be unique and between 1 and 4294967294")
@@ -364,6 +394,69 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
                         take(logging_t, "level", str, f"{source} [logging]", "info"), max_io_queues,
                         limits, control_socket, metrics,
                         _ana_entries(take(raw, "ana", list, source, []), set(ids), source))
+
+
+def _namespace(n: dict[str, Any], where: str, default_nsid: int) -> NamespaceConfig:
+    unknown(n, {"nsid", "path", "size", "block_size", "read_only", "ana_group", "nguid", "uuid", "eui64",
+                "replica", "region_size", "min_in_sync", "resync_rate"}, where)
+    nsid = take(n, "nsid", int, where, default_nsid)
+    size = n.get("size")
+    block_size = take(n, "block_size", int, where, 512)
+    if block_size not in (512, 4096):
+        raise ConfigError(f"{where}: block_size must be 512 or 4096")
+    size_b = parse_size(size, where) if size is not None else None
+    if size_b is not None and size_b % block_size:
+        raise ConfigError(f"{where}: size must be a multiple of the block size {block_size}")
+    read_only = take(n, "read_only", bool, where, False)
+    path = take(n, "path", str, where)
+    ana = {"ana_group": _ana_group(n, where), "ids": _namespace_ids(n, where)}
+    replicas = tuple(_replica(r, f"{where} replica #{k + 1}")
+                     for k, r in enumerate(take(n, "replica", list, where, [])))
+    if not replicas:
+        extra = {"region_size", "min_in_sync", "resync_rate"} & n.keys()
+        if extra:
+            raise ConfigError(f"{where}: {', '.join(sorted(extra))} apply only to a namespace with replicas")
+        return NamespaceConfig(nsid, path, size_b, block_size, read_only, **ana)
+    if read_only:
+        raise ConfigError(f"{where}: a replicated namespace cannot be read_only")
+    if len(replicas) > MAX_REPLICAS:
+        raise ConfigError(f"{where}: at most {MAX_REPLICAS} replicas")
+    if len({r.name for r in replicas}) != len(replicas):
+        raise ConfigError(f"{where}: a replica appears twice")
+    region_size = parse_size(n.get("region_size", DEFAULT_REGION_SIZE), f"{where} region_size")
+    if region_size < 4096 or region_size & (region_size - 1):
+        raise ConfigError(f"{where}: region_size must be a power of two of at least 4KiB")
+    min_in_sync = take(n, "min_in_sync", int, where, 1)
+    if not 1 <= min_in_sync <= len(replicas) + 1:
+        raise ConfigError(f"{where}: min_in_sync must be 1 (this copy alone) to {len(replicas) + 1} (every copy)")
+    resync_rate = parse_size(n.get("resync_rate", DEFAULT_RESYNC_RATE), f"{where} resync_rate")
+    if resync_rate < region_size:
+        raise ConfigError(f"{where}: resync_rate must be at least one region ({region_size} bytes) per second")
+    return NamespaceConfig(nsid, path, size_b, block_size, False, replicas=replicas, region_size=region_size,
+                           min_in_sync=min_in_sync, resync_rate=resync_rate, **ana)
+
+
+def _replica(r: dict[str, Any], where: str) -> ReplicaConfig:
+    unknown(r, {"transport", "address", "port", "nqn", "nsid", "hostnqn", "timeout"}, where)
+    transport = take(r, "transport", str, where, "tcp")
+    if transport not in ("tcp", "rdma"):
+        raise ConfigError(f"{where}: transport must be 'tcp' or 'rdma', not {transport!r}")
+    port = take(r, "port", int, where, DEFAULT_IO_PORT)
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{where}: port {port} is out of range")
+    nqn = take(r, "nqn", str, where)
+    if not _NQN.match(nqn) or nqn == DISCOVERY_NQN:
+        raise ConfigError(f"{where}: {nqn!r} is not a valid subsystem NQN")
+    nsid = take(r, "nsid", int, where, 1)
+    if not 1 <= nsid < 0xFFFFFFFF:
+        raise ConfigError(f"{where}: nsid {nsid} is out of range")
+    hostnqn = take(r, "hostnqn", str, where, None)
+    if hostnqn is not None and not _NQN.match(hostnqn):
+        raise ConfigError(f"{where}: {hostnqn!r} is not a valid host NQN")
+    timeout = take(r, "timeout", (int, float), where, 5.0)
+    if not 0 < timeout <= 600:
+        raise ConfigError(f"{where}: timeout must be more than 0 and at most 600 seconds")
+    return ReplicaConfig(transport, take(r, "address", str, where), port, nqn, nsid, hostnqn, float(timeout))
 
 
 def _ana_group(table: dict[str, Any], where: str) -> int:

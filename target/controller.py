@@ -575,7 +575,7 @@ class Controller:
                 await backend.write(offset, req.data, bool(fua))
         except OSError as exc:
             log.error("write failed", nsid=ns.nsid, offset=offset, error=str(exc))
-            req.status = Status.WRITE_FAULT
+            req.status = _write_status(exc)
 
     async def _flush(self, req: Request) -> None:
         if req.ns is not None:
@@ -602,7 +602,7 @@ class Controller:
             await ns.backend.flush()
         except OSError as exc:
             log.error("flush failed", nsid=ns.nsid, error=str(exc))
-            req.status = Status.WRITE_FAULT
+            req.status = _write_status(exc)
 
     async def _write_zeroes(self, req: Request) -> None:
         ns = req.ns
@@ -611,7 +611,7 @@ class Controller:
             await ns.backend.write_zeroes(fields[IO_SLBA] << ns.lba_shift, (fields[IO_NLB] + 1) << ns.lba_shift)
         except OSError as exc:
             log.error("zeroing failed", nsid=ns.nsid, error=str(exc))
-            req.status = Status.WRITE_FAULT
+            req.status = _write_status(exc)
 
     async def _dsm(self, req: Request) -> None:
         ns = req.ns
@@ -632,7 +632,7 @@ class Controller:
                     await ns.backend.discard(slba << ns.lba_shift, nlb << ns.lba_shift)
         except OSError as exc:
             log.error("deallocate failed", nsid=ns.nsid, error=str(exc))
-            req.status = Status.WRITE_FAULT
+            req.status = _write_status(exc)
 
 
 _DSM_NR, _DSM_ATTRIBUTES = DSM_COMMAND_FAST.index("nr"), DSM_COMMAND_FAST.index("attributes")
@@ -641,6 +641,12 @@ _DSM_NR, _DSM_ATTRIBUTES = DSM_COMMAND_FAST.index("nr"), DSM_COMMAND_FAST.index(
 def _dsm_ranges(req: Request) -> int:
     """How many ranges a Dataset Management command carries (NR is 0's based)."""
     return DSM_COMMAND_FAST.unpack_from(req.sqe)[_DSM_NR] + 1
+
+
+def _write_status(exc: OSError) -> int:
+    """A failed write's status: the backend's own when it names one (a replicated namespace
+    with too few copies in sync: Namespace Not Ready), else Write Fault."""
+    return getattr(exc, "status", Status.WRITE_FAULT)
 
 
 def _no_data(req: Request) -> int:

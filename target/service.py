@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Iterator
+import functools
+from typing import Any, Awaitable, Callable, Iterator
 
 import structlog
 
-from target.config import NamespaceConfig, PortConfig, SubsystemConfig, TargetConfig
+from target.config import MAX_REPLICAS, NamespaceConfig, PortConfig, SubsystemConfig, TargetConfig
 from blockd.control_socket import RequestError
 from protocol.constants import ANA_STATE_NAMES, AnaState
 from target.ana import MAX_ANA_GROUPS
-from target.backend import FileBackend
+from target.backend import Backend, FileBackend
 from target.control import ControlServer
 from blockd.prometheus import MetricsServer
 from target.metrics import target_metrics_server
+from target.replication.control import ReplicationControl
+from target.replication.link import ReplicaIO
+from target.replication.mirror import ReplicatedBackend
 from target.subsystem import Namespace, Subsystem
 from target.target import PortInfo, Target
 from target.transport import Listener, listen
@@ -39,24 +43,47 @@ def _resized_only(before: NamespaceConfig, after: NamespaceConfig | None) -> boo
         dataclasses.replace(before, size=after.size) == after and (before.size != after.size or after.size is None))
 
 
-def _open_namespace(sub: Subsystem, nc: NamespaceConfig) -> Namespace:
+ReplicaOpener = Callable[..., Awaitable[ReplicaIO]]
+"""Connects to one replica namespace: ``(transport, address, port, nqn, nsid, hostnqn, timeout)``
+(``initiator.replica.open_remote``, injected by the composition root: target/ does not import
+the host library)."""
+
+
+async def _open_namespace(sub: Subsystem, nc: NamespaceConfig, open_replica: ReplicaOpener | None) -> Namespace:
+    where = f"{sub.nqn} namespace {nc.nsid}"
     try:
-        backend = FileBackend(nc.path, nc.size, read_only=nc.read_only)
+        backend: Backend = FileBackend(nc.path, nc.size, read_only=nc.read_only)
     except OSError as exc:
-        raise RuntimeError(f"{sub.nqn} namespace {nc.nsid}: cannot open {nc.path}: {exc.strerror}") from None
+        raise RuntimeError(f"{where}: cannot open {nc.path}: {exc.strerror}") from None
     except ValueError as exc:
-        raise RuntimeError(f"{sub.nqn} namespace {nc.nsid}: {exc}") from None
+        raise RuntimeError(f"{where}: {exc}") from None
+    if nc.replicas:
+        if open_replica is None:
+            backend.close()
+            raise RuntimeError(f"{where}: replicas are configured but this target cannot reach them")
+        openers = [(rc.name, functools.partial(open_replica, rc.transport, rc.address, rc.port, rc.nqn,
+                                               rc.nsid, rc.hostnqn, rc.timeout)) for rc in nc.replicas]
+        try:
+            backend = await ReplicatedBackend.open(backend, openers, nc.region_size, nc.min_in_sync,
+                                                   nc.resync_rate, MAX_REPLICAS, name=where,
+                                                   block_size=nc.block_size)
+        except (OSError, ValueError) as exc:
+            backend.close()
+            raise RuntimeError(f"{where}: {exc}") from None
     if backend.size % nc.block_size:
         backend.close()
-        raise RuntimeError(f"{sub.nqn} namespace {nc.nsid}: {nc.path} size is not a multiple of {nc.block_size}")
+        raise RuntimeError(f"{where}: {nc.path} size is not a multiple of {nc.block_size}")
+    if isinstance(backend, ReplicatedBackend):
+        backend.start()
     return Namespace(nc.nsid, backend, nc.block_size, sub.nqn, nc.path, nc.ana_group, nc.ids)
 
 
 class TargetService:
     """Owns the Target and its listeners."""
 
-    def __init__(self, config: TargetConfig) -> None:
+    def __init__(self, config: TargetConfig, open_replica: ReplicaOpener | None = None) -> None:
         self.config = config
+        self.open_replica = open_replica
         self.target = Target(max_io_queues=config.max_io_queues, limits=config.limits)
         self.listeners: dict[int, Listener] = {}
         self.control: ControlServer | None = (
@@ -70,6 +97,7 @@ class TargetService:
             self.control.add_verb("resize", self.op_resize)
             self.control.add_verb("ana", self.op_ana)
             self.control.add_verb("ana-set", self.op_ana_set)
+            ReplicationControl(self.target).add_verbs(self.control)
 
     async def start(self) -> None:
         """Open every namespace, then listen on every port (the service is then ready); the
@@ -79,7 +107,7 @@ class TargetService:
         if self.metrics is not None:
             await self.metrics.start()
         for sc in self.config.subsystems:
-            self._add_subsystem(sc)
+            await self._add_subsystem(sc)
         for (port_id, group), state in _ana_map(self.config).items():
             self.target.set_ana_state([port_id], group, state)
         for pc in self.config.ports:
@@ -103,13 +131,13 @@ class TargetService:
         await self.listeners.pop(port_id).stop()
         self.target.remove_port(port_id)
 
-    def _add_subsystem(self, sc: SubsystemConfig) -> None:
+    async def _add_subsystem(self, sc: SubsystemConfig) -> None:
         sub = Subsystem(sc.nqn, sc.serial, sc.model, sc.allow_any_host, set(sc.hosts),
                         port_ids=set(sc.ports) if sc.ports is not None else None,
                         auth=dict(sc.host_auth), cntlid_range=sc.cntlid_range)
         try:
             for nc in sc.namespaces:
-                sub.add_namespace(_open_namespace(sub, nc))
+                sub.add_namespace(await _open_namespace(sub, nc, self.open_replica))
         except BaseException:
             for ns in sub.namespaces.values():
                 ns.backend.close()
@@ -144,10 +172,10 @@ class TargetService:
         for nqn, sc in new_subs.items():
             before = old_subs.get(nqn)
             if before is None:
-                self._add_subsystem(sc)
+                await self._add_subsystem(sc)
                 log.info("subsystem added", nqn=nqn)
             elif before != sc:
-                self._update_subsystem(before, sc)
+                await self._update_subsystem(before, sc)
         self._apply_resizes(old, new)
         for (port_id, group), state in ana_changes.items():
             self.target.set_ana_state([port_id], group, state)
@@ -173,7 +201,7 @@ class TargetService:
                 if was is not None and _resized_only(was, nc):
                     yield self.target.subsystems[sc.nqn], nc
 
-    def _update_subsystem(self, before: SubsystemConfig, after: SubsystemConfig) -> None:
+    async def _update_subsystem(self, before: SubsystemConfig, after: SubsystemConfig) -> None:
         sub = self.target.subsystems[after.nqn]
         sub.serial, sub.model = after.serial, after.model
         sub.port_ids = set(after.ports) if after.ports is not None else None
@@ -189,7 +217,7 @@ class TargetService:
                 log.info("namespace removed", nqn=sub.nqn, nsid=nsid)
         for nsid, nc in new_ns.items():
             if old_ns.get(nsid) is None or old_ns[nsid] != nc and not _resized_only(old_ns[nsid], nc):
-                self.target.add_namespace(sub, _open_namespace(sub, nc))
+                self.target.add_namespace(sub, await _open_namespace(sub, nc, self.open_replica))
                 log.info("namespace added", nqn=sub.nqn, nsid=nsid, path=nc.path)
 
     def _apply_resizes(self, old: TargetConfig, new: TargetConfig) -> None:
@@ -286,6 +314,10 @@ class TargetService:
             done, not_done = await asyncio.wait(pending, timeout=DRAIN_TIMEOUT)
             if not_done:
                 log.warning("commands still running after the drain timeout", count=len(not_done))
+        for sub in self.target.subsystems.values():
+            for ns in sub.namespaces.values():
+                if isinstance(ns.backend, ReplicatedBackend):
+                    await ns.backend.stop()
         await self.target.close()
         if self.metrics is not None:
             await self.metrics.stop()

@@ -62,12 +62,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def run_target(config_path: str, log_format: str | None, log_level: str | None) -> int:
+    from initiator.replica import open_remote
     from target.service import TargetService
 
     config = load(config_path)
     blog.setup(log_format or config.log_format, log_level or config.log_level)
     _data_plane_line()
-    service = TargetService(config)
+    service = TargetService(config, open_replica=open_remote)  # replicas are reached with the host library
     notify = Notifier.from_env(unset=True)
     try:
         await service.start()

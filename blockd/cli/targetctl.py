@@ -30,7 +30,9 @@ def add_parsers(sub: Any) -> None:
     for verb, helptext in (("status", "ports, namespaces and connected hosts"),
                            ("hosts", "connected hosts: NQN, controller, peer, queues, keep-alive"),
                            ("namespaces", "namespaces: size, block size, backend, read-only"),
-                           ("stats", "per-namespace and per-host counters over an interval")):
+                           ("stats", "per-namespace and per-host counters over an interval"),
+                           ("replicas", "replicated namespaces: each replica's state (in sync, degraded, "
+                                        "resyncing with progress, split brain)")):
         v = verbs.add_parser(verb, help=helptext)
         v.add_argument("--json", action="store_true", help="the control socket's JSON reply")
         if verb == "stats":
@@ -53,6 +55,20 @@ def add_parsers(sub: Any) -> None:
                    help="promote although a namespace's copy may lack acknowledged writes (starts a new "
                         "replication generation; see docs/replication.md)")
     a.add_argument("--json", action="store_true", help="the control socket's JSON reply")
+    v = verbs.add_parser("verify", help="compare a replicated namespace's copies region by region (online); "
+                                        "regions that differ are reported and resynced")
+    v.add_argument("nqn", help="subsystem NQN")
+    v.add_argument("nsid", type=int)
+    v.add_argument("--replica", help="slot number or name of one replica (default: every one in sync)")
+    v.add_argument("--json", action="store_true", help="the control socket's JSON reply")
+    v = verbs.add_parser("resolve", help="end a split brain by discarding one side's data")
+    v.add_argument("nqn", help="subsystem NQN")
+    v.add_argument("nsid", type=int)
+    v.add_argument("replica", help="slot number or name of the replica")
+    v.add_argument("--discard", choices=("replica", "local"), required=True,
+                   help="whose writes are thrown away: 'replica' overwrites it from this copy (at its next "
+                        "connection); 'local' copies the replica over this copy now (one replica only; "
+                        "host I/O gets Namespace Not Ready until done)")
 
     io = sub.add_parser("iostat", help="per-second IOPS, MB/s and latency per namespace of a running "
                                        "target (or per connection of the initiator daemon)")
@@ -122,7 +138,7 @@ def _hosts_text(hosts: list[dict[str, Any]]) -> str:
 def _stats_rows(entries: list[dict[str, Any]], first: Callable[[dict[str, Any]], list[Any]]) -> list[list[Any]]:
     rows = []
     for e in entries:
-        ops, nbytes = e["ops"], e["bytes"]
+        ops = e["ops"]
         rows.append([*first(e), round(e["iops"]["read"], 1), round(e["iops"]["write"], 1),
                      round(e["bytes_per_s"]["read"] / 1e6, 2), round(e["bytes_per_s"]["write"] / 1e6, 2),
                      ops["flush"], ops["other"], round(e["mean_latency_us"], 1), round(e["p99_latency_us"], 1),
@@ -175,9 +191,61 @@ def _ana(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
+
+
+def _replicas_text(namespaces: list[dict[str, Any]]) -> str:
+    blocks = []
+    for ns in namespaces:
+        head = (f"{ns['subsystem']} namespace {ns['nsid']}: {ns['copies_in_sync']} of {len(ns['replicas']) + 1} "
+                f"copies in sync (min_in_sync {ns['min_in_sync']}), data {_size(ns['data_size'])}, "
+                f"region {_size(ns['region_size'])}, generation {ns['generation']}")
+        rows = []
+        for r in ns["replicas"]:
+            state = r["state"]
+            if "resync" in r:
+                p = r["resync"]
+                state += f" {p['percent']:.1f}% {p['mb_per_s']:.1f}MB/s eta {_eta(p['eta_s'])}"
+            rows.append([r["slot"] if r["slot"] is not None else "-", r["replica"], state,
+                         r["missing_regions"], r["reason"] or "-"])
+        blocks.append(head + "\n" + _table(["SLOT", "REPLICA", "STATE", "MISSING", "REASON"], rows))
+    return "\n\n".join(blocks) or "no replicated namespaces"
+
+
+def _verify_text(reply: dict[str, Any]) -> str:
+    lines = []
+    for r in reply["replicas"]:
+        bad = r["mismatched"]
+        lines.append(f"{r['replica']}: {r['regions']} regions compared, {len(bad)} differ"
+                     + (" (marked for resync)" if bad else ""))
+        lines += [f"  region {m['region']}: bytes {m['offset']}..{m['offset'] + m['length'] - 1}" for m in bad]
+    return "\n".join(lines)
+
+
 def cmd_target(args: argparse.Namespace) -> int:
     if args.verb == "ana":
         return _ana(args)
+    if args.verb == "resolve":
+        reply = _call(args, {"op": "resolve", "nqn": args.nqn, "nsid": args.nsid, "replica": args.replica,
+                             "discard": args.discard})
+        if args.discard == "replica":
+            print(f"{reply['replica']}: its data is discarded; it is {reply['state']} and is overwritten from this copy")
+        else:
+            print(f"this copy now holds {reply['replica']}'s data; the replica is {reply['state']}")
+        return 0
+    if args.verb == "verify":
+        reply = _call(args, {"op": "verify", "nqn": args.nqn, "nsid": args.nsid, "replica": args.replica},
+                      timeout=None)  # the reply comes when every region was compared
+        reply.pop("ok", None)
+        if args.json:
+            json.dump(reply, sys.stdout, indent=2)
+            print()
+        else:
+            print(_verify_text(reply))
+        return 1 if any(r["mismatched"] for r in reply["replicas"]) else 0
     if args.verb == "resize":
         reply = _call(args, {"op": "resize", "nqn": args.nqn, "nsid": args.nsid, "size": args.size})
         print(f"{reply['nqn']} namespace {reply['nsid']}: {_size(reply['old_size'])} -> {_size(reply['size'])}")
@@ -198,6 +266,8 @@ def cmd_target(args: argparse.Namespace) -> int:
         print(_hosts_text(reply["hosts"]))
     elif args.verb == "namespaces":
         print(_namespaces_text(reply["namespaces"]))
+    elif args.verb == "replicas":
+        print(_replicas_text(reply["namespaces"]))
     else:
         print(f"over {reply['interval']['seconds']:.2f}s:\n{_stats_text(reply['interval'], reply['totals'])}")
     return 0

@@ -108,3 +108,10 @@ def test_ctratt_and_error_statuses_as_nvmet(guest_case):
 def test_khost_sees_a_namespace_grow_without_reconnecting(guest_case):
     """truncate + SIGHUP, then blockctl target resize: blockdev --getsize64 and nvme id-ns show
     each new size on the same controller (the Namespace Attribute Changed event)."""
+
+
+def test_blockd_primary_replicates_to_a_kernel_nvmet_namespace(guest_case):
+    """A blockd replicated namespace (4 KiB blocks) whose replica is a kernel nvmet-tcp namespace:
+    full sync on first contact, a blockctl write is on the kernel's file once acknowledged, verify
+    finds 0 differences, blockd's replication metadata sits at the end of the kernel's namespace."""
+

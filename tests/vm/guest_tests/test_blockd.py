@@ -329,17 +329,24 @@ def test_blockctl_reads_what_khost_wrote(blockd_target, blockd_initiator):
 
 
 # ------------------------------------------------ blockctl -> kernel nvmet-tcp target ---
+@contextlib.contextmanager
+def kernel_namespace(nqn: str, serial: str, port_id: int, port: int, vol: str) -> Iterator[str]:
+    """A kernel nvmet-tcp subsystem with one 64 MiB file namespace ``vol`` on port ``port_id``
+    (ADDR0:``port``), any host allowed; removed afterwards."""
+    sh(f"rm -f {vol} && truncate -s 64M {vol} && nvmet_subsys {nqn} {serial} && "
+       f"nvmet_ns_file {nqn} 1 {vol} && nvmet_port {port_id} tcp {ADDR0} {port} && nvmet_link {port_id} {nqn}")
+    wait_tcp(ADDR0, port, timeout=30, what=f"kernel nvmet-tcp ({nqn})")
+    yield vol
+    sh(f"nvmet_unlink {port_id} {nqn}; rmdir /sys/kernel/config/nvmet/ports/{port_id}; "
+       f"echo 0 >/sys/kernel/config/nvmet/subsystems/{nqn}/namespaces/1/enable; "
+       f"rmdir /sys/kernel/config/nvmet/subsystems/{nqn}/namespaces/1 "
+       f"/sys/kernel/config/nvmet/subsystems/{nqn}", check=False)
+
+
 @pytest.fixture(scope="module")
 def kernel_target(rxe):
-    vol = "/dev/shm/kernel-target.img"
-    sh(f"rm -f {vol} && truncate -s 64M {vol} && nvmet_subsys {KNQN} KERNELTGT01 && "
-       f"nvmet_ns_file {KNQN} 1 {vol} && nvmet_port 2 tcp {ADDR0} {KPORT} && nvmet_link 2 {KNQN}")
-    wait_tcp(ADDR0, KPORT, timeout=30, what="kernel nvmet-tcp")
-    yield vol
-    sh(f"nvmet_unlink 2 {KNQN}; rmdir /sys/kernel/config/nvmet/ports/2; "
-       f"echo 0 >/sys/kernel/config/nvmet/subsystems/{KNQN}/namespaces/1/enable; "
-       f"rmdir /sys/kernel/config/nvmet/subsystems/{KNQN}/namespaces/1 "
-       f"/sys/kernel/config/nvmet/subsystems/{KNQN}", check=False)
+    with kernel_namespace(KNQN, "KERNELTGT01", 2, KPORT, "/dev/shm/kernel-target.img") as vol:
+        yield vol
 
 
 @pytest.fixture(scope="module")
@@ -520,3 +527,78 @@ def test_khost_sees_a_namespace_grow_without_reconnecting(rxe):
                f"seek=31 oflag=direct status=none && cmp {s}/tail <(tail -c {1 << 20} {RESIZE_VOL})")
     finally:
         print(f"resize target exit status {d.stop()}")
+
+
+# ------------------------------- blockd primary replicating to a kernel nvmet namespace ---
+REPL_NQN = "nqn.2026-11.io.blockd:kreplica"    # the kernel's namespace, the replica
+REPL_PORT = 4422
+MIRROR_NQN = "nqn.2026-11.io.blockd:mirrored"  # blockd's replicated namespace
+MIRROR_PORT = 4423
+MIRROR_SOCK = "/run/blockd/mirror-target.sock"
+
+
+@pytest.fixture(scope="module")
+def kernel_replica(rxe):
+    """A kernel nvmet-tcp namespace of 64 MiB (a file: 4096-byte blocks) on port 3."""
+    with kernel_namespace(REPL_NQN, "KREPLICA001", 3, REPL_PORT, "/dev/shm/kernel-replica.img") as vol:
+        yield vol
+
+
+def _replica_states() -> list[dict]:
+    out = sh(shlex.join([tool("blockctl"), "target", "--target-socket", MIRROR_SOCK, "replicas", "--json"]))
+    return json.loads(out)["namespaces"][0]["replicas"]
+
+
+def test_blockd_primary_replicates_to_a_kernel_nvmet_namespace(kernel_replica, blockd_initiator):
+    vol = "/dev/shm/mirror-primary.img"
+    Path(vol).unlink(missing_ok=True)
+    cfg = RESULTS / "mirror-target.toml"
+    cfg.write_text(f"""\
+[control]
+socket = "{MIRROR_SOCK}"
+
+[[port]]
+transport = "tcp"
+address = "{ADDR0}"
+port = {MIRROR_PORT}
+
+[[subsystem]]
+nqn = "{MIRROR_NQN}"
+allow_any_host = true
+
+[[subsystem.namespace]]
+nsid = 1
+path = "{vol}"
+size = "64MiB"
+block_size = 4096
+
+[[subsystem.namespace.replica]]
+address = "{ADDR0}"
+port = {REPL_PORT}
+nqn = "{REPL_NQN}"
+timeout = 30.0
+""")
+    d = start_target("blockd-mirror", cfg, port=MIRROR_PORT)
+    try:
+        deadline = time.monotonic() + 600  # the first contact copies the whole 64 MiB (TCG is slow)
+        while (states := _replica_states())[0]["state"] != "in_sync":
+            assert time.monotonic() < deadline, (states, d.log_tail())
+            time.sleep(1)
+        s = _scratch("mirror")
+        off, n = 3 << 20, 1 << 20
+        sh(f"head -c {n} /dev/urandom >{s}/pattern")
+        blockctl("connect", "-t", "tcp", "-a", ADDR0, "-s", str(MIRROR_PORT), "-n", MIRROR_NQN, "--name", "mirror")
+        try:
+            blockctl("write", "mirror", "--nsid", "1", "--offset", str(off), "-i", f"{s}/pattern")
+        finally:
+            blockctl("disconnect", "mirror", check=False)
+        # on the kernel's namespace as soon as acknowledged (protocol C), and on the local file
+        sh(f"cmp -n {n} {s}/pattern <(tail -c +{off + 1} {kernel_replica})")
+        sh(f"cmp -n {n} {s}/pattern <(tail -c +{off + 1} {vol})")
+        out = sh(shlex.join([tool("blockctl"), "target", "--target-socket", MIRROR_SOCK, "verify",
+                             MIRROR_NQN, "1"]), timeout=600)
+        assert " 0 differ" in out, out
+        # the replica's metadata is at the end of the kernel's namespace: blockd's magic there
+        sh(f"tail -c 8192 {kernel_replica} | head -c 8 | grep -q BLKDREPL")
+    finally:
+        d.stop()

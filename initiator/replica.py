@@ -1,0 +1,82 @@
+"""One NVMe-oF namespace as a replica's block device: what a replicated namespace of the target
+(``target/replication``) writes its copies through.
+
+:class:`RemoteNamespace` satisfies the target's ``BlockIO`` protocol structurally (``size``,
+``read``, ``write``, ``flush``), plus the callback write and the zeroing the mirror uses, without
+importing ``target/`` (tests/test_layers.py). The composition root (``blockd/cli/daemon.py``)
+hands :func:`open_remote` to the target service.
+
+One association per connection: ``ctrl_loss_tmo`` is 0, so a lost connection fails the
+commands in flight at once instead of parking them for a reconnect. The replication link
+reconnects itself, with a new association, after it has marked the replica out of sync: a write
+parked across a reconnect would otherwise land on the replica after the resync had copied its
+region, and overwrite newer data with older.
+"""
+
+from __future__ import annotations
+
+from initiator.controller import Controller, IoDone
+from initiator.params import ConnectParams
+
+REPLICA_QUEUES = 2
+"""I/O queues per replica association: the controller packs commands onto the first queue
+with room (see ``Controller._io_with_room``), a second only takes the overflow."""
+
+
+class RemoteNamespace:
+    """Namespace ``nsid`` of a live :class:`Controller`, addressed in bytes."""
+
+    def __init__(self, ctrl: Controller, nsid: int) -> None:
+        self.ctrl = ctrl
+        self.nsid = nsid
+        self.size = ctrl.namespace(nsid).size
+        """Bytes of the whole namespace (the replica's metadata included)."""
+        self.name = f"{ctrl.params.transport}://{ctrl.params.traddr}:{ctrl.params.trsvcid}/{ctrl.params.subnqn}/{nsid}"
+
+    @property
+    def block_size(self) -> int:
+        return self.ctrl.namespace(self.nsid).block_size
+
+    def submit_write(self, offset: int, data: memoryview | bytes, fua: bool, done: IoDone) -> None:
+        """Start a write; ``done`` runs once it completed or failed (no Task, no Future: the
+        mirror's per-write path)."""
+        self.ctrl.transfer(True, self.nsid, offset, memoryview(data), done, fua)
+
+    async def read(self, offset: int, length: int) -> bytes:
+        return bytes(await self.ctrl.read_bytes(self.nsid, offset, length))
+
+    async def write(self, offset: int, data: bytes | memoryview, fua: bool = False) -> None:
+        await self.ctrl.write_bytes(self.nsid, offset, data, fua)
+
+    async def flush(self) -> None:
+        await self.ctrl.flush(self.nsid)
+
+    async def write_zeroes(self, offset: int, length: int) -> None:
+        """Zero a block-aligned range (one Write Zeroes per 65536 blocks, the field's limit)."""
+        bs = self.block_size
+        slba, blocks = offset // bs, length // bs
+        while blocks:
+            n = min(blocks, 1 << 16)
+            await self.ctrl.write_zeroes(self.nsid, slba, n)
+            slba += n
+            blocks -= n
+
+    async def close(self) -> None:
+        await self.ctrl.close()
+
+
+async def open_remote(transport: str, address: str, port: int, nqn: str, nsid: int,
+                      hostnqn: str | None, timeout: float) -> RemoteNamespace:
+    """Connect to one replica namespace; ``timeout`` bounds the connect and every command.
+    Raises what :meth:`Controller.connect` raises, or ``ValueError`` when the namespace is not
+    there."""
+    params = ConnectParams(traddr=address, subnqn=nqn, transport=transport, trsvcid=port,
+                           nr_io_queues=REPLICA_QUEUES, ctrl_loss_tmo=0, keep_alive_tmo=max(timeout, 1.0),
+                           command_timeout=timeout, connect_timeout=timeout,
+                           **({"hostnqn": hostnqn} if hostnqn else {}))
+    ctrl = await Controller.connect(params)
+    if nsid not in ctrl.namespaces:
+        await ctrl.close()
+        raise ValueError(f"{nqn} at {address}:{port} has no namespace {nsid}")
+    return RemoteNamespace(ctrl, nsid)
+

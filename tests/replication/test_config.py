@@ -1,0 +1,78 @@
+"""The ``[[subsystem.namespace.replica]]`` tables and the replicated namespace's keys: parsed,
+defaulted, and every mistake one ConfigError naming the entry."""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Any
+
+import pytest
+
+from blockd.config import ConfigError
+from target.config import ReplicaConfig, parse
+
+
+def config(ns_extra: str = "", replica: str | None = 'address = "10.0.0.6"\nnqn = "nqn.2026-11.io.blockd:copy"\n') -> dict[str, Any]:
+    text = f"""
+[[subsystem]]
+nqn = "nqn.2026-11.io.blockd:vol1"
+
+[[subsystem.namespace]]
+path = "/tmp/x.img"
+size = "64MiB"
+{ns_extra}
+"""
+    if replica is not None:
+        text += f"\n[[subsystem.namespace.replica]]\n{replica}"
+    return tomllib.loads(text)
+
+
+def test_a_replica_table_with_defaults() -> None:
+    (ns,) = parse(config()).subsystems[0].namespaces
+    assert ns.replicas == (ReplicaConfig("tcp", "10.0.0.6", 4420, "nqn.2026-11.io.blockd:copy", 1, None, 5.0),)
+    assert (ns.region_size, ns.min_in_sync, ns.resync_rate) == (64 << 10, 1, 100 << 20)
+    assert ns.replicas[0].name == "tcp://10.0.0.6:4420/nqn.2026-11.io.blockd:copy/1"
+
+
+def test_every_key_given() -> None:
+    (ns,) = parse(config('region_size = "1MiB"\nmin_in_sync = 2\nresync_rate = "10MiB"',
+                         'transport = "rdma"\naddress = "10.0.0.7"\nport = 4421\nnqn = "nqn.2026-11.io.blockd:c"\n'
+                         'nsid = 3\nhostnqn = "nqn.2014-08.org.nvmexpress:uuid:abc"\ntimeout = 0.5\n')
+                  ).subsystems[0].namespaces
+    assert ns.replicas == (ReplicaConfig("rdma", "10.0.0.7", 4421, "nqn.2026-11.io.blockd:c", 3,
+                                         "nqn.2014-08.org.nvmexpress:uuid:abc", 0.5),)
+    assert (ns.region_size, ns.min_in_sync, ns.resync_rate) == (1 << 20, 2, 10 << 20)
+
+
+@pytest.mark.parametrize("ns_extra, replica, needle", [
+    ('region_size = "96KiB"', None, "region_size must be a power of two"),
+    ('region_size = "2KiB"', None, "region_size must be a power of two of at least 4KiB"),
+    ("min_in_sync = 3", None, "min_in_sync must be 1 (this copy alone) to 2"),
+    ("min_in_sync = 0", None, "min_in_sync must be 1"),
+    ('resync_rate = "4KiB"', None, "resync_rate must be at least one region"),
+    ("read_only = true", None, "cannot be read_only"),
+    ("", 'address = "10.0.0.6"\n', "missing 'nqn'"),
+    ("", 'address = "10.0.0.6"\nnqn = "copy"\n', "not a valid subsystem NQN"),
+    ("", 'address = "10.0.0.6"\nnqn = "nqn.2026-11.io.blockd:c"\ntransport = "fc"\n', "transport must be"),
+    ("", 'address = "10.0.0.6"\nnqn = "nqn.2026-11.io.blockd:c"\nport = 0\n', "port 0 is out of range"),
+    ("", 'address = "10.0.0.6"\nnqn = "nqn.2026-11.io.blockd:c"\ntimeout = 0\n', "timeout must be more than 0"),
+    ("", 'address = "10.0.0.6"\nnqn = "nqn.2026-11.io.blockd:c"\nspeed = 1\n', "unknown setting(s) speed"),
+])
+def test_mistakes_are_one_line_naming_the_entry(ns_extra: str, replica: str | None, needle: str) -> None:
+    raw = config(ns_extra) if replica is None else config(ns_extra, replica)
+    with pytest.raises(ConfigError) as err:
+        parse(raw)
+    assert needle in str(err.value) and "namespace #1" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_replication_keys_without_replicas_are_refused() -> None:
+    with pytest.raises(ConfigError, match="apply only to a namespace with replicas"):
+        parse(config("min_in_sync = 1", replica=None))
+
+
+def test_the_same_replica_twice_is_refused() -> None:
+    raw = config()
+    ns = raw["subsystem"][0]["namespace"][0]
+    ns["replica"].append(dict(ns["replica"][0]))
+    with pytest.raises(ConfigError, match="a replica appears twice"):
+        parse(raw)
