@@ -31,8 +31,9 @@ What :class:`target.queue.TargetQueue` keeps per command and this path does at t
   and bucket of the read or write kind, the latency from the capsule taken to the reply queued
   on the same clock (CLOCK_MONOTONIC is ``time.monotonic_ns``);
 - the keep-alive traffic stamp (``controller.traffic_seen``);
-- the connection's read-data batching (``_batched`` against ``_flush_at``), so that a host not
-  reading its replies is seen (pause_writing) as soon as on the Python path.
+- the connection's read-data batching (``_batched`` against ``_flush_at``, and straight to the
+  socket while the daemon-wide ``max_unsent_total`` is passed), so that a host not reading its
+  replies is seen (pause_writing, or the daemon-wide count) as soon as on the Python path.
 
 Every offset comes from ``protocol/`` at import and is checked there against headers built by
 ``protocol/`` (a changed layout is an ImportError, and the target runs the Python path).
@@ -240,6 +241,7 @@ cdef class TcpFastPath:
     cdef Py_ssize_t inline_size
     cdef Py_ssize_t max_transfer
     cdef Py_ssize_t flush_at
+    cdef object unsent
     cdef public unsigned long long served
     """Commands answered here (the tests check that the fast path ran)."""
 
@@ -270,6 +272,7 @@ cdef class TcpFastPath:
         self.send = self.out.send
         self.transport = self.conn.transport
         self.flush_at = self.conn._flush_at
+        self.unsent = self.conn._unsent
         return True
 
     def submit(self, header, data):
@@ -357,7 +360,7 @@ cdef class TcpFastPath:
         self.send((reply,))
         conn = self.conn
         batched = conn._batched + length
-        if batched > self.flush_at:
+        if batched > self.flush_at or self.unsent.over:
             conn._batched = 0
             self.out.flush()
         else:
