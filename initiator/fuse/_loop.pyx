@@ -2,10 +2,12 @@
 """The compiled FUSE request loop of one mount: :meth:`FuseSession.py_on_readable` and its
 replies written for C.
 
-Same behaviour as the Python reference in ``session.py`` (``tests/core/test_fuse_differential.py``
+Same behaviour as the Python reference in ``session.py`` and ``blockfile.py`` (``tests/core/test_fuse_differential.py``
 feeds both the same request streams): up to ``MAX_BATCH`` requests per readiness callback, sends
-held from the second one on, READ and WRITE handed to the block files with their fields as C
-integers, every other opcode to the session's Python handler. What changes is the cost per
+held from the second one on; a block-aligned READ inside the file sent to the controller from
+here (``BlockFiles.read``'s common case, its reply written from a C completion object), every
+other READ and every WRITE handed to the block files with their fields as C integers, every
+other opcode to the session's Python handler. What changes is the cost per
 request: /dev/fuse is read with ``read(2)`` into a preallocated buffer (no FileIO call, no
 BlockingIOError object when nothing is queued), the request header and READ/WRITE arguments are
 read through a pointer instead of two ``struct.unpack_from`` tuples, and a reply is one
@@ -97,6 +99,9 @@ cdef class FuseLoop:
     cdef object session
     cdef object files_read
     cdef object files_write
+    cdef dict inflight
+    cdef dict stats
+    cdef object fail
     cdef object connections
     cdef object name
     cdef list spare
@@ -121,6 +126,9 @@ cdef class FuseLoop:
         """Serve ``fd`` from now on (the session's block files exist by then)."""
         self.files_read = self.session.files.read
         self.files_write = self.session.files.write
+        self.inflight = self.session.inflight
+        self.stats = self.session.stats
+        self.fail = self.session.fail
         self.fd = fd
 
     cdef inline void _take(self, bytearray buf):
@@ -179,7 +187,7 @@ cdef class FuseLoop:
         cdef uint32_t size
         cdef Py_ssize_t end
         if opcode == _READ:
-            self.files_read(unique, nodeid - 1, _u64(p + _O_OFFSET), _u32(p + _O_SIZE))
+            self._read(unique, nodeid - 1, _u64(p + _O_OFFSET), _u32(p + _O_SIZE))
         elif opcode == _WRITE:
             size = _u32(p + _O_SIZE)
             end = _RW_DATA + size
@@ -195,6 +203,38 @@ cdef class FuseLoop:
             self.files_write(unique, nodeid - 1, _u64(p + _O_OFFSET), data, owned)
         else:
             self.session.serve_other(opcode, unique, nodeid, memoryview(self.buf)[_HDR:n])
+
+    cdef _read(self, uint64_t unique, uint64_t nsid, uint64_t offset, uint32_t size):
+        """``BlockFiles.read`` for a block-aligned range inside the file on a live controller,
+        its reply written by ``_ReadDone``; every other case (clipped, unaligned, empty, no
+        controller or namespace, an error) is the Python one's."""
+        cdef uint64_t end, file_size, bs
+        ctrl = self.connections.get(self.name)
+        info = None if ctrl is None or ctrl.failed is not None else ctrl.namespaces.get(nsid)
+        if info is not None:
+            file_size = info.size
+            bs = info.block_size
+            end = offset + size
+            if offset < file_size and end <= file_size and size and bs and not offset % bs and not end % bs:
+                buf = bytearray(size)
+                self.inflight[unique] = True
+                try:
+                    ctrl.transfer(False, nsid, offset, memoryview(buf), _ReadDone(self, unique, buf))
+                except Exception as exc:
+                    self.inflight.pop(unique, None)
+                    self.fail(unique, exc, "read")
+                return
+        self.files_read(unique, nsid, offset, size)
+
+    cdef _read_done(self, uint64_t unique, bytearray buf, exc):
+        """``BlockFiles._read_done``: the answer, unless an INTERRUPT gave it already."""
+        if not self.inflight.pop(unique, False):
+            return
+        if exc is not None:
+            self.fail(unique, exc, "read")
+            return
+        self.stats["read"] += 1
+        self.reply(unique, buf)
 
     # -- replies ------------------------------------------------------------------------------------
 
@@ -226,3 +266,19 @@ cdef class FuseLoop:
             if errno != ENOENT and errno != ENODEV and errno != EBADF:
                 raise OSError(errno, os.strerror(errno))
         return 0
+
+
+cdef class _ReadDone:
+    """The ``done`` of a READ the loop sent itself: a C object, not a ``functools.partial``."""
+
+    cdef FuseLoop loop
+    cdef uint64_t unique
+    cdef bytearray buf
+
+    def __cinit__(self, FuseLoop loop, uint64_t unique, bytearray buf):
+        self.loop = loop
+        self.unique = unique
+        self.buf = buf
+
+    def __call__(self, exc):
+        self.loop._read_done(self.unique, self.buf, exc)
