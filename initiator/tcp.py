@@ -6,6 +6,8 @@ import asyncio
 import socket
 from typing import Callable
 
+import structlog
+
 from blockd.dataplane import COMPILED
 from blockd.tcp_asyncio import OutputBatcher, PduProtocol
 from blockd.tcp_frames import Pdu
@@ -17,8 +19,14 @@ from protocol.fabrics import CATTR_DISABLE_SQFLOW
 from protocol.layout import fixed_layout
 from protocol.tcp import IC_REQ, IC_RESP, TERM_REQ_HEADER, PduType, TermReqFes
 
+log = structlog.get_logger("blockd.initiator")
+
 if COMPILED:
-    from initiator._tcp_host_io import TcpHostIo
+    try:
+        from initiator._tcp_host_io import TcpHostIo
+    except ImportError as exc:  # built with blockd's other extensions; a half-built tree runs Python here
+        log.warning("compiled NVMe/TCP host I/O not built; the Python one runs", error=str(exc))
+        from initiator.tcp_host_io import TcpHostIo
 else:
     from initiator.tcp_host_io import TcpHostIo
 
