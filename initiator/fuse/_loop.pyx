@@ -4,10 +4,10 @@ replies written for C.
 
 Same behaviour as the Python reference in ``session.py`` and ``blockfile.py`` (``tests/core/test_fuse_differential.py``
 feeds both the same request streams): up to ``MAX_BATCH`` requests per readiness callback, sends
-held from the second one on; a block-aligned READ inside the file sent to the controller from
-here (``BlockFiles.read``'s common case, its reply written from a C completion object), every
-other READ and every WRITE handed to the block files with their fields as C integers, every
-other opcode to the session's Python handler. What changes is the cost per
+held from the second one on; a block-aligned READ or WRITE inside the file sent to the controller
+from here (``BlockFiles.read``'s and ``write``'s common case, the reply written from a C
+completion object), every other READ and WRITE handed to the block files with their fields as C
+integers, every other opcode to the session's Python handler. What changes is the cost per
 request: /dev/fuse is read with ``read(2)`` into a preallocated buffer (no FileIO call, no
 BlockingIOError object when nothing is queued), the request header and READ/WRITE arguments are
 read through a pointer instead of two ``struct.unpack_from`` tuples, and a reply is one
@@ -29,7 +29,7 @@ from posix.unistd cimport read
 import os
 import struct
 
-from initiator.fuse.abi import IN_HEADER, OUT_HEADER, READ, RW_IN, WRITE
+from initiator.fuse.abi import IN_HEADER, OUT_HEADER, READ, RW_IN, WRITE, WRITE_OUT
 
 
 def _offsets(layout: struct.Struct) -> list:
@@ -62,6 +62,7 @@ cdef Py_ssize_t _OUT = OUT_HEADER.size
 cdef Py_ssize_t _O_OUT_ERR = _out[1]
 cdef Py_ssize_t _O_OUT_UNIQUE = _out[2]
 cdef uint32_t _READ = READ
+_pack_write_out = WRITE_OUT.pack
 cdef uint32_t _WRITE = WRITE
 # The reads below take native 32/64-bit fields at those offsets (FUSE structs are the kernel's
 # native layout; abi.py spells them little-endian, as every host we run on is): a header packed
@@ -102,6 +103,8 @@ cdef class FuseLoop:
     cdef dict inflight
     cdef dict stats
     cdef object fail
+    cdef object range_lock
+    cdef object recycle
     cdef object connections
     cdef object name
     cdef list spare
@@ -129,6 +132,8 @@ cdef class FuseLoop:
         self.inflight = self.session.inflight
         self.stats = self.session.stats
         self.fail = self.session.fail
+        self.range_lock = self.session.files._range_lock
+        self.recycle = self.session.recycle
         self.fd = fd
 
     cdef inline void _take(self, bytearray buf):
@@ -200,7 +205,7 @@ cdef class FuseLoop:
                 owned = self.buf
                 data = memoryview(owned)[_RW_DATA:end]
                 self._take(self.spare.pop() if self.spare else bytearray(self.cap))
-            self.files_write(unique, nodeid - 1, _u64(p + _O_OFFSET), data, owned)
+            self._write(unique, nodeid - 1, _u64(p + _O_OFFSET), data, owned)
         else:
             self.session.serve_other(opcode, unique, nodeid, memoryview(self.buf)[_HDR:n])
 
@@ -236,6 +241,48 @@ cdef class FuseLoop:
         self.stats["read"] += 1
         self.reply(unique, buf)
 
+    cdef _write(self, uint64_t unique, uint64_t nsid, uint64_t offset, data, owned):
+        """``BlockFiles.write`` for a block-aligned range inside a writable file on a live
+        controller whose blocks no read-modify-write holds (its shared hold taken here, as
+        there); every other case is the Python one's."""
+        cdef uint64_t end, file_size, bs
+        cdef Py_ssize_t length = len(data)
+        ctrl = self.connections.get(self.name)
+        info = None if ctrl is None or ctrl.failed is not None else ctrl.namespaces.get(nsid)
+        if info is not None and not info.read_only:
+            file_size = info.size
+            bs = info.block_size
+            end = offset + <uint64_t>length
+            if offset < file_size and end <= file_size and length and bs and not offset % bs and not end % bs:
+                locks = self.range_lock(nsid)
+                token = locks.share_now(offset // bs, end // bs)
+                if token is not None:
+                    self.inflight[unique] = True
+                    try:
+                        ctrl.transfer(True, nsid, offset, data, _WriteDone(self, unique, length, owned, locks, token))
+                    except BaseException as exc:
+                        self.inflight.pop(unique, None)
+                        locks.release(token)
+                        if not isinstance(exc, Exception):
+                            raise
+                        self.fail(unique, exc, "write")
+                    return
+        self.files_write(unique, nsid, offset, data, owned)
+
+    cdef _write_done(self, uint64_t unique, Py_ssize_t length, owned, locks, token, exc):
+        """``BlockFiles._write_done``: the blocks released, then the answer (unless an
+        INTERRUPT gave it), and a big write's buffer back to the session."""
+        locks.release(token)
+        if not self.inflight.pop(unique, False):
+            return
+        if exc is not None:
+            self.fail(unique, exc, "write")
+            return
+        self.stats["write"] += 1
+        self.reply(unique, _pack_write_out(length, 0))
+        if owned is not None:
+            self.recycle(owned)
+
     # -- replies ------------------------------------------------------------------------------------
 
     cpdef reply(self, uint64_t unique, payload=b""):
@@ -243,14 +290,14 @@ cdef class FuseLoop:
         cdef Py_buffer view
         PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
         try:
-            self._write(unique, 0, <char*>view.buf, view.len)
+            self._send_reply(unique, 0, <char*>view.buf, view.len)
         finally:
             PyBuffer_Release(&view)
 
     cpdef reply_err(self, uint64_t unique, int err):
-        self._write(unique, -err, NULL, 0)
+        self._send_reply(unique, -err, NULL, 0)
 
-    cdef int _write(self, uint64_t unique, int32_t err, char* data, Py_ssize_t length) except -1:
+    cdef int _send_reply(self, uint64_t unique, int32_t err, char* data, Py_ssize_t length) except -1:
         cdef char header[32]
         cdef uint32_t total = <uint32_t>(_OUT + length)
         cdef iovec iov[2]
@@ -282,3 +329,25 @@ cdef class _ReadDone:
 
     def __call__(self, exc):
         self.loop._read_done(self.unique, self.buf, exc)
+
+
+cdef class _WriteDone:
+    """The ``done`` of a WRITE the loop sent itself (see ``_ReadDone``)."""
+
+    cdef FuseLoop loop
+    cdef uint64_t unique
+    cdef Py_ssize_t length
+    cdef object owned
+    cdef object locks
+    cdef object token
+
+    def __cinit__(self, FuseLoop loop, uint64_t unique, Py_ssize_t length, owned, locks, token):
+        self.loop = loop
+        self.unique = unique
+        self.length = length
+        self.owned = owned
+        self.locks = locks
+        self.token = token
+
+    def __call__(self, exc):
+        self.loop._write_done(self.unique, self.length, self.owned, self.locks, self.token, exc)
