@@ -1,4 +1,4 @@
-"""Builds the compiled data plane (``blockd/_*.pyx``, ``target/_*.pyx``; Cython 3) beside the Python package.
+"""Builds the compiled data plane (the ``_*.pyx`` modules, Cython 3) beside the Python package.
 
 The extensions are optional: where there is no C compiler or no Python headers the build warns
 and the install goes on, and blockd runs its Python twins (``blockd/dataplane.py``).
@@ -27,6 +27,8 @@ class OptionalBuildExt(build_ext):
 EXTENSIONS = [
     Extension("blockd._pdu_reader", ["blockd/_pdu_reader.pyx"], extra_compile_args=["-O2"]),
     Extension("target._io_fast", ["target/_io_fast.pyx"], extra_compile_args=["-O2"]),
+    Extension("initiator._tcp_host_io", ["initiator/_tcp_host_io.pyx"], extra_compile_args=["-O2"]),
+    Extension("initiator.fuse._loop", ["initiator/fuse/_loop.pyx"], extra_compile_args=["-O2"]),
 ]
 
 compiled = cythonize(EXTENSIONS, language_level=3, quiet=True)

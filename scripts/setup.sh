@@ -34,7 +34,8 @@ stamp=.venv/.blockd-installed
 # setup.py and the .pyx sources: a changed compiled data plane is rebuilt (pip install -e builds
 # the extensions in place).
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-   || [ -n "$(find blockd -name '*.pyx' -newer "$stamp")" ] || ! ls blockd/_*.so >/dev/null 2>&1; then
+   || [ -n "$(find blockd target initiator -name '*.pyx' -newer "$stamp")" ] \
+   || ! ls blockd/_*.so target/_*.so initiator/_*.so initiator/fuse/_*.so >/dev/null 2>&1; then
   .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
   touch "$stamp"
 fi

@@ -21,7 +21,7 @@ import functools
 from typing import TYPE_CHECKING, Mapping
 
 from blockd.linux_files import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE
-from initiator.fuse.abi import OUT_HEADER, WRITE_OUT
+from initiator.fuse.abi import WRITE_OUT
 from initiator.fuse.errors import FsError
 from initiator.fuse.rangelock import RangeLocks
 
@@ -38,7 +38,6 @@ DSM_MAX_RANGES = 256
 """Ranges one Dataset Management command carries (NR is 8 bits, 0's based)."""
 PARALLEL_ZEROING = 32
 """Write Zeroes commands of one fallocate(ZERO_RANGE) in flight at once."""
-_pack_out = OUT_HEADER.pack
 _FALLOC_MODES = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE
 
 
@@ -51,7 +50,6 @@ class BlockFiles:
         self.name = name
         self.locks: dict[int, RangeLocks] = {}
         self.stats = session.stats
-        self._send = session.send
         self._reply = session.reply
         self._fail = session.fail
         self._inflight = session.inflight
@@ -107,7 +105,7 @@ class BlockFiles:
             self._fail(unique, exc, "read")
             return
         self.stats["read"] += 1
-        self._send([_pack_out(16 + len(buf), 0, unique), buf])
+        self._reply(unique, buf)
 
     def _read_part_done(self, unique: int, buf: bytearray, lo: int, hi: int, exc: BaseException | None) -> None:
         if exc is None:

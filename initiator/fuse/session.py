@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Coroutine, Mapping
 
 import structlog
 
+from blockd.dataplane import COMPILED
 from initiator.fuse.abi import (
     BATCH_FORGET, DESTROY, FALLOCATE, FALLOCATE_IN, FORGET, FSYNC, FUSE_ASYNC_DIO, FUSE_ASYNC_READ,
     FUSE_ATOMIC_O_TRUNC, FUSE_BIG_WRITES, FUSE_KERNEL_MINOR, FUSE_KERNEL_VERSION, FUSE_MAX_PAGES,
@@ -33,6 +34,14 @@ if TYPE_CHECKING:
     from initiator.fuse.needs import MountController
 
 log = structlog.get_logger("blockd.initiator.fuse")
+
+FuseLoop: Any = None
+"""The compiled request loop (``initiator/fuse/_loop.pyx``) when the data plane is compiled."""
+if COMPILED:
+    try:
+        from initiator.fuse._loop import FuseLoop
+    except ImportError as exc:  # built with blockd's other extensions; a half-built tree runs Python here
+        log.warning("compiled FUSE loop not built; mounts run the Python one", error=str(exc))
 
 WANTED_FLAGS = FUSE_ASYNC_READ | FUSE_ATOMIC_O_TRUNC | FUSE_BIG_WRITES | FUSE_ASYNC_DIO | \
     FUSE_PARALLEL_DIROPS | FUSE_MAX_PAGES
@@ -57,7 +66,9 @@ class FuseSession:
     """The requests of one mount, served from the event loop once ``attach`` gave it the fd."""
 
     def __init__(self, connections: Mapping[str, MountController], name: str, mountpoint: str,
-                 attr_ttl: float) -> None:
+                 attr_ttl: float, compiled: bool | None = None) -> None:
+        """``compiled``: run the compiled request loop (default: when the data plane is compiled);
+        the tests' differential runs pick either."""
         self.connections = connections
         self.name = name
         self.mountpoint = mountpoint
@@ -68,6 +79,16 @@ class FuseSession:
         """Requests served by callbacks, by FUSE unique id (see ``BlockFiles``): taken out when
         answered, by their completion or by an INTERRUPT, whichever comes first."""
         self.stats = {"read": 0, "write": 0, "errors": 0}
+        self._spare: list[bytearray] = []
+        self._fast: Any = None
+        """The compiled loop (see ``FuseLoop``), or None when this session runs the Python one."""
+        if FuseLoop is not None if compiled is None else compiled:
+            self._fast = FuseLoop(self, BUFFER_SIZE, COPY_LIMIT, MAX_BATCH)
+            # the compiled reply calls shadow the Python ones below, for the block files too
+            self.reply = self._fast.reply
+            self.reply_err = self._fast.reply_err
+        self.on_readable = self.py_on_readable if self._fast is None else self._fast.on_readable
+        """What runs when /dev/fuse is readable: the compiled loop or its Python reference."""
         self.files = BlockFiles(self, connections, name)
         self.directory = NamespaceDir(self, connections, name, attr_ttl)
         self.disconnected = False
@@ -80,7 +101,6 @@ class FuseSession:
         self._view = memoryview(self._buf)
         self._file: io.FileIO | None = None
         """/dev/fuse for reading requests (see ``attach``)."""
-        self._spare: list[bytearray] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_error_log = 0.0
         self._suppressed = 0
@@ -90,13 +110,15 @@ class FuseSession:
     def attach(self, fd: int) -> None:
         """Serve requests whenever ``fd`` (/dev/fuse) is readable. They are read through a FileIO,
         whose ``readinto`` answers None when none is queued where ``os.readv`` raises
-        BlockingIOError: at QD1 every readiness callback ends with such a read (see ``_on_readable``)."""
+        BlockingIOError: at QD1 every readiness callback ends with such a read (see ``py_on_readable``)."""
         self._loop = asyncio.get_running_loop()
         if self.ready is None:
             self.ready = self._loop.create_future()
         self.fd = fd
         self._file = io.FileIO(fd, "r", closefd=False)
-        self._loop.add_reader(fd, self._on_readable)
+        if self._fast is not None:
+            self._fast.start(fd)
+        self._loop.add_reader(fd, self.on_readable)
 
     def close(self) -> None:
         """Close the device fd. The last close of a FUSE connection aborts it in the kernel
@@ -106,6 +128,8 @@ class FuseSession:
             if self._loop is not None:
                 self._loop.remove_reader(self.fd)
             self._file = None
+            if self._fast is not None:
+                self._fast.fd = -1
             os.close(self.fd)
             self.fd = -1
 
@@ -122,7 +146,7 @@ class FuseSession:
 
     # -- the request loop ---------------------------------------------------------------------------
 
-    def _on_readable(self) -> None:
+    def py_on_readable(self) -> None:
         """Serve what /dev/fuse has queued: a request, at once, then more while they keep coming
         (up to ``MAX_BATCH``), whose capsules leave together when the batch ends, so with several
         fio jobs the target gets them in one receive and answers in one send. A lone request
@@ -158,12 +182,16 @@ class FuseSession:
         except OSError as exc:
             if exc.errno == errno.ENOENT:
                 return -1
-            if exc.errno == errno.ENODEV:  # unmounted (or the connection was aborted)
-                log.info("fuse connection closed by the kernel", mountpoint=self.mountpoint)
-                self.disconnected = True
-                self.close()
+            if exc.errno == errno.ENODEV:
+                self.device_gone()
                 return 0
             raise
+
+    def device_gone(self) -> None:
+        """/dev/fuse answered ENODEV: unmounted (or the connection was aborted)."""
+        log.info("fuse connection closed by the kernel", mountpoint=self.mountpoint)
+        self.disconnected = True
+        self.close()
 
     def _serve(self, n: int) -> None:
         """Start the request of ``n`` bytes in ``_buf``."""
@@ -184,13 +212,17 @@ class FuseSession:
                 self._view = memoryview(self._buf)
             self._write(unique, nodeid - 1, offset, data, owned)
         else:
-            try:
-                self._other(opcode, unique, nodeid, view[_HDR:n])
-            except FsError as exc:
-                self.reply_err(unique, exc.errno)
-            except Exception:
-                log.exception("fuse request failed", opcode=opcode)
-                self.reply_err(unique, errno.EIO)
+            self.serve_other(opcode, unique, nodeid, view[_HDR:n])
+
+    def serve_other(self, opcode: int, unique: int, nodeid: int, arg: memoryview) -> None:
+        """Serve a request other than READ and WRITE (either loop's way out of the fast path)."""
+        try:
+            self._other(opcode, unique, nodeid, arg)
+        except FsError as exc:
+            self.reply_err(unique, exc.errno)
+        except Exception:
+            log.exception("fuse request failed", opcode=opcode)
+            self.reply_err(unique, errno.EIO)
 
     def _other(self, opcode: int, unique: int, nodeid: int, arg: memoryview) -> None:
         if opcode == FSYNC:

@@ -45,6 +45,18 @@ def test_callers_get_the_chosen_reader(pure: bool) -> None:
     assert module == ("blockd._pdu_reader" if BUILT and not pure else "blockd.pdu_reader")
 
 
+@pytest.mark.parametrize("pure", [False, True])
+def test_the_host_runs_the_chosen_fuse_loop_and_tcp_io(pure: bool) -> None:
+    code = ("from initiator.tcp import TcpHostConnection, TcpHostIo\n"
+            "from initiator.fuse.session import FuseSession\n"
+            "s = FuseSession({}, 'c', '/nonexistent', 1.0)\n"
+            "print(TcpHostIo.__module__, type(s.on_readable.__self__).__module__)")
+    modules = run(code, pure=pure).stdout.split()
+    compiled = BUILT and not pure
+    assert modules == (["initiator._tcp_host_io", "initiator.fuse._loop"] if compiled
+                       else ["initiator.tcp_host_io", "initiator.fuse.session"]), modules
+
+
 def test_daemon_start_line_names_the_data_plane_and_why(tmp_path: Path) -> None:
     env = dict(os.environ, BLOCKD_PURE="1")
     proc = subprocess.Popen([sys.executable, "-c", MAIN, "initiator", "--socket", str(tmp_path / "i.sock")],

@@ -86,10 +86,10 @@ def test_a_lone_request_is_served_without_holding_sends() -> None:
     async def main() -> None:
         with _mount() as (mount, ctrl, kernel):
             kernel.send(_request(7, 3))
-            mount._on_readable()
+            mount.on_readable()
             assert _replies(kernel, 1) == [(7, 0, bytes([3]) * BS)]
             assert ctrl.holds == 0
-            mount._on_readable()  # nothing queued (a spurious wakeup): no error, no reply
+            mount.on_readable()  # nothing queued (a spurious wakeup): no error, no reply
             assert ctrl.holds == 0 and not mount.inflight
     run(main())
 
@@ -99,7 +99,7 @@ def test_queued_requests_are_served_in_one_callback_under_one_hold() -> None:
         with _mount() as (mount, ctrl, kernel):
             for i in range(3):
                 kernel.send(_request(i + 1, i))
-            mount._on_readable()
+            mount.on_readable()
             assert _replies(kernel, 3) == [(i + 1, 0, bytes([i]) * BS) for i in range(3)]
             assert ctrl.holds == 1 and not ctrl.held  # taken for the second, released
     run(main())
@@ -110,9 +110,9 @@ def test_more_queued_requests_than_one_batch_wait_for_the_next_callback() -> Non
         with _mount() as (mount, _, kernel):
             for i in range(MAX_BATCH + 1):
                 kernel.send(_request(i + 1, i))
-            mount._on_readable()
+            mount.on_readable()
             assert len(_replies(kernel, MAX_BATCH)) == MAX_BATCH
-            mount._on_readable()
+            mount.on_readable()
             assert _replies(kernel, 1)[0][0] == MAX_BATCH + 1
     run(main())
 
@@ -179,7 +179,7 @@ def test_a_read_of_any_size_is_one_transfer_the_controller_splits() -> None:
         ctrl.data[:] = bytes(range(256)) * (len(ctrl.data) // 256)
         with _mount(ctrl) as (mount, _, kernel):
             kernel.send(_read(1, 0, len(ctrl.data)))
-            mount._on_readable()
+            mount.on_readable()
             assert await _await_replies(kernel, 1) == [(1, 0, bytes(ctrl.data))]
             assert ctrl.transfers == [(False, 0, len(ctrl.data))]
     run(main())
@@ -194,7 +194,7 @@ def test_an_unaligned_read_replies_with_exactly_its_bytes() -> None:
             kernel.send(_read(1, 100, 5000))
             kernel.send(_read(2, size - 10, 4096))  # clipped at the end of the file
             kernel.send(_read(3, size, 4096))  # at the end: nothing
-            mount._on_readable()
+            mount.on_readable()
             replies = sorted(await _await_replies(kernel, 3))
             assert replies == [(1, 0, bytes(ctrl.data[100:5100])), (2, 0, bytes(ctrl.data[-10:])), (3, 0, b"")]
             assert sorted(ctrl.transfers) == [(False, 0, 2 * BS), (False, size - BS, BS)]
@@ -209,16 +209,16 @@ def test_an_aligned_write_and_a_read_modify_write_of_the_same_block_do_not_inter
         with _mount(ctrl) as (mount, _, kernel):
             kernel.send(_write(1, 10, b"A" * 20))
             kernel.send(_write(2, 0, b"B" * BS))
-            mount._on_readable()
+            mount.on_readable()
             replies = sorted(await _await_replies(kernel, 2))
             assert replies == [(1, 0, WRITE_OUT.pack(20, 0)), (2, 0, WRITE_OUT.pack(BS, 0))]
             assert ctrl.data[:BS] == b"B" * 10 + b"A" * 20 + b"B" * (BS - 30)
             # and one that arrives while a read-modify-write holds the block waits for it
             kernel.send(_write(3, 100, b"C" * 10))
-            mount._on_readable()
+            mount.on_readable()
             await asyncio.sleep(0)  # the read-modify-write takes its lock
             kernel.send(_write(4, 0, b"D" * BS))
-            mount._on_readable()
+            mount.on_readable()
             await _await_replies(kernel, 2)
             assert ctrl.data[:BS] == b"D" * BS
     run(main())
@@ -246,11 +246,11 @@ def test_an_interrupted_request_is_answered_eintr_at_once_and_only_once() -> Non
         with _mount(ctrl) as (mount, _, kernel):
             kernel.send(_read(1, 0, BS))
             kernel.send(_write(2, BS, b"W" * BS))
-            mount._on_readable()
+            mount.on_readable()
             assert len(ctrl.held) == 2
             kernel.send(_interrupt(3, 1))
             kernel.send(_interrupt(4, 2))
-            mount._on_readable()
+            mount.on_readable()
             assert sorted(await _await_replies(kernel, 2)) == [(1, -errno.EINTR, b""), (2, -errno.EINTR, b"")]
             for done in ctrl.held:  # the commands complete after all: no second answer
                 done(None)

@@ -1,0 +1,353 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The compiled FUSE request loop of one mount: :meth:`FuseSession.py_on_readable` and its
+replies written for C.
+
+Same behaviour as the Python reference in ``session.py`` and ``blockfile.py`` (``tests/core/test_fuse_differential.py``
+feeds both the same request streams): up to ``MAX_BATCH`` requests per readiness callback, sends
+held from the second one on; a block-aligned READ or WRITE inside the file sent to the controller
+from here (``BlockFiles.read``'s and ``write``'s common case, the reply written from a C
+completion object), every other READ and WRITE handed to the block files with their fields as C
+integers, every other opcode to the session's Python handler. What changes is the cost per
+request: /dev/fuse is read with ``read(2)`` into a preallocated buffer (no FileIO call, no
+BlockingIOError object when nothing is queued), the request header and READ/WRITE arguments are
+read through a pointer instead of two ``struct.unpack_from`` tuples, and a reply is one
+``writev(2)`` of a header built on the stack and the payload's own buffer (no header ``bytes``,
+no list).
+
+Offsets and sizes come from ``initiator/fuse/abi.py``'s ``struct`` layouts at import (bound to
+C variables below), so nothing is typed twice.
+"""
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
+from libc.errno cimport EAGAIN, EBADF, ENODEV, ENOENT, errno
+from libc.stdint cimport int32_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+from posix.uio cimport iovec, writev
+from posix.unistd cimport read
+
+import os
+import struct
+
+from initiator.fuse.abi import IN_HEADER, OUT_HEADER, READ, RW_IN, WRITE, WRITE_OUT
+
+
+def _offsets(layout: struct.Struct) -> list:
+    """The byte offset of each field of a ``struct`` layout (one code per field in abi.py)."""
+    fmt = layout.format
+    order, codes = fmt[0], fmt[1:]
+    fields = []
+    i = 0
+    while i < len(codes):  # expand counts ("7I") into one code per field
+        j = i
+        while codes[j].isdigit():
+            j += 1
+        count = int(codes[i:j]) if j > i else 1
+        fields.extend(codes[j] * count)
+        i = j + 1
+    return [struct.calcsize(order + "".join(fields[:k])) for k in range(len(fields))]
+
+
+_in = _offsets(IN_HEADER)
+_rw = _offsets(RW_IN)
+_out = _offsets(OUT_HEADER)
+cdef Py_ssize_t _O_OPCODE = _in[1]
+cdef Py_ssize_t _O_UNIQUE = _in[2]
+cdef Py_ssize_t _O_NODEID = _in[3]
+cdef Py_ssize_t _HDR = IN_HEADER.size
+cdef Py_ssize_t _O_OFFSET = _HDR + _rw[1]
+cdef Py_ssize_t _O_SIZE = _HDR + _rw[2]
+cdef Py_ssize_t _RW_DATA = _HDR + RW_IN.size
+cdef Py_ssize_t _OUT = OUT_HEADER.size
+cdef Py_ssize_t _O_OUT_ERR = _out[1]
+cdef Py_ssize_t _O_OUT_UNIQUE = _out[2]
+cdef uint32_t _READ = READ
+_pack_write_out = WRITE_OUT.pack
+cdef uint32_t _WRITE = WRITE
+# The reads below take native 32/64-bit fields at those offsets (FUSE structs are the kernel's
+# native layout; abi.py spells them little-endian, as every host we run on is): a header packed
+# by abi.py must read back, and a reply header built here must unpack with OUT_HEADER.
+_probe = bytearray(_RW_DATA)
+IN_HEADER.pack_into(_probe, 0, 0, 0x11223344, 0x5566778899AABBCC, 0x0102030405060708, 0, 0, 0, 0, 0)
+RW_IN.pack_into(_probe, _HDR, 0, 0x0A0B0C0D0E0F1011, 0x21222324, 0, 0, 0, 0)
+if (int.from_bytes(_probe[_O_OPCODE:_O_OPCODE + 4], "little"), int.from_bytes(_probe[_O_UNIQUE:_O_UNIQUE + 8], "little"),
+        int.from_bytes(_probe[_O_NODEID:_O_NODEID + 8], "little"), int.from_bytes(_probe[_O_OFFSET:_O_OFFSET + 8], "little"),
+        int.from_bytes(_probe[_O_SIZE:_O_SIZE + 4], "little")) != (
+        0x11223344, 0x5566778899AABBCC, 0x0102030405060708, 0x0A0B0C0D0E0F1011, 0x21222324):
+    raise ImportError("initiator.fuse.abi's layouts are not the ones initiator/fuse/_loop.pyx reads")
+
+
+cdef inline uint32_t _u32(const char* p) noexcept:
+    cdef uint32_t v
+    memcpy(&v, p, 4)
+    return v
+
+
+cdef inline uint64_t _u64(const char* p) noexcept:
+    cdef uint64_t v
+    memcpy(&v, p, 8)
+    return v
+
+
+cdef class FuseLoop:
+    """The request loop and reply calls of one :class:`~initiator.fuse.session.FuseSession`.
+
+    ``fd`` is the session's /dev/fuse (-1 before ``attach`` and after ``close``). The request
+    buffer is the loop's own; a big write takes it (as the reference does) and the loop reads
+    on into one of the session's spare buffers."""
+
+    cdef public int fd
+    cdef object session
+    cdef object files_read
+    cdef object files_write
+    cdef dict inflight
+    cdef dict stats
+    cdef object fail
+    cdef object range_lock
+    cdef object recycle
+    cdef object connections
+    cdef object name
+    cdef list spare
+    cdef bytearray buf
+    cdef char* p
+    cdef Py_ssize_t cap
+    cdef Py_ssize_t copy_limit
+    cdef int max_batch
+
+    def __init__(self, session, Py_ssize_t buffer_size, Py_ssize_t copy_limit, int max_batch):
+        self.fd = -1
+        self.session = session
+        self.connections = session.connections
+        self.name = session.name
+        self.spare = session._spare
+        self.cap = buffer_size
+        self.copy_limit = copy_limit
+        self.max_batch = max_batch
+        self._take(bytearray(buffer_size))
+
+    def start(self, int fd):
+        """Serve ``fd`` from now on (the session's block files exist by then)."""
+        self.files_read = self.session.files.read
+        self.files_write = self.session.files.write
+        self.inflight = self.session.inflight
+        self.stats = self.session.stats
+        self.fail = self.session.fail
+        self.range_lock = self.session.files._range_lock
+        self.recycle = self.session.recycle
+        self.fd = fd
+
+    cdef inline void _take(self, bytearray buf):
+        self.buf = buf
+        self.p = PyByteArray_AS_STRING(buf)
+
+    # -- the request loop ---------------------------------------------------------------------------
+
+    def on_readable(self):
+        """Serve what /dev/fuse has queued (see ``FuseSession.py_on_readable``)."""
+        cdef Py_ssize_t n = self._read_request()
+        cdef int i
+        if not n:
+            return
+        if n > 0:
+            self._serve(n)
+        ctrl = None
+        try:
+            for i in range(self.max_batch - 1):
+                n = self._read_request()
+                if not n:
+                    break
+                if n > 0:
+                    if ctrl is None:
+                        ctrl = self.connections.get(self.name)
+                        if ctrl is not None:
+                            ctrl.hold_sends()
+                    self._serve(n)
+        finally:
+            if ctrl is not None:
+                ctrl.release_sends()
+
+    cdef Py_ssize_t _read_request(self) except? -2:
+        """The next request's length; 0 when none is queued (or the mount is gone), -1 when it
+        was interrupted before we read it."""
+        cdef Py_ssize_t n
+        if self.fd < 0:
+            return 0
+        n = read(self.fd, self.p, self.cap)
+        if n >= 0:
+            return n
+        if errno == EAGAIN:
+            return 0
+        if errno == ENOENT:
+            return -1
+        if errno == ENODEV:
+            self.session.device_gone()
+            return 0
+        raise OSError(errno, os.strerror(errno))
+
+    cdef _serve(self, Py_ssize_t n):
+        cdef const char* p = self.p
+        cdef uint32_t opcode = _u32(p + _O_OPCODE)
+        cdef uint64_t unique = _u64(p + _O_UNIQUE)
+        cdef uint64_t nodeid = _u64(p + _O_NODEID)
+        cdef uint32_t size
+        cdef Py_ssize_t end
+        if opcode == _READ:
+            self._read(unique, nodeid - 1, _u64(p + _O_OFFSET), _u32(p + _O_SIZE))
+        elif opcode == _WRITE:
+            size = _u32(p + _O_SIZE)
+            end = _RW_DATA + size
+            if end > self.cap:  # as the reference's slice of the buffer
+                end = self.cap
+            if size <= self.copy_limit:
+                data = memoryview(PyByteArray_FromStringAndSize(p + _RW_DATA, end - _RW_DATA))
+                owned = None
+            else:
+                owned = self.buf
+                data = memoryview(owned)[_RW_DATA:end]
+                self._take(self.spare.pop() if self.spare else bytearray(self.cap))
+            self._write(unique, nodeid - 1, _u64(p + _O_OFFSET), data, owned)
+        else:
+            self.session.serve_other(opcode, unique, nodeid, memoryview(self.buf)[_HDR:n])
+
+    cdef _read(self, uint64_t unique, uint64_t nsid, uint64_t offset, uint32_t size):
+        """``BlockFiles.read`` for a block-aligned range inside the file on a live controller,
+        its reply written by ``_ReadDone``; every other case (clipped, unaligned, empty, no
+        controller or namespace, an error) is the Python one's."""
+        cdef uint64_t end, file_size, bs
+        ctrl = self.connections.get(self.name)
+        info = None if ctrl is None or ctrl.failed is not None else ctrl.namespaces.get(nsid)
+        if info is not None:
+            file_size = info.size
+            bs = info.block_size
+            end = offset + size
+            if offset < file_size and end <= file_size and size and bs and not offset % bs and not end % bs:
+                buf = bytearray(size)
+                self.inflight[unique] = True
+                try:
+                    ctrl.transfer(False, nsid, offset, memoryview(buf), _ReadDone(self, unique, buf))
+                except Exception as exc:
+                    self.inflight.pop(unique, None)
+                    self.fail(unique, exc, "read")
+                return
+        self.files_read(unique, nsid, offset, size)
+
+    cdef _read_done(self, uint64_t unique, bytearray buf, exc):
+        """``BlockFiles._read_done``: the answer, unless an INTERRUPT gave it already."""
+        if not self.inflight.pop(unique, False):
+            return
+        if exc is not None:
+            self.fail(unique, exc, "read")
+            return
+        self.stats["read"] += 1
+        self.reply(unique, buf)
+
+    cdef _write(self, uint64_t unique, uint64_t nsid, uint64_t offset, data, owned):
+        """``BlockFiles.write`` for a block-aligned range inside a writable file on a live
+        controller whose blocks no read-modify-write holds (its shared hold taken here, as
+        there); every other case is the Python one's."""
+        cdef uint64_t end, file_size, bs
+        cdef Py_ssize_t length = len(data)
+        ctrl = self.connections.get(self.name)
+        info = None if ctrl is None or ctrl.failed is not None else ctrl.namespaces.get(nsid)
+        if info is not None and not info.read_only:
+            file_size = info.size
+            bs = info.block_size
+            end = offset + <uint64_t>length
+            if offset < file_size and end <= file_size and length and bs and not offset % bs and not end % bs:
+                locks = self.range_lock(nsid)
+                token = locks.share_now(offset // bs, end // bs)
+                if token is not None:
+                    self.inflight[unique] = True
+                    try:
+                        ctrl.transfer(True, nsid, offset, data, _WriteDone(self, unique, length, owned, locks, token))
+                    except BaseException as exc:
+                        self.inflight.pop(unique, None)
+                        locks.release(token)
+                        if not isinstance(exc, Exception):
+                            raise
+                        self.fail(unique, exc, "write")
+                    return
+        self.files_write(unique, nsid, offset, data, owned)
+
+    cdef _write_done(self, uint64_t unique, Py_ssize_t length, owned, locks, token, exc):
+        """``BlockFiles._write_done``: the blocks released, then the answer (unless an
+        INTERRUPT gave it), and a big write's buffer back to the session."""
+        locks.release(token)
+        if not self.inflight.pop(unique, False):
+            return
+        if exc is not None:
+            self.fail(unique, exc, "write")
+            return
+        self.stats["write"] += 1
+        self.reply(unique, _pack_write_out(length, 0))
+        if owned is not None:
+            self.recycle(owned)
+
+    # -- replies ------------------------------------------------------------------------------------
+
+    cpdef reply(self, uint64_t unique, payload=b""):
+        """Answer ``unique`` with ``payload`` (any buffer): one writev of header and payload."""
+        cdef Py_buffer view
+        PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
+        try:
+            self._send_reply(unique, 0, <char*>view.buf, view.len)
+        finally:
+            PyBuffer_Release(&view)
+
+    cpdef reply_err(self, uint64_t unique, int err):
+        self._send_reply(unique, -err, NULL, 0)
+
+    cdef int _send_reply(self, uint64_t unique, int32_t err, char* data, Py_ssize_t length) except -1:
+        cdef char header[32]
+        cdef uint32_t total = <uint32_t>(_OUT + length)
+        cdef iovec iov[2]
+        memcpy(header, &total, 4)
+        memcpy(header + _O_OUT_ERR, &err, 4)
+        memcpy(header + _O_OUT_UNIQUE, &unique, 8)
+        iov[0].iov_base = header
+        iov[0].iov_len = _OUT
+        iov[1].iov_base = data
+        iov[1].iov_len = length
+        if writev(self.fd, iov, 2 if length else 1) < 0:
+            # ENOENT: the request was interrupted and is gone; ENODEV/EBADF: unmounted meanwhile
+            if errno != ENOENT and errno != ENODEV and errno != EBADF:
+                raise OSError(errno, os.strerror(errno))
+        return 0
+
+
+cdef class _ReadDone:
+    """The ``done`` of a READ the loop sent itself: a C object, not a ``functools.partial``."""
+
+    cdef FuseLoop loop
+    cdef uint64_t unique
+    cdef bytearray buf
+
+    def __cinit__(self, FuseLoop loop, uint64_t unique, bytearray buf):
+        self.loop = loop
+        self.unique = unique
+        self.buf = buf
+
+    def __call__(self, exc):
+        self.loop._read_done(self.unique, self.buf, exc)
+
+
+cdef class _WriteDone:
+    """The ``done`` of a WRITE the loop sent itself (see ``_ReadDone``)."""
+
+    cdef FuseLoop loop
+    cdef uint64_t unique
+    cdef Py_ssize_t length
+    cdef object owned
+    cdef object locks
+    cdef object token
+
+    def __cinit__(self, FuseLoop loop, uint64_t unique, Py_ssize_t length, owned, locks, token):
+        self.loop = loop
+        self.unique = unique
+        self.length = length
+        self.owned = owned
+        self.locks = locks
+        self.token = token
+
+    def __call__(self, exc):
+        self.loop._write_done(self.unique, self.length, self.owned, self.locks, self.token, exc)

@@ -1,0 +1,148 @@
+"""The compiled host I/O half of NVMe/TCP (``initiator/_tcp_host_io.pyx``) against its Python
+reference (``initiator/tcp_host_io.py``): the same commands submitted and the same random target
+PDU streams (valid and mutated: unknown ids, data out of place, SUCCESS without LAST_PDU, R2Ts
+for reads or beyond the data, error statuses, digests on and off, random chunking) must send the
+same bytes, complete the same commands with the same status, fill the same buffers and end the
+connection with the same error."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from blockd.tcp_asyncio import PduProtocol
+from blockd.tcp_pdu import PduWriter
+from initiator import tcp_host_io
+from initiator.queue import HostCommand, HostQueue
+from initiator.tcp import TcpHostConnection
+from protocol.commands import read_command, write_command
+from protocol.nvme import CQE_FAST
+from protocol.status import to_wire
+from protocol.layout import field_offset
+from protocol.tcp import DATA_PDU_HEADER, PduFlags, PduType
+
+_compiled = pytest.importorskip("initiator._tcp_host_io", reason="compiled data plane not built")
+
+_OWN = {k: v for k, v in TcpHostConnection.__dict__.items() if k not in ("__dict__", "__weakref__", "__doc__")}
+"""The connection's own methods, put on each twin below (whichever base the module picked)."""
+CONNECTIONS = {
+    "python": type("PythonConnection", (tcp_host_io.TcpHostIo, PduProtocol), dict(_OWN)),
+    "compiled": type("CompiledConnection", (_compiled.TcpHostIo, PduProtocol), dict(_OWN)),
+}
+BS = 512
+_DATAL = field_offset(DATA_PDU_HEADER, "datal")
+
+
+class _Out:
+    """The output batcher, recording every send as bytes."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send(self, bufs: list[Any]) -> None:
+        self.sent.append(b"".join(bytes(b) for b in bufs))
+
+    def hold(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def _commands(rng: random.Random) -> list[tuple[bool, int]]:
+    """(write, length) of the commands a stream starts with."""
+    return [(rng.random() < 0.4, rng.choice([BS, 4 * BS, 16 * BS, 40 * BS])) for _ in range(rng.randrange(1, 6))]
+
+
+def _stream(rng: random.Random, cmds: list[tuple[bool, int]], writer: PduWriter) -> bytes:
+    """What a target might send: mostly the right answers, some of them wrong."""
+    pdus: list[bytes] = []
+    for cid, (write, length) in enumerate(cmds):
+        if rng.random() < 0.1:
+            cid = rng.choice([cid + 7, 200])  # an id never given
+        if write and length > 8192 or rng.random() < 0.08:  # R2Ts (one wrong now and then)
+            offset = 0
+            while offset < length:
+                n = min(rng.choice([length, 4096, 8192]), length - offset)
+                if rng.random() < 0.05:
+                    n = rng.choice([0, length])
+                pdus.append(b"".join(writer.r2t(cid, rng.randrange(4), offset, n)))
+                offset += max(n, 1)
+        if not write or rng.random() < 0.08:  # C2HData, in pieces, the last with SUCCESS or not
+            offset = 0
+            success = rng.random() < 0.6
+            while offset < length:
+                n = min(rng.choice([length, BS, 8 * BS]), length - offset)
+                last = offset + n == length
+                flags = (PduFlags.LAST_PDU if last else 0) | (PduFlags.SUCCESS if last and success else 0)
+                if rng.random() < 0.04:
+                    flags = PduFlags.SUCCESS
+                at = offset if rng.random() > 0.04 else offset + BS
+                data = bytes([rng.randrange(256)]) * n
+                pdu = bytearray(b"".join(bytes(b) for b in writer.data_pdu(PduType.C2H_DATA, cid, 0, at, data, flags)))
+                if rng.random() < 0.04:  # DATAL not the data it carries
+                    pdu[_DATAL:_DATAL + 4] = (n - BS).to_bytes(4, "little")
+                pdus.append(bytes(pdu))
+                offset += n
+            if success:
+                continue
+        status = rng.choice([0, 0, 0, 0x0281, 0x4004])
+        pdus.append(b"".join(writer.pdu(PduType.CAPSULE_RESP, CQE_FAST.pack(cid * 3, 7, 0, 1, cid, to_wire(status)))))
+    rng.shuffle(pdus) if rng.random() < 0.1 else None
+    raw = bytearray(b"".join(pdus))
+    if rng.random() < 0.15 and raw:  # a flipped byte: a header field, or data under a digest
+        raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+    return bytes(raw)
+
+
+def _run(kind: str, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    digests = rng.random() < 0.3
+    cmds = _commands(rng)
+    ended: list[str] = []
+    conn = CONNECTIONS[kind](HostQueue(1, 16), lambda _, exc: ended.append(str(exc)))
+    conn.out = _Out()
+    conn.maxh2cdata = rng.choice([4096, 8192])
+    conn.reader.hdgst = conn.writer.hdgst = digests
+    conn.reader.ddgst = conn.writer.ddgst = digests
+    done: list[tuple[int, int, int, int, int, str]] = []
+    buffers = []
+    for write, length in cmds:
+        buf = bytearray(rng.randbytes(length)) if write else bytearray(length)
+        buffers.append(buf)
+        sqe = write_command(1, 8, length // BS - 1) if write else read_command(1, 8, length // BS - 1)
+        cmd = HostCommand(sqe, memoryview(buf) if write else None, None if write else memoryview(buf),
+                          lambda c, exc: done.append((c.cid, c.status, c.dw0, c.dw1, c.transferred, repr(exc))))
+        conn.submit(cmd)
+    target = PduWriter()
+    target.hdgst = target.ddgst = digests
+    stream = _stream(rng, cmds, target)
+    pos = 0
+    while pos < len(stream) and not conn.closed:
+        dest = conn.get_buffer(-1)
+        n = min(len(dest), rng.choice([7, 100, 4096, len(stream)]), len(stream) - pos)
+        dest[:n] = stream[pos:pos + n]
+        conn.buffer_updated(n)
+        pos += n
+    return {"sent": conn.out.sent, "done": done, "buffers": buffers, "error": repr(conn.error),
+            "closed": conn.closed, "pending": sorted(conn.queue.pending)}
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_compiled_and_python_host_io_alike(seed: int) -> None:
+    assert _run("compiled", seed) == _run("python", seed)
+
+
+def test_the_streams_reach_every_outcome() -> None:
+    """Some streams complete commands, some fail them with a status, some end the connection."""
+    runs = [_run("python", seed) for seed in range(300)]
+    assert any(r["done"] and not r["closed"] for r in runs)
+    assert any(d[1] for r in runs for d in r["done"])
+    errors = {r["error"].split(":")[1] if ":" in r["error"] else r["error"] for r in runs}
+    assert len(errors) > 4, errors
+    assert any(len(r["sent"]) > len(_commands(random.Random(0))) for r in runs)  # R2T answers sent
