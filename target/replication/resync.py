@@ -48,11 +48,13 @@ async def run(mirror: ReplicatedBackend, link: ReplicaLink) -> None:
                 continue
             copied = await copy_region(mirror, link, region)
             link.copied_total += copied
-            progress.add(copied, len(link.missing), size)
-            # rate limit: never ahead of resync_rate bytes per second since the start
-            ahead = progress.copied / mirror.resync_rate - (time.monotonic() - started)
+            # rate limit: never ahead of resync_rate bytes per second since the start; the region
+            # joins the progress after the wait, so the MB/s and ETA shown follow the limit (counted
+            # before it, the first region made the rate look unbounded and the ETA 0)
+            ahead = (progress.copied + copied) / mirror.resync_rate - (time.monotonic() - started)
             if ahead > 0:
                 await asyncio.sleep(ahead)
+            progress.add(copied, len(link.missing), size)
             now = time.monotonic()
             if now - last_log >= LOG_EVERY:
                 last_log = now
