@@ -266,23 +266,30 @@ def test_primary_restart_resyncs_the_regions_its_bitmap_holds() -> None:
     run(main())
 
 
+async def split_brain(bed: Bed) -> ReplicatedBackend:
+    """The primary writes "A" at 0 while its replica is away, then the replica, as a primary of
+    its own (its replica, the first copy, away), writes "B" at one region; the first copy,
+    restarted, meets it again: split brain. Returns that restarted primary."""
+    a = await bed.primary()
+    await until(lambda: a.links[0].state == IN_SYNC)
+    bed.kill(0)
+    await a.write(0, b"A" * 4096)
+    await a.stop()
+    other = Bed(1, local=bed.stores[0], stores=[bed.local])
+    other.up[0] = False
+    b = await other.primary()
+    await b.write(REGION, b"B" * 4096)
+    await b.stop()
+    bed.up[0] = True
+    a2 = await bed.primary()
+    await until(lambda: a2.links[0].state == SPLIT_BRAIN)
+    return a2
+
+
 def test_split_brain_is_refused_and_discarding_the_replica_resolves_it() -> None:
     async def main() -> None:
         bed = Bed(1)
-        a = await bed.primary()
-        await until(lambda: a.links[0].state == IN_SYNC)
-        bed.kill(0)
-        await a.write(0, b"A" * 4096)
-        await a.stop()
-        # the replica becomes a primary of its own (its replica, A, is away) and takes writes
-        other = Bed(1, local=bed.stores[0], stores=[bed.local])
-        other.up[0] = False
-        b = await other.primary()
-        await b.write(REGION, b"B" * 4096)
-        await b.stop()
-        bed.up[0] = True
-        a2 = await bed.primary()
-        await until(lambda: a2.links[0].state == SPLIT_BRAIN)
+        a2 = await split_brain(bed)
         assert bed.stores[0].data[REGION:REGION + 4096] == b"B" * 4096  # nothing overwritten
         discard_replica(a2, "r0")
         await until(lambda: a2.links[0].state == IN_SYNC)
@@ -469,19 +476,7 @@ def test_a_clean_stop_leaves_no_bit_for_the_copies_in_sync() -> None:
 def test_discarding_this_copy_takes_the_replicas_data() -> None:
     async def main() -> None:
         bed = Bed(1)
-        a = await bed.primary()
-        await until(lambda: a.links[0].state == IN_SYNC)
-        bed.kill(0)
-        await a.write(0, b"A" * 4096)
-        await a.stop()
-        other = Bed(1, local=bed.stores[0], stores=[bed.local])
-        other.up[0] = False
-        b = await other.primary()
-        await b.write(REGION, b"B" * 4096)
-        await b.stop()
-        bed.up[0] = True
-        a2 = await bed.primary()
-        await until(lambda: a2.links[0].state == SPLIT_BRAIN)
+        a2 = await split_brain(bed)
         with pytest.raises(ReplicationError) as err:  # host I/O waits while this copy is overwritten
             gate = asyncio.Event()
             real = a2.links[0].opener
