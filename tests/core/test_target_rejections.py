@@ -22,7 +22,7 @@ from target.rejections import REASONS
 from target.service import TargetService
 
 from .conftest import (
-    HOSTNQN, NQN, RawConn, capsule, config, connect, connect_data, connect_sqe, free_port, icreq, incapsule_sgl,
+    HOSTNQN, NQN, RawConn, capsule, config, connect, connect_data, connect_sqe, free_port, icreq,
     ns, raw_admin, run, serving, sub, transport_sgl, until,
 )
 from .test_target_observe import _blockctl, _call

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from structlog.testing import capture_logs
 
-from .conftest import (RawConn, config, free_port, ns, raw_admin, raw_io, run, serving, sub,
+from .conftest import (RawConn, config, free_port, ns, raw_io, run, serving, sub,
                        until)
 
 

@@ -263,7 +263,6 @@ def test_blockd_host_kernel_target(rxe, nvmet, record_property):
     target's backing file has the bytes. On rxe the host's ``auto`` key mode is MR keys (SGL
     0x40, no remote invalidation: rxe's BIND_MW stall, see initiator/rdma.py), so this checks
     keyed SGLs against nvmet, not 0x4F; the key mode used is recorded as a property."""
-    from initiator.controller import Controller
     vol = "/dev/shm/kernel-rdma.img"
     sh(f"rm -f {vol} && truncate -s {SIZE} {vol} && nvmet_subsys {KNQN} KRDMA0001 && "
        f"nvmet_ns_file {KNQN} 1 {vol} && nvmet_port 3 rdma {ADDR0} 4421 && nvmet_link 3 {KNQN}")
