@@ -67,7 +67,7 @@ def _busy(r: dict | None) -> str:
 def _cpu(r: dict | None) -> str:
     if not r or not r.get("cpu_us_per_io"):
         return "–"
-    return " + ".join(f"{u + k:,.0f} = {u:,.0f} + {k:,.0f}" for u, k in r["cpu_us_per_io"].values())
+    return "; ".join(f"{name} {u + k:,.0f} = {u:,.0f} + {k:,.0f}" for name, (u, k) in r["cpu_us_per_io"].items())
 
 
 def transport_table(transport: str, run: dict) -> list[str]:
@@ -89,7 +89,7 @@ def transport_table(transport: str, run: dict) -> list[str]:
         lines += ["", "Where the CPU went, same jobs: the share of the guest's 2 vCPUs busy (fio, kernel and "
                   "daemons together), and µs per I/O (user + system) of blockd's daemons.", "",
                   "| workload | guest busy: nvmet | guest busy: blockd target | blockd target µs/I/O "
-                  + ("| guest busy: FUSE | FUSE: target + initiator µs/I/O " if fuse else "") + "|",
+                  + ("| guest busy: FUSE | FUSE: target; initiator µs/I/O " if fuse else "") + "|",
                   "|---|---|---|---|" + ("---|---|" if fuse else "")]
         for key, (label, _) in LABELS.items():
             j = run["jobs"].get(key, {})
