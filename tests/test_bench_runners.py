@@ -20,7 +20,7 @@ def test_a_runner_rewrites_only_its_own_section(tmp_path: Path) -> None:
     doc.write_text("# Benchmarks\n\nhand-written\n\n<!-- B1 -->\nold one\n<!-- E1 -->\n\nmiddle\n\n"
                    "<!-- B2 -->\nold two\n<!-- E2 -->\n\ntail\n")
     write_section("<!-- B1 -->", "<!-- E1 -->", "## One", "new one", doc)
-    assert doc.read_text() == ("# Benchmarks\n\nhand-written\n\n<!-- B1 -->\nnew one\n<!-- E1 -->\nmiddle\n\n"
+    assert doc.read_text() == ("# Benchmarks\n\nhand-written\n\n<!-- B1 -->\nnew one\n<!-- E1 -->\n\nmiddle\n\n"
                                "<!-- B2 -->\nold two\n<!-- E2 -->\n\ntail\n")
 
 

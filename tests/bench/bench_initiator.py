@@ -37,6 +37,7 @@ import random
 import resource
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -249,6 +250,7 @@ def main() -> int:
     for tool in ("fio", "nbdkit"):
         if shutil.which(tool) is None:
             sys.exit(f"{tool} is not installed (scripts/setup.sh installs it)")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the daemons on the way out
     systems = [s for s in args.systems.split(",") if s]
     jobs = [j for j in JOBS if j[0] in args.jobs.split(",")]
     size = args.size_mib << 20

@@ -21,7 +21,8 @@ def write_section(begin: str, end: str, heading: str, generated: str, path: Path
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     head, found, rest = text.partition(begin)
     if found and end in rest:
-        text = head + block + rest.split(end, 1)[1].lstrip("\n")
+        tail = rest.split(end, 1)[1].lstrip("\n")
+        text = head + block + ("\n" + tail if tail else "")
     else:
         text = text.rstrip("\n") + f"\n\n{heading}\n\n{block}"
     path.write_text(text)

@@ -164,7 +164,8 @@ def main() -> int:
     command = ".venv/bin/python tests/bench/run_rdma_bench.py" + \
         (f" --transport {a.transport}" if a.transport != "both" else "") + \
         (f" --size-mib {a.size_mib}" if a.size_mib != 256 else "") + \
-        (f" --runtime {a.runtime}" if a.runtime != 10 else "") + (" --no-fuse" if a.no_fuse else "")
+        (f" --runtime {a.runtime}" if a.runtime != 10 else "") + (" --no-fuse" if a.no_fuse else "") + \
+        (" --profile" if a.profile else "")
     out_dir = REPO / "results" / "bench-rdma"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "rdma-bench.json"
