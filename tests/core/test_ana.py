@@ -298,3 +298,80 @@ def test_ana_entry_for_one_port_overrides_every_port(tmp_path: Path) -> None:
         finally:
             await service.stop()
     run(main())
+
+
+def test_reload_moves_a_namespace_to_another_group_in_place(tmp_path: Path) -> None:
+    """A reload that changes ``ana_group`` keeps the namespace attached (the same backend, no
+    Namespace Attribute Changed, the host's namespace list untouched): the host gets the ANA
+    change event, finds the namespace in its new group in the log and in Identify Namespace,
+    and I/O goes on through the move; into an inaccessible group it gets 0x302, and back the
+    data written before is there. A move that would make a lagging copy accessible is refused
+    like a promotion."""
+    port = free_port()
+    ana = [{"group": 2, "state": "inaccessible"}]
+
+    def cfg(group: int) -> Any:
+        return ana_config([port], [sub(namespaces=[{**ns(tmp_path / "a.img", 1, SIZE), "ana_group": group}])], ana=ana)
+
+    async def main() -> None:
+        async with serving(cfg(1)) as service:
+            ctrl = await connect(port)
+            events = _events(ctrl)
+            rescans: list[bool] = []
+            ctrl.namespace_listeners.append(lambda: rescans.append(True))
+            backend = service.target.subsystems[NQN].namespaces[1].backend
+            stop = asyncio.Event()
+            written: list[int] = []
+
+            async def load() -> None:  # a write and its read-back, until told to stop
+                n = 0
+                while not stop.is_set():
+                    data = n.to_bytes(4, "little") * 128
+                    await ctrl.write(1, 8 + n % 64, data)
+                    assert await ctrl.read(1, 8 + n % 64, 1) == data
+                    written.append(n)
+                    n += 1
+
+            try:
+                chgcnt = service.target.ana.chgcnt
+                await ctrl.write(1, 0, b"before" * 85 + b"xx")
+                writer = asyncio.create_task(load())
+                await asyncio.sleep(0.1)
+                await service.reload(cfg(3))  # group 3: optimized, as every group not set
+                assert (await asyncio.wait_for(events.get(), 5)) & AEN_DW0_MASK == AEN_ANA_CHANGED
+                seen = len(written)
+                await asyncio.sleep(0.2)
+                stop.set()
+                await writer  # no I/O error across the move
+                assert len(written) > seen
+                parsed = ANA_LOG.parse(await ctrl.get_log_page(LogPageId.ANA, 4096))
+                assert {g.grpid: list(g.nsids) for g in parsed.groups} == {1: [], 2: [], 3: [1]}
+                assert parsed.header.chgcnt == chgcnt + 1
+                assert (await ctrl.identify_namespace(1)).anagrpid == 3
+
+                await service.reload(cfg(2))  # into the inaccessible group
+                assert (await asyncio.wait_for(events.get(), 5)) & AEN_DW0_MASK == AEN_ANA_CHANGED
+                with pytest.raises(NvmeError) as err:
+                    await ctrl.read(1, 0, 1)
+                assert code(err.value) == Status.ANA_INACCESSIBLE
+                ident = await ctrl.identify_namespace(1)
+                assert (ident.anagrpid, ident.nuse) == (2, 0)
+                parsed = ANA_LOG.parse(await ctrl.get_log_page(LogPageId.ANA, 4096))
+                assert [(g.grpid, g.state, list(g.nsids)) for g in parsed.groups if g.nsids] == [
+                    (2, AnaState.INACCESSIBLE, [1])]
+
+                backend.promotion_blocker = lambda: "copy is 3 regions behind"
+                with pytest.raises(RuntimeError, match="not moved to ANA group 1: .*3 regions behind"):
+                    await service.reload(cfg(1))
+                assert service.target.subsystems[NQN].namespaces[1].ana_group == 2
+                del backend.promotion_blocker
+                await service.reload(cfg(1))
+                await asyncio.wait_for(events.get(), 5)
+                assert await ctrl.read(1, 0, 1) == b"before" * 85 + b"xx"
+                await ctrl.write(1, 1, b"after!" * 85 + b"yy")
+                assert await ctrl.read(1, 1, 1) == b"after!" * 85 + b"yy"
+                assert service.target.subsystems[NQN].namespaces[1].backend is backend
+                assert not rescans and sorted(ctrl.namespaces) == [1]
+            finally:
+                await ctrl.close()
+    run(main())
