@@ -137,7 +137,8 @@ class MultipathController:
             for path, other in zip(live[1:], ids[1:]):
                 _same_namespaces(ids[0], _name(live[0]), path, other)
             mp._ids = ids[0]
-            for path in live:
+            for i, path in enumerate(live):
+                _check_cntlid(mp.params.subnqn, path, live[:i])
                 await mp._read_ana(path)
         except BaseException:
             await mp.close()
@@ -172,6 +173,8 @@ class MultipathController:
                     return
                 await asyncio.sleep(path.params.reconnect_delay)  # down again while being checked
         del self._joining[path]
+        _check_cntlid(self.params.subnqn, path, [p for p in self.paths if p is not path and p.was_live
+                                                 and p not in self._joining and p not in self._refused])
         self.max_transfer = min(self.max_transfer, path.max_transfer)
         log.info("path joined", subnqn=self.params.subnqn, path=_name(path), cntlid=path.cntlid)
         self._refresh(path)
@@ -451,6 +454,19 @@ def _same_namespaces(expected: dict[int, tuple[bytes, bytes]], where: str, path:
         if ids[nsid] != pair:
             raise ConnectError(f"namespace {nsid} has different NGUID/EUI-64 on the paths: not one "
                                "namespace (give both targets the same nguid, or let them derive it)")
+
+
+def _check_cntlid(subnqn: str, path: Controller, others: list[Controller]) -> None:
+    """Warn when ``path`` has the controller id of one of ``others`` (paths already in use): the
+    targets' cntlid ranges overlap. This host tells paths apart without it, but the Linux host
+    refuses a second controller of a subsystem with the same id ("Duplicate cntlid",
+    nvme_validate_cntlid), so the same set-up would lose a path there."""
+    for other in others:
+        if other.cntlid == path.cntlid:
+            log.warning("two paths have the same controller id: give the targets disjoint "
+                        "cntlid_min..cntlid_max (the Linux host refuses the second path)",
+                        subnqn=subnqn, cntlid=path.cntlid, paths=[_name(other), _name(path)])
+            return
 
 
 def _name(path: Controller) -> str:

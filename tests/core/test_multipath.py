@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
 from initiator.controller import Controller
 from initiator.errors import ConnectError, NvmeError, QueueLost
@@ -433,6 +434,32 @@ def test_connect_fails_when_no_path_connects(tmp_path: Path) -> None:
             await Controller.connect(params(pair.ports[0]))
         gc.collect()
         assert not [o for o in gc.get_objects() if isinstance(o, Controller)]
+    run(main())
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_overlapping_cntlid_ranges_are_warned_about(tmp_path: Path, late: bool) -> None:
+    """Both targets give controller id 1 (the same cntlid range): the connection works, with a
+    warning naming both paths, whether the second path is there at connect time or joins."""
+    pair = Pair(tmp_path)
+    pair.b = TargetService(target_config(pair.ports[1], pair.file, "inaccessible", (1, 99)))
+
+    async def main() -> None:
+        await pair.a.start()
+        if not late:
+            await pair.b.start()
+        with structlog.testing.capture_logs() as logs:
+            mp = await pair.connect()
+            try:
+                if late:
+                    await pair.b.start()
+                    await _until(lambda: _path_states(mp)[1] == ("live", {"1": "inaccessible"}))
+                await mp.write(1, 0, b"c" * BS)
+            finally:
+                await mp.close()
+                await pair.stop()
+        warned = [e for e in logs if e["event"].startswith("two paths have the same controller id")]
+        assert [(e["cntlid"], e["paths"]) for e in warned] == [(1, [f"127.0.0.1:{p}" for p in pair.ports])]
     run(main())
 
 
