@@ -19,7 +19,7 @@ from protocol.status import Status
 from target.config import parse
 from target.service import TargetService
 
-from .conftest import NQN, connect, free_port, ns, run, serving, sub
+from .conftest import NQN, connect, fill_file, free_port, ns, run, serving, sub
 
 SIZE = 1 << 20
 
@@ -97,6 +97,13 @@ def test_ana_log_page_and_odd_requests(tmp_path: Path) -> None:
                 with pytest.raises(NvmeError) as err:  # not dword aligned
                     await ctrl.get_log_page(LogPageId.ANA, 8, offset=2)
                 assert code(err.value) == Status.INVALID_FIELD & 0x7FF
+                assert await ctrl.get_log_page(LogPageId.ANA, 4) == page[:4]  # a part of the header
+                # the end is that of the page asked for: Return Groups Only's is 8 bytes sooner
+                rgo_size = 16 + 2 * 32
+                assert await ctrl.get_log_page(LogPageId.ANA, 4, offset=rgo_size, lsp=1) == bytes(4)
+                with pytest.raises(NvmeError) as err:
+                    await ctrl.get_log_page(LogPageId.ANA, 4, offset=rgo_size + 4, lsp=1)
+                assert code(err.value) == Status.INVALID_FIELD & 0x7FF
             finally:
                 await ctrl.close()
     run(main())
@@ -141,6 +148,33 @@ def test_io_status_follows_group_state_and_event(tmp_path: Path) -> None:
                 assert state == AnaState.OPTIMIZED
             finally:
                 await ctrl.close()
+    run(main())
+
+
+def test_a_standby_refuses_every_write_on_an_inaccessible_path(tmp_path: Path) -> None:
+    """Hostile: a host that writes through the standby's inaccessible path anyway, with every
+    command that changes data (in-capsule and R2T writes, FUA, Write Zeroes, deallocate), gets
+    0x302 for each, and the file is untouched; a Flush of the namespace is refused too."""
+    port = free_port()
+    image = tmp_path / "a.img"
+    data = fill_file(image, SIZE)
+    cfg = ana_config([port], [sub(namespaces=[ns(image, 1, SIZE)])], ana=[{"state": "inaccessible"}])
+
+    async def main() -> None:
+        async with serving(cfg):
+            ctrl = await connect(port)
+            try:
+                attempts = [ctrl.write(1, 0, b"w" * 512), ctrl.write(1, 8, b"R" * (256 << 10)),
+                            ctrl.write(1, 1, b"f" * 512, fua=True), ctrl.write_zeroes(1, 0, 64),
+                            ctrl.write_zeroes(1, 64, 64, deallocate=True), ctrl.deallocate(1, [(0, 128)]),
+                            ctrl.flush(1)]
+                for attempt in attempts:
+                    with pytest.raises(NvmeError) as err:
+                        await attempt
+                    assert code(err.value) == Status.ANA_INACCESSIBLE
+            finally:
+                await ctrl.close()
+        assert image.read_bytes() == data
     run(main())
 
 
@@ -207,6 +241,13 @@ def test_reload_applies_changed_ana_entries(tmp_path: Path) -> None:
             try:
                 await service.reload(ana_config([port], subs, ana=[]))  # entry gone: optimized again
                 assert service.target.ana.state(1, 1) == AnaState.OPTIMIZED
+                await asyncio.wait_for(events.get(), 5)
+                await ctrl.get_log_page(LogPageId.ANA, 4096)
+                await service.reload(ana_config([port], subs, ana=[{"state": "non-optimized"}]))  # a new entry
+                assert (await asyncio.wait_for(events.get(), 5)) & AEN_DW0_MASK == AEN_ANA_CHANGED
+                assert ANA_LOG.parse(await ctrl.get_log_page(LogPageId.ANA, 4096)).groups[0].state == \
+                    AnaState.NON_OPTIMIZED
+                await service.reload(ana_config([port], subs, ana=[]))
                 await asyncio.wait_for(events.get(), 5)
                 await ctrl.get_log_page(LogPageId.ANA, 4096)
                 await service.op_ana_set("non-optimized")  # a run-time change...
