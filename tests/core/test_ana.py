@@ -13,7 +13,8 @@ from blockd.config import ConfigError
 from blockd.control_socket import RequestError
 from initiator.controller import Controller
 from initiator.errors import NvmeError
-from protocol.constants import AEN_ANA_CHANGED, AEN_DW0_MASK, AnaState, LogPageId
+from protocol.commands import set_features_command
+from protocol.constants import AEN_ANA_CHANGED, AEN_DW0_MASK, OAES_NS_ATTR, AnaState, FeatureId, LogPageId
 from protocol.logpage import ANA_LOG
 from protocol.status import Status
 from target.config import parse
@@ -196,6 +197,36 @@ def test_event_masked_until_log_read(tmp_path: Path) -> None:
                 await ctrl.get_log_page(LogPageId.ANA, 4096)
                 await service.op_ana_set("optimized")
                 await asyncio.wait_for(events.get(), 5)
+            finally:
+                await ctrl.close()
+    run(main())
+
+
+def test_no_event_for_a_host_that_did_not_enable_it(tmp_path: Path) -> None:
+    """Asynchronous Event Configuration bit 11 off: an ANA change (and a group move) sends that
+    host no event, while a namespace change still reaches its outstanding AER."""
+    port = free_port()
+    cfg = ana_config([port], [sub(namespaces=[ns(tmp_path / "a.img", 1, SIZE)])])
+
+    async def main() -> None:
+        async with serving(cfg) as service:
+            ctrl = await connect(port)
+            events = _events(ctrl)
+            rescans: list[bool] = []
+            ctrl.namespace_listeners.append(lambda: rescans.append(True))
+            try:
+                await ctrl.admin_command(set_features_command(FeatureId.ASYNC_EVENT_CONFIG, OAES_NS_ATTR))
+                await service.op_ana_set("non-optimized")
+                sub_ = service.target.subsystems[NQN]
+                service.target.move_namespace(sub_, 1, 2)
+                await asyncio.sleep(0.3)
+                assert events.empty()
+                service.target.resize_namespace(sub_, 1, 2 * SIZE)
+                for _ in range(100):
+                    if rescans:
+                        break
+                    await asyncio.sleep(0.02)
+                assert rescans and events.empty()
             finally:
                 await ctrl.close()
     run(main())
