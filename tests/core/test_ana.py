@@ -20,7 +20,7 @@ from protocol.status import Status
 from target.config import parse
 from target.service import TargetService
 
-from .conftest import NQN, connect, fill_file, free_port, ns, run, serving, sub
+from .conftest import NQN, connect, fill_file, free_port, ns, run, serving, sub, until
 
 SIZE = 1 << 20
 
@@ -222,11 +222,8 @@ def test_no_event_for_a_host_that_did_not_enable_it(tmp_path: Path) -> None:
                 await asyncio.sleep(0.3)
                 assert events.empty()
                 service.target.resize_namespace(sub_, 1, 2 * SIZE)
-                for _ in range(100):
-                    if rescans:
-                        break
-                    await asyncio.sleep(0.02)
-                assert rescans and events.empty()
+                await until(lambda: bool(rescans))
+                assert events.empty()
             finally:
                 await ctrl.close()
     run(main())

@@ -22,7 +22,7 @@ from protocol.status import Status
 from target.config import parse
 from target.service import TargetService
 
-from .conftest import NQN, free_port, ns, params, run, sub
+from .conftest import NQN, free_port, ns, params, run, sub, until
 
 SIZE = 4 << 20
 BS = 512
@@ -261,14 +261,6 @@ def test_paths_to_different_namespaces_refused(tmp_path: Path) -> None:
     run(main())
 
 
-async def _until(check: Any, timeout: float = 10.0) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if check():
-            return
-        await asyncio.sleep(0.05)
-    assert check()
-
-
 def _path_states(mp: MultipathController) -> list[tuple[str, dict[str, str]]]:
     return [(p["state"], p["ana"]) for p in mp.describe_paths()]
 
@@ -307,14 +299,14 @@ def test_a_path_down_at_connect_joins_when_it_comes_up(tmp_path: Path, b_first: 
             task = asyncio.create_task(writer())
             await asyncio.sleep(0.3)
             await pair.b.start()
-            await _until(lambda: _path_states(mp)[b] == ("live", {"1": "inaccessible"}))
+            await until(lambda: _path_states(mp)[b] == ("live", {"1": "inaccessible"}))
             assert mp.paths[b].reconnects == mp.reconnects == 0  # a first connect, not a reconnect
             before = count[0]
             await asyncio.sleep(0.2)
             assert count[0] > before and not task.done()  # the load never stopped
             await pair.a.stop()
             await pair.b.op_ana_set("optimized")
-            await _until(lambda: pair.writes(pair.b) > 20)
+            await until(lambda: pair.writes(pair.b) > 20)
             stop.set()
             await task  # raises if a write failed
             for lba, data in acked.items():
@@ -341,11 +333,11 @@ def test_a_late_path_to_another_data_set_is_refused(tmp_path: Path) -> None:
         mp = await pair.connect()
         try:
             await pair.b.start()
-            await _until(lambda: mp.describe_paths()[1]["state"] == "refused")
+            await until(lambda: mp.describe_paths()[1]["state"] == "refused")
             assert "different NGUID" in mp.describe_paths()[1]["error"]
             await mp.write(1, 0, b"r" * BS)
             assert (pair.writes(pair.a), pair.writes(pair.b)) == (1, 0)
-            await _until(lambda: not pair.b.target.controllers)  # closed on the target too
+            await until(lambda: not pair.b.target.controllers)  # closed on the target too
         finally:
             await mp.close()
             await pair.stop()
@@ -363,14 +355,14 @@ def test_a_path_that_never_connects_gives_up_after_its_ctrl_loss_tmo(tmp_path: P
         mp = await pair.connect(ctrl_loss_tmo=0.6)
         try:
             assert mp.describe_paths()[0]["state"] == "connecting"
-            await _until(lambda: mp.describe_paths()[0]["state"] == "failed")
+            await until(lambda: mp.describe_paths()[0]["state"] == "failed")
             assert mp.state == "live" and mp.failed is None
             await mp.write(1, 0, b"f" * BS)
             assert await mp.read(1, 0, 1) == b"f" * BS
             await pair.a.stop()
             with pytest.raises((QueueLost, ConnectionError)):  # no path left within ctrl_loss_tmo
                 await mp.write(1, 0, b"g" * BS)
-            await _until(lambda: not mp._refreshing)  # A's state read again (and failed)
+            await until(lambda: not mp._refreshing)  # A's state read again (and failed)
             assert sorted(mp.namespaces) == [1]  # still what A showed, not B's nothing
         finally:
             await mp.close()
@@ -404,7 +396,7 @@ def test_a_joining_path_takes_no_io_before_its_check(tmp_path: Path, monkeypatch
             write = asyncio.create_task(mp.write(1, 0, b"w" * BS))
             await asyncio.sleep(0.3)
             await pair.b.start()
-            await _until(lambda: mp.describe_paths()[1]["state"] == "refused")
+            await until(lambda: mp.describe_paths()[1]["state"] == "refused")
             with pytest.raises((QueueLost, ConnectionError)):
                 await write
             assert pair.writes(pair.b) == 0
@@ -453,7 +445,7 @@ def test_overlapping_cntlid_ranges_are_warned_about(tmp_path: Path, late: bool) 
             try:
                 if late:
                     await pair.b.start()
-                    await _until(lambda: _path_states(mp)[1] == ("live", {"1": "inaccessible"}))
+                    await until(lambda: _path_states(mp)[1] == ("live", {"1": "inaccessible"}))
                 await mp.write(1, 0, b"c" * BS)
             finally:
                 await mp.close()
