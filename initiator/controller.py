@@ -203,6 +203,10 @@ def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
         fut.set_exception(exc)
 
 
+RETRYABLE = (OSError, NvmeError, asyncio.TimeoutError, ConnectionError)
+"""What an attempt to establish an association may fail with and be tried again later."""
+
+
 class Controller:
     """A live association with one subsystem (see module docstring)."""
 
@@ -246,6 +250,10 @@ class Controller:
         another path, instead of waiting here for this path's reconnect (the kernel's
         REQ_FAILFAST_TRANSPORT on a multipath request)."""
         self.failed: Exception | None = None
+        self.was_live = False
+        """The association was established once (a path still trying its first connect has not)."""
+        self.first_error: Exception | None = None
+        """Why the first attempt failed, for a controller connected with ``keep_trying``."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sweep: asyncio.TimerHandle | None = None
         self._secret, self._ctrl_secret = params.secrets()
@@ -255,9 +263,26 @@ class Controller:
     # -- association ------------------------------------------------------------------------------
 
     @classmethod
-    async def connect(cls, params: ConnectParams) -> Controller:
+    async def connect(cls, params: ConnectParams, keep_trying: bool = False) -> Controller:
+        """Establish the association; raises what failed. With ``keep_trying`` a first attempt
+        that fails for a reason that may pass (:data:`RETRYABLE`: the target is down or
+        refuses for now) is not raised: the controller goes on trying in the background as
+        after a lost association (every ``reconnect_delay``, until ``ctrl_loss_tmo``), with
+        ``was_live`` False until it succeeds and ``first_error`` saying why the first attempt
+        failed. The multipath layer connects each path so (a path down at connect time joins
+        when it comes up)."""
         ctrl = cls(params)
-        await ctrl._establish()
+        try:
+            await ctrl._establish()
+        except RETRYABLE as exc:
+            if not keep_trying:
+                await ctrl.close()  # nothing keeps running for a controller the caller never gets
+                raise
+            ctrl.first_error = exc
+            ctrl._reconnect_task = asyncio.get_running_loop().create_task(ctrl._reconnect())
+        except BaseException:
+            await ctrl.close()
+            raise
         return ctrl
 
     async def _open_queue(self, qid: int, depth: int) -> QueueConnection:
@@ -293,6 +318,7 @@ class Controller:
         finally:
             self._establishing.clear()
         self._live.set()
+        self.was_live = True
         if kato_ms and self._keep_alive_task is None:
             self._keep_alive_task = asyncio.get_running_loop().create_task(self._keep_alive())
         if not discovery and self._aer_task is None and self.identity.oaes & _EVENTS:
@@ -327,7 +353,7 @@ class Controller:
         namespace-attribute-changed event re-reads the namespace list and tells listeners."""
         while not self._closing:
             try:
-                await self._wait_live()
+                await self.wait_live()
                 cmd = await self._admin(async_event_request_command(), timeout=AER_TIMEOUT)
                 if cmd.dw0 & AEN_DW0_MASK == AEN_NS_ATTR_CHANGED:
                     await self.get_log_page(LogPageId.CHANGED_NS_LIST, 4096, nsid=0xFFFFFFFF)
@@ -528,7 +554,7 @@ class Controller:
                             data_in: memoryview | None = None) -> HostCommand:
         """Send an admin command (built with :mod:`protocol.commands`) once the association is
         live; returns it (``dw0``/``dw1`` hold the result); raises :class:`NvmeError`."""
-        await self._wait_live()
+        await self.wait_live()
         return await self._admin(sqe, data_out, data_in)
 
     def _sweep_timeouts(self) -> None:
@@ -555,11 +581,11 @@ class Controller:
         return bytes(buf)
 
     async def identify_controller(self) -> Any:
-        await self._wait_live()
+        await self.wait_live()
         return IDENTIFY_CONTROLLER.parse(await self._identify(Cns.CONTROLLER, 0))
 
     async def identify_namespace(self, nsid: int) -> Any:
-        await self._wait_live()
+        await self.wait_live()
         return IDENTIFY_NAMESPACE.parse(await self._identify(Cns.NAMESPACE, nsid))
 
     async def get_log_page(self, lid: int, length: int, offset: int = 0, nsid: int = 0,
@@ -712,14 +738,16 @@ class Controller:
 
     @property
     def state(self) -> str:
-        """One of live, reconnecting or failed (gave up after ``ctrl_loss_tmo``)."""
+        """One of live, reconnecting (or still trying a first time, see :meth:`connect`) or
+        failed (gave up after ``ctrl_loss_tmo``)."""
         if self.failed is not None:
             return "failed"
         return "live" if self._live.is_set() else "reconnecting"
 
     # -- failures, keep-alive, reconnect ----------------------------------------------------------------
 
-    async def _wait_live(self) -> None:
+    async def wait_live(self) -> None:
+        """Return once the association is live; QueueLost once it gave up (or was closed)."""
         if self.failed is not None:
             raise QueueLost(f"connection to {self.params.subnqn} lost: {self.failed}")
         if not self._live.is_set():
@@ -749,19 +777,23 @@ class Controller:
                 self._park(cmd)
 
     async def _reconnect(self) -> None:
+        """Establish the association again (or, after a first attempt that failed, at all)."""
         p = self.params
         deadline = time.monotonic() + p.ctrl_loss_tmo
-        last: Exception | None = None
+        last: Exception | None = self.first_error
+        again = self.was_live
         try:
             while time.monotonic() < deadline and not self._closing:
                 await asyncio.sleep(p.reconnect_delay)
                 try:
                     await self._establish()
-                except (OSError, NvmeError, asyncio.TimeoutError, ConnectionError) as exc:
+                except RETRYABLE as exc:
                     last = exc
                     continue
-                self.reconnects += 1
-                log.info("reconnected", subnqn=p.subnqn, cntlid=self.cntlid,
+                if again:
+                    self.reconnects += 1
+                log.info("reconnected" if again else "connected after retrying", subnqn=p.subnqn,
+                         traddr=p.traddr, trsvcid=p.trsvcid, cntlid=self.cntlid,
                          retrying=len(self._parked_io) + len(self._parked_admin))
                 self._unpark()
                 return

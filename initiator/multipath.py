@@ -15,6 +15,12 @@ stays the one per-path primitive. As the Linux host's native multipath
   ``ctrl_loss_tmo`` from its first failure;
 - the ANA change event makes the host read that path's log again.
 
+A path that is down when the connection is made does not fail it while another connects: it
+keeps trying in the background (``Controller.connect(keep_trying=True)``: every
+``reconnect_delay``, within its own ``ctrl_loss_tmo``, "connecting" meanwhile) and joins when it
+comes up, checked as the first paths were (the same namespaces and NGUID/EUI-64) before its ANA
+log is read and it takes I/O. The connect fails only when no path connects.
+
 Paths are told to fail fast (``Controller.failfast``): a command on a path that is down comes
 back here at once rather than waiting for that path's reconnect.
 """
@@ -30,7 +36,7 @@ import construct
 import structlog
 
 from blockd.iostats import IoCounters
-from initiator.controller import Controller, IoDone, NamespaceInfo
+from initiator.controller import RETRYABLE, Controller, IoDone, NamespaceInfo
 from initiator.errors import ConnectError, NvmeError, QueueLost
 from protocol.constants import AEN_ANA_CHANGED, AEN_DW0_MASK, CMIC_ANA, AnaState, LogPageId
 from protocol.layout import field_offset
@@ -91,10 +97,16 @@ class MultipathController:
         self._waiting: collections.deque[_Attempt] = collections.deque()
         self._sweep: asyncio.TimerHandle | None = None
         self._refreshing: dict[Controller, asyncio.Task[None]] = {}
+        self._joining: dict[Controller, asyncio.Task[None]] = {}
+        """Paths not connected yet (or connected and being checked): no I/O, no ANA log read."""
+        self._refused: dict[Controller, str] = {}
+        """Paths that came up showing another data set (closed), with the reason."""
+        self._ids: dict[int, tuple[bytes, bytes]] = {}
+        """nsid -> (NGUID, EUI-64) the paths showed at connect time; a joining path must match."""
         self._loop = asyncio.get_running_loop()
         self._closed = False
         self.namespace_listeners: list[Callable[[], None]] = []
-        self.namespaces: dict[int, NamespaceInfo] = paths[0].namespaces
+        self.namespaces: dict[int, NamespaceInfo] = self._any_live().namespaces
         self.max_transfer = min(p.max_transfer for p in paths)
         for path in paths:
             path.failfast = True
@@ -103,25 +115,69 @@ class MultipathController:
 
     @classmethod
     async def connect(cls, params_list: list[Any]) -> MultipathController:
-        """Connect every path (each a :class:`ConnectParams`), check that they show the same
-        namespaces, then read their ANA logs; one path that cannot connect fails the whole
-        connect (the others are closed)."""
-        results = await asyncio.gather(*(Controller.connect(p) for p in params_list), return_exceptions=True)
+        """Connect every path (each a :class:`ConnectParams`), check that those up show the
+        same namespaces, then read their ANA logs. A path that cannot connect now keeps trying
+        and joins later (see the module docstring); when none connects the connect fails
+        with one line naming each path's error (and nothing is left running)."""
+        results = await asyncio.gather(*(Controller.connect(p, keep_trying=True) for p in params_list),
+                                       return_exceptions=True)
         paths = [r for r in results if isinstance(r, Controller)]
         errors = [r for r in results if not isinstance(r, Controller)]
-        if errors:
+        live = [p for p in paths if p.first_error is None]
+        if errors or not live:
             for path in paths:
                 await path.close()
-            raise errors[0]
+            if errors:
+                raise errors[0]
+            raise ConnectError(f"no path to {params_list[0].subnqn} connects: "
+                               + "; ".join(f"{_name(p)}: {p.first_error}" for p in paths))
         mp = cls(paths)
         try:
-            await _check_same_namespaces(paths)
-            for path in paths:
+            ids = [await _namespace_ids(path) for path in live]
+            for path, other in zip(live[1:], ids[1:]):
+                _same_namespaces(ids[0], _name(live[0]), path, other)
+            mp._ids = ids[0]
+            for i, path in enumerate(live):
+                _check_cntlid(mp.params.subnqn, path, live[:i])
                 await mp._read_ana(path)
         except BaseException:
             await mp.close()
             raise
+        for path in paths:
+            if path.first_error is not None:
+                log.warning("path down; it joins when it connects", subnqn=mp.params.subnqn, path=_name(path),
+                            error=str(path.first_error))
+                mp._joining[path] = mp._loop.create_task(mp._join(path))
         return mp
+
+    async def _join(self, path: Controller) -> None:
+        """Admit ``path``, down at connect time, once it is up: the same namespaces (NSIDs,
+        NGUID/EUI-64) as at connect time, else it is closed and shown refused; then its ANA log
+        is read and it takes I/O. A path that gives up (``ctrl_loss_tmo``) stays failed."""
+        while True:
+            try:
+                await path.wait_live()
+                _same_namespaces(self._ids, "the connection", path, await _namespace_ids(path))
+                break
+            except ConnectError as exc:
+                log.error("path refused", subnqn=self.params.subnqn, path=_name(path), error=str(exc))
+                self._refused[path] = str(exc)
+                del self._joining[path]
+                await path.close()
+                return
+            except RETRYABLE as exc:
+                if path.failed is not None:  # gave up after ctrl_loss_tmo (or closed)
+                    log.warning("path never connected", subnqn=self.params.subnqn, path=_name(path),
+                                error=str(exc))
+                    del self._joining[path]
+                    return
+                await asyncio.sleep(path.params.reconnect_delay)  # down again while being checked
+        del self._joining[path]
+        _check_cntlid(self.params.subnqn, path, [p for p in self.paths if p is not path and p.was_live
+                                                 and p not in self._joining and p not in self._refused])
+        self.max_transfer = min(self.max_transfer, path.max_transfer)
+        log.info("path joined", subnqn=self.params.subnqn, path=_name(path), cntlid=path.cntlid)
+        self._refresh(path)
 
     # -- ANA state ------------------------------------------------------------------------------
 
@@ -152,7 +208,7 @@ class MultipathController:
 
     def _refresh(self, path: Controller) -> None:
         """Read ``path``'s ANA log again, in the background (one read at a time per path)."""
-        if self._closed or path in self._refreshing:
+        if self._closed or path in self._refreshing or path in self._joining or path in self._refused:
             return
         self._refreshing[path] = self._loop.create_task(self._refresh_task(path))
 
@@ -179,8 +235,7 @@ class MultipathController:
     def _changed(self) -> None:
         """A path's state changed: choose routes again and send the commands that waited."""
         self._route.clear()
-        live = [p for p in self.paths if p.failed is None]
-        self.namespaces = (live or self.paths)[0].namespaces
+        self.namespaces = self._any_live().namespaces
         waiting, self._waiting = self._waiting, collections.deque()
         while waiting:
             self._dispatch(waiting.popleft())
@@ -308,12 +363,22 @@ class MultipathController:
 
     @property
     def state(self) -> str:
-        states = [p.state for p in self.paths]
-        return "live" if "live" in states else "reconnecting" if "reconnecting" in states else "failed"
+        states = [self._path_state(p) for p in self.paths]
+        return next((s for s in ("live", "reconnecting", "connecting") if s in states), "failed")
+
+    def _path_state(self, path: Controller) -> str:
+        """As ``path.state``, but "connecting" until a joining path is admitted, "refused" after
+        it showed another data set."""
+        return "refused" if path in self._refused else "connecting" if path in self._joining else path.state
 
     @property
     def cntlid(self) -> int:
-        return self.paths[0].cntlid
+        return self._any_live().cntlid
+
+    @property
+    def reconnects(self) -> int:
+        """The paths' re-established associations (the initiator's metrics)."""
+        return sum(p.reconnects for p in self.paths)
 
     @property
     def io(self) -> list[Any]:
@@ -335,7 +400,8 @@ class MultipathController:
 
     def describe_paths(self) -> list[dict[str, Any]]:
         return [{"transport": p.params.transport, "traddr": p.params.traddr, "trsvcid": p.params.trsvcid,
-                 "cntlid": p.cntlid, "state": p.state,
+                 "cntlid": p.cntlid, "state": self._path_state(p),
+                 **({"error": self._refused[p]} if p in self._refused else {}),
                  "ana": {str(n): s.name.lower() if s is not None else "pending"
                          for n, s in sorted(self._states[p].items())}}
                 for p in self.paths]
@@ -347,14 +413,18 @@ class MultipathController:
         return await self._any_live().identify_namespace(nsid)
 
     def _any_live(self) -> Controller:
-        return next((p for p in self.paths if p.state == "live"), self.paths[0])
+        """A live admitted path, else an admitted one (the first path up at connect time
+        while none is live): never a joining path, whose namespaces are not checked yet."""
+        admitted = [p for p in self.paths if p not in self._joining and p not in self._refused
+                    and p.was_live]
+        return next((p for p in admitted if p.state == "live"), admitted[0] if admitted else self.paths[0])
 
     async def close(self) -> None:
         self._closed = True
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
-        for task in list(self._refreshing.values()):
+        for task in [*self._refreshing.values(), *self._joining.values()]:
             task.cancel()
         for path in self.paths:
             await path.close()
@@ -363,23 +433,40 @@ class MultipathController:
             attempt.done(QueueLost("disconnected"))
 
 
-async def _check_same_namespaces(paths: list[Controller]) -> None:
-    """Refuse paths whose namespaces differ (NSIDs, or NGUID/EUI-64 of one NSID): two targets
-    with the same NQN but different data sets, which the Linux host refuses too ("IDs don't
-    match for shared namespace")."""
-    first = paths[0]
-    for path in paths[1:]:
-        if sorted(path.namespaces) != sorted(first.namespaces):
-            raise ConnectError(f"{_name(path)} shows namespaces {sorted(path.namespaces)}, "
-                               f"{_name(first)} {sorted(first.namespaces)}")
-    for nsid in first.namespaces:
-        ids = set()
-        for path in paths:
-            ident = await path.identify_namespace(nsid)
-            ids.add((ident.nguid, ident.eui64))
-        if len(ids) != 1:
+async def _namespace_ids(path: Controller) -> dict[int, tuple[bytes, bytes]]:
+    """nsid -> (NGUID, EUI-64) of every namespace ``path`` shows."""
+    ids = {}
+    for nsid in sorted(path.namespaces):
+        ident = await path.identify_namespace(nsid)
+        ids[nsid] = (bytes(ident.nguid), bytes(ident.eui64))
+    return ids
+
+
+def _same_namespaces(expected: dict[int, tuple[bytes, bytes]], where: str, path: Controller,
+                     ids: dict[int, tuple[bytes, bytes]]) -> None:
+    """Refuse (ConnectError) a path whose namespaces (``ids``) differ from ``expected``, what
+    ``where`` shows: other NSIDs, or another NGUID/EUI-64 for one NSID. Two targets with the
+    same NQN but different data sets, which the Linux host refuses too ("IDs don't match for
+    shared namespace")."""
+    if sorted(ids) != sorted(expected):
+        raise ConnectError(f"{_name(path)} shows namespaces {sorted(ids)}, {where} {sorted(expected)}")
+    for nsid, pair in expected.items():
+        if ids[nsid] != pair:
             raise ConnectError(f"namespace {nsid} has different NGUID/EUI-64 on the paths: not one "
                                "namespace (give both targets the same nguid, or let them derive it)")
+
+
+def _check_cntlid(subnqn: str, path: Controller, others: list[Controller]) -> None:
+    """Warn when ``path`` has the controller id of one of ``others`` (paths already in use): the
+    targets' cntlid ranges overlap. This host tells paths apart without it, but the Linux host
+    refuses a second controller of a subsystem with the same id ("Duplicate cntlid",
+    nvme_validate_cntlid), so the same set-up would lose a path there."""
+    for other in others:
+        if other.cntlid == path.cntlid:
+            log.warning("two paths have the same controller id: give the targets disjoint "
+                        "cntlid_min..cntlid_max (the Linux host refuses the second path)",
+                        subnqn=subnqn, cntlid=path.cntlid, paths=[_name(other), _name(path)])
+            return
 
 
 def _name(path: Controller) -> str:

@@ -63,6 +63,11 @@ class AnaStates:
         self.chgcnt += 1
         return True
 
+    def namespace_moved(self) -> None:
+        """A namespace changed group: the log page changed, so its change count goes up (as
+        nvmet's ``ana_grpid`` store bumps ``nvmet_ana_chgcnt``)."""
+        self.chgcnt += 1
+
     def log_page(self, port_id: int, namespaces: Iterable[tuple[int, int]], groups_only: bool) -> bytes:
         """The ANA log page seen through ``port_id``, for a subsystem whose namespaces are
         (nsid, group) pairs: a descriptor per known group, in group order, each listing its

@@ -37,10 +37,15 @@ def _port_info(p: PortConfig) -> PortInfo:
     return PortInfo(p.port_id, p.transport, p.address, str(p.port))
 
 
-def _resized_only(before: NamespaceConfig, after: NamespaceConfig | None) -> bool:
-    """``after`` is ``before`` but for its size, or both leave the size to the file."""
-    return after is not None and (
-        dataclasses.replace(before, size=after.size) == after and (before.size != after.size or after.size is None))
+def _kept(before: NamespaceConfig, after: NamespaceConfig | None) -> bool:
+    """``after`` is ``before`` but for what changes while the namespace stays attached: its size
+    (resized in place) and its ANA group (moved in place). Any other change re-opens it."""
+    return after is not None and dataclasses.replace(before, size=after.size, ana_group=after.ana_group) == after
+
+
+def _resized(before: NamespaceConfig, after: NamespaceConfig) -> bool:
+    """A kept namespace whose size may change: another size, or both leave it to the file."""
+    return before.size != after.size or after.size is None
 
 
 ReplicaOpener = Callable[..., Awaitable[ReplicaIO]]
@@ -147,9 +152,11 @@ class TargetService:
     async def reload(self, new: TargetConfig) -> None:
         """Apply ``new``: only what changed is touched. A namespace whose size alone changed
         (or whose file grew, when the configuration gives no size) is resized in place, its
-        hosts told by an event; a refused resize refuses the whole reload before any change."""
+        hosts told by an event; one whose ``ana_group`` changed moves to that group in place
+        (:meth:`Target.move_namespace`). A refused resize, promotion or move refuses the whole
+        reload before any change."""
         old = self.config
-        for sub, nc in self._resizes(old, new):
+        for sub, _, nc in self._kept(old, new, _resized):
             try:
                 self.target.check_resize(sub, nc.nsid, nc.size)
             except ValueError as exc:
@@ -159,6 +166,10 @@ class TargetService:
             why = self.promotion_blocker(port_id, group, state)
             if why:
                 raise RuntimeError(f"ANA group {group} on port {port_id} not made {state.name.lower()}: {why}")
+        for sub, was, nc in self._kept(old, new, _moved):
+            why = self._move_blocker(sub.namespaces[nc.nsid], was.ana_group, nc.ana_group, ana_changes)
+            if why:
+                raise RuntimeError(f"{sub.nqn} namespace {nc.nsid} not moved to ANA group {nc.ana_group}: {why}")
         old_ports = {p.port_id: p for p in old.ports}
         new_ports = {p.port_id: p for p in new.ports}
         for pid, pc in old_ports.items():
@@ -177,6 +188,8 @@ class TargetService:
             elif before != sc:
                 await self._update_subsystem(before, sc)
         self._apply_resizes(old, new)
+        for sub, _, nc in self._kept(old, new, _moved):  # no await from here to the ANA states:
+            self.target.move_namespace(sub, nc.nsid, nc.ana_group)  # hosts see one change
         for (port_id, group), state in ana_changes.items():
             self.target.set_ana_state([port_id], group, state)
         for pid, pc in new_ports.items():
@@ -187,9 +200,11 @@ class TargetService:
         self.config = new
         log.info("configuration reloaded", status=self.describe())
 
-    def _resizes(self, old: TargetConfig, new: TargetConfig) -> Iterator[tuple[Subsystem, NamespaceConfig]]:
-        """Namespaces that stay and may change size: only ``size`` differs, or it is not
-        configured (the file's own size, which may have grown)."""
+    def _kept(self, old: TargetConfig, new: TargetConfig,
+              which: Callable[[NamespaceConfig, NamespaceConfig], bool],
+              ) -> Iterator[tuple[Subsystem, NamespaceConfig, NamespaceConfig]]:
+        """(subsystem, old, new) of the namespaces that stay attached (:func:`_kept`) and for
+        which ``which(old, new)`` holds."""
         old_subs = {s.nqn: s for s in old.subsystems}
         for sc in new.subsystems:
             before = old_subs.get(sc.nqn)
@@ -198,8 +213,8 @@ class TargetService:
             old_ns = {n.nsid: n for n in before.namespaces}
             for nc in sc.namespaces:
                 was = old_ns.get(nc.nsid)
-                if was is not None and _resized_only(was, nc):
-                    yield self.target.subsystems[sc.nqn], nc
+                if was is not None and _kept(was, nc) and which(was, nc):
+                    yield self.target.subsystems[sc.nqn], was, nc
 
     async def _update_subsystem(self, before: SubsystemConfig, after: SubsystemConfig) -> None:
         sub = self.target.subsystems[after.nqn]
@@ -212,16 +227,16 @@ class TargetService:
         old_ns = {n.nsid: n for n in before.namespaces}
         new_ns = {n.nsid: n for n in after.namespaces}
         for nsid, nc in old_ns.items():
-            if new_ns.get(nsid) != nc and not _resized_only(nc, new_ns.get(nsid)):
+            if not _kept(nc, new_ns.get(nsid)):
                 self.target.remove_namespace(sub, nsid)
                 log.info("namespace removed", nqn=sub.nqn, nsid=nsid)
         for nsid, nc in new_ns.items():
-            if old_ns.get(nsid) is None or old_ns[nsid] != nc and not _resized_only(old_ns[nsid], nc):
+            if old_ns.get(nsid) is None or not _kept(old_ns[nsid], nc):
                 self.target.add_namespace(sub, await _open_namespace(sub, nc, self.open_replica))
                 log.info("namespace added", nqn=sub.nqn, nsid=nsid, path=nc.path)
 
     def _apply_resizes(self, old: TargetConfig, new: TargetConfig) -> None:
-        for sub, nc in self._resizes(old, new):
+        for sub, _, nc in self._kept(old, new, _resized):
             try:
                 self.target.resize_namespace(sub, nc.nsid, nc.size)
             except (ValueError, OSError) as exc:  # the file changed under us: keep the rest
@@ -251,11 +266,21 @@ class TargetService:
         if state not in _ACCESSIBLE or self.target.ana.state(port_id, group) in _ACCESSIBLE:
             return None
         for ns in self._group_namespaces(group):
-            check = getattr(ns.backend, "promotion_blocker", None)
-            why = check() if check is not None else None
+            why = _namespace_blocker(ns)
             if why:
                 return f"{ns.subsystem_nqn} namespace {ns.nsid}: {why}"
         return None
+
+    def _move_blocker(self, ns: Namespace, before: int, after: int,
+                      ana_changes: dict[tuple[int, int], AnaState]) -> str | None:
+        """Why ``ns`` may not move from group ``before`` to ``after`` in this reload, or None:
+        the move promotes it on every port where the old group was not accessible and the new
+        one is (after the reload's ANA changes), so the same rule as for a promotion applies."""
+        ana = self.target.ana
+        promoted = [p for p in self.target.ports if ana.state(p, before) not in _ACCESSIBLE
+                    and ana_changes.get((p, after), ana.state(p, after)) in _ACCESSIBLE]
+        why = _namespace_blocker(ns) if promoted else None
+        return f"it would become accessible on port {promoted[0]}, but {why}" if why else None
 
     def _group_namespaces(self, group: int) -> list[Namespace]:
         return [ns for sub in self.target.subsystems.values() for ns in sub.namespaces.values()
@@ -327,6 +352,17 @@ class TargetService:
 
 
 _ACCESSIBLE = (AnaState.OPTIMIZED, AnaState.NON_OPTIMIZED)
+
+
+def _moved(before: NamespaceConfig, after: NamespaceConfig) -> bool:
+    return before.ana_group != after.ana_group
+
+
+def _namespace_blocker(ns: Namespace) -> str | None:
+    """The backend's reason this copy may not serve I/O yet (``promotion_blocker()``, the
+    replication layer's), or None; a backend without one may always be promoted."""
+    check = getattr(ns.backend, "promotion_blocker", None)
+    return check() if check is not None else None
 _STATE_NAMES = {state: name for name, state in ANA_STATE_NAMES.items()}
 
 

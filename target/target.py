@@ -202,6 +202,25 @@ class Target:
                 ctrl.notify_ana_change()
         return bool(changed)
 
+    def move_namespace(self, sub: Subsystem, nsid: int, group: int) -> None:
+        """Put namespace ``nsid`` in ANA group ``group`` while it stays attached (hosts keep it:
+        removing and adding it back would make a host drop the device). As nvmet does when its
+        ``ana_grpid`` is written (``nvmet_ns_ana_grpid_store``): the ANA change count goes up and
+        every controller of the subsystem, on every port, gets the ANA change event; no
+        Namespace Attribute Changed is sent, since the Linux host takes a namespace's group
+        from the ANA log descriptor that lists it (``nvme_update_ns_ana_state`` sets
+        ``ns->ana_grpid``). Identify Namespace, the log page and I/O statuses follow at once."""
+        ns = sub.namespaces[nsid]
+        if ns.ana_group == group:
+            return
+        log.info("namespace moved to another ANA group", nqn=sub.nqn, nsid=nsid, old=ns.ana_group, new=group)
+        ns.ana_group = group
+        self.ana.namespace_moved()
+        for ctrl in self.controllers.values():
+            if ctrl.subsystem is sub:
+                ctrl.refresh_access()
+                ctrl.notify_ana_change()
+
     def _discovery_changed(self) -> None:
         self.genctr += 1
         for ctrl in self.controllers.values():

@@ -56,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--name", help="connection name (default: the NQN)")
     c.add_argument("--path", action="append", metavar="ADDR[:PORT]",
                    help="one path of a multipath connection (ANA failover); repeat for each target or "
-                        "port presenting the subsystem (the port defaults to -s); instead of -a")
+                        "port presenting the subsystem (the port defaults to -s); instead of -a. A path "
+                        "down now joins when it comes up; the connect fails only if none connects")
 
     x = sub.add_parser("disconnect", help="disconnect a connection")
     x.add_argument("name", help="connection name or NQN")

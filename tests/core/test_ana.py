@@ -13,13 +13,14 @@ from blockd.config import ConfigError
 from blockd.control_socket import RequestError
 from initiator.controller import Controller
 from initiator.errors import NvmeError
-from protocol.constants import AEN_ANA_CHANGED, AEN_DW0_MASK, AnaState, LogPageId
+from protocol.commands import set_features_command
+from protocol.constants import AEN_ANA_CHANGED, AEN_DW0_MASK, OAES_NS_ATTR, AnaState, FeatureId, LogPageId
 from protocol.logpage import ANA_LOG
 from protocol.status import Status
 from target.config import parse
 from target.service import TargetService
 
-from .conftest import NQN, connect, free_port, ns, run, serving, sub
+from .conftest import NQN, connect, fill_file, free_port, ns, run, serving, sub, until
 
 SIZE = 1 << 20
 
@@ -97,6 +98,13 @@ def test_ana_log_page_and_odd_requests(tmp_path: Path) -> None:
                 with pytest.raises(NvmeError) as err:  # not dword aligned
                     await ctrl.get_log_page(LogPageId.ANA, 8, offset=2)
                 assert code(err.value) == Status.INVALID_FIELD & 0x7FF
+                assert await ctrl.get_log_page(LogPageId.ANA, 4) == page[:4]  # a part of the header
+                # the end is that of the page asked for: Return Groups Only's is 8 bytes sooner
+                rgo_size = 16 + 2 * 32
+                assert await ctrl.get_log_page(LogPageId.ANA, 4, offset=rgo_size, lsp=1) == bytes(4)
+                with pytest.raises(NvmeError) as err:
+                    await ctrl.get_log_page(LogPageId.ANA, 4, offset=rgo_size + 4, lsp=1)
+                assert code(err.value) == Status.INVALID_FIELD & 0x7FF
             finally:
                 await ctrl.close()
     run(main())
@@ -144,6 +152,33 @@ def test_io_status_follows_group_state_and_event(tmp_path: Path) -> None:
     run(main())
 
 
+def test_a_standby_refuses_every_write_on_an_inaccessible_path(tmp_path: Path) -> None:
+    """Hostile: a host that writes through the standby's inaccessible path anyway, with every
+    command that changes data (in-capsule and R2T writes, FUA, Write Zeroes, deallocate), gets
+    0x302 for each, and the file is untouched; a Flush of the namespace is refused too."""
+    port = free_port()
+    image = tmp_path / "a.img"
+    data = fill_file(image, SIZE)
+    cfg = ana_config([port], [sub(namespaces=[ns(image, 1, SIZE)])], ana=[{"state": "inaccessible"}])
+
+    async def main() -> None:
+        async with serving(cfg):
+            ctrl = await connect(port)
+            try:
+                attempts = [ctrl.write(1, 0, b"w" * 512), ctrl.write(1, 8, b"R" * (256 << 10)),
+                            ctrl.write(1, 1, b"f" * 512, fua=True), ctrl.write_zeroes(1, 0, 64),
+                            ctrl.write_zeroes(1, 64, 64, deallocate=True), ctrl.deallocate(1, [(0, 128)]),
+                            ctrl.flush(1)]
+                for attempt in attempts:
+                    with pytest.raises(NvmeError) as err:
+                        await attempt
+                    assert code(err.value) == Status.ANA_INACCESSIBLE
+            finally:
+                await ctrl.close()
+        assert image.read_bytes() == data
+    run(main())
+
+
 def test_event_masked_until_log_read(tmp_path: Path) -> None:
     """As nvmet: a second change before the host read the log sends no second event."""
     port = free_port()
@@ -162,6 +197,33 @@ def test_event_masked_until_log_read(tmp_path: Path) -> None:
                 await ctrl.get_log_page(LogPageId.ANA, 4096)
                 await service.op_ana_set("optimized")
                 await asyncio.wait_for(events.get(), 5)
+            finally:
+                await ctrl.close()
+    run(main())
+
+
+def test_no_event_for_a_host_that_did_not_enable_it(tmp_path: Path) -> None:
+    """Asynchronous Event Configuration bit 11 off: an ANA change (and a group move) sends that
+    host no event, while a namespace change still reaches its outstanding AER."""
+    port = free_port()
+    cfg = ana_config([port], [sub(namespaces=[ns(tmp_path / "a.img", 1, SIZE)])])
+
+    async def main() -> None:
+        async with serving(cfg) as service:
+            ctrl = await connect(port)
+            events = _events(ctrl)
+            rescans: list[bool] = []
+            ctrl.namespace_listeners.append(lambda: rescans.append(True))
+            try:
+                await ctrl.admin_command(set_features_command(FeatureId.ASYNC_EVENT_CONFIG, OAES_NS_ATTR))
+                await service.op_ana_set("non-optimized")
+                sub_ = service.target.subsystems[NQN]
+                service.target.move_namespace(sub_, 1, 2)
+                await asyncio.sleep(0.3)
+                assert events.empty()
+                service.target.resize_namespace(sub_, 1, 2 * SIZE)
+                await until(lambda: bool(rescans))
+                assert events.empty()
             finally:
                 await ctrl.close()
     run(main())
@@ -207,6 +269,13 @@ def test_reload_applies_changed_ana_entries(tmp_path: Path) -> None:
             try:
                 await service.reload(ana_config([port], subs, ana=[]))  # entry gone: optimized again
                 assert service.target.ana.state(1, 1) == AnaState.OPTIMIZED
+                await asyncio.wait_for(events.get(), 5)
+                await ctrl.get_log_page(LogPageId.ANA, 4096)
+                await service.reload(ana_config([port], subs, ana=[{"state": "non-optimized"}]))  # a new entry
+                assert (await asyncio.wait_for(events.get(), 5)) & AEN_DW0_MASK == AEN_ANA_CHANGED
+                assert ANA_LOG.parse(await ctrl.get_log_page(LogPageId.ANA, 4096)).groups[0].state == \
+                    AnaState.NON_OPTIMIZED
+                await service.reload(ana_config([port], subs, ana=[]))
                 await asyncio.wait_for(events.get(), 5)
                 await ctrl.get_log_page(LogPageId.ANA, 4096)
                 await service.op_ana_set("non-optimized")  # a run-time change...
@@ -297,4 +366,81 @@ def test_ana_entry_for_one_port_overrides_every_port(tmp_path: Path) -> None:
                 (1, "inaccessible", [f"{NQN}/1"]), (2, "optimized", [f"{NQN}/1"])]
         finally:
             await service.stop()
+    run(main())
+
+
+def test_reload_moves_a_namespace_to_another_group_in_place(tmp_path: Path) -> None:
+    """A reload that changes ``ana_group`` keeps the namespace attached (the same backend, no
+    Namespace Attribute Changed, the host's namespace list untouched): the host gets the ANA
+    change event, finds the namespace in its new group in the log and in Identify Namespace,
+    and I/O goes on through the move; into an inaccessible group it gets 0x302, and back the
+    data written before is there. A move that would make a lagging copy accessible is refused
+    like a promotion."""
+    port = free_port()
+    ana = [{"group": 2, "state": "inaccessible"}]
+
+    def cfg(group: int) -> Any:
+        return ana_config([port], [sub(namespaces=[{**ns(tmp_path / "a.img", 1, SIZE), "ana_group": group}])], ana=ana)
+
+    async def main() -> None:
+        async with serving(cfg(1)) as service:
+            ctrl = await connect(port)
+            events = _events(ctrl)
+            rescans: list[bool] = []
+            ctrl.namespace_listeners.append(lambda: rescans.append(True))
+            backend = service.target.subsystems[NQN].namespaces[1].backend
+            stop = asyncio.Event()
+            written: list[int] = []
+
+            async def load() -> None:  # a write and its read-back, until told to stop
+                n = 0
+                while not stop.is_set():
+                    data = n.to_bytes(4, "little") * 128
+                    await ctrl.write(1, 8 + n % 64, data)
+                    assert await ctrl.read(1, 8 + n % 64, 1) == data
+                    written.append(n)
+                    n += 1
+
+            try:
+                chgcnt = service.target.ana.chgcnt
+                await ctrl.write(1, 0, b"before" * 85 + b"xx")
+                writer = asyncio.create_task(load())
+                await asyncio.sleep(0.1)
+                await service.reload(cfg(3))  # group 3: optimized, as every group not set
+                assert (await asyncio.wait_for(events.get(), 5)) & AEN_DW0_MASK == AEN_ANA_CHANGED
+                seen = len(written)
+                await asyncio.sleep(0.2)
+                stop.set()
+                await writer  # no I/O error across the move
+                assert len(written) > seen
+                parsed = ANA_LOG.parse(await ctrl.get_log_page(LogPageId.ANA, 4096))
+                assert {g.grpid: list(g.nsids) for g in parsed.groups} == {1: [], 2: [], 3: [1]}
+                assert parsed.header.chgcnt == chgcnt + 1
+                assert (await ctrl.identify_namespace(1)).anagrpid == 3
+
+                await service.reload(cfg(2))  # into the inaccessible group
+                assert (await asyncio.wait_for(events.get(), 5)) & AEN_DW0_MASK == AEN_ANA_CHANGED
+                with pytest.raises(NvmeError) as err:
+                    await ctrl.read(1, 0, 1)
+                assert code(err.value) == Status.ANA_INACCESSIBLE
+                ident = await ctrl.identify_namespace(1)
+                assert (ident.anagrpid, ident.nuse) == (2, 0)
+                parsed = ANA_LOG.parse(await ctrl.get_log_page(LogPageId.ANA, 4096))
+                assert [(g.grpid, g.state, list(g.nsids)) for g in parsed.groups if g.nsids] == [
+                    (2, AnaState.INACCESSIBLE, [1])]
+
+                backend.promotion_blocker = lambda: "copy is 3 regions behind"
+                with pytest.raises(RuntimeError, match="not moved to ANA group 1: .*3 regions behind"):
+                    await service.reload(cfg(1))
+                assert service.target.subsystems[NQN].namespaces[1].ana_group == 2
+                del backend.promotion_blocker
+                await service.reload(cfg(1))
+                await asyncio.wait_for(events.get(), 5)
+                assert await ctrl.read(1, 0, 1) == b"before" * 85 + b"xx"
+                await ctrl.write(1, 1, b"after!" * 85 + b"yy")
+                assert await ctrl.read(1, 1, 1) == b"after!" * 85 + b"yy"
+                assert service.target.subsystems[NQN].namespaces[1].backend is backend
+                assert not rescans and sorted(ctrl.namespaces) == [1]
+            finally:
+                await ctrl.close()
     run(main())

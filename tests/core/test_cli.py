@@ -193,12 +193,12 @@ def test_blockctl_user_mistakes(env: Env, tmp_path: Path) -> None:
     one_line_error(env.ctl("connect", *base, "-s", str(dead), "-n", NQN), "cannot reach")
     one_line_error(env.ctl("discover", *base, "-s", str(dead)))
     one_line_error(env.ctl("connect", *base, "-s", str(env.port), "-n", NQN2), "not allowed")
-    # multipath: -a or --path, not neither nor both; a bad or unreachable path fails the connect
+    # multipath: -a or --path, not neither nor both; a bad path, or no path reachable, fails the connect
     one_line_error(env.ctl("connect", "-q", HOSTNQN, "-n", NQN), "-a, or every path with --path")
     one_line_error(env.ctl("connect", *base, "-n", NQN, "--path", f"127.0.0.1:{env.port}"), "--path")
     one_line_error(env.ctl("connect", "-q", HOSTNQN, "-n", NQN, "--path", "127.0.0.1:0"), "not 1..65535")
-    one_line_error(env.ctl("connect", "-q", HOSTNQN, "-n", NQN, "--path", f"127.0.0.1:{env.port}",
-                           "--path", f"127.0.0.1:{dead}"), "cannot reach")
+    one_line_error(env.ctl("connect", "-q", HOSTNQN, "-n", NQN, "--path", f"127.0.0.1:{dead}"),
+                   f"no path to {NQN} connects: 127.0.0.1:{dead}: cannot reach")
     one_line_error(env.ctl("--socket", str(tmp_path / "nothing.sock"), "list"), "not running")
     one_line_error(env.ctl("list", sock=tmp_path / "nothing.sock"), "not running")
     one_line_error(env.ctl("read", "nosuch", "--length", "512"), "no connection")

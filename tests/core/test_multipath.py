@@ -5,20 +5,24 @@ ctrl_loss_tmo (issue 14)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
+from initiator.controller import Controller
 from initiator.errors import ConnectError, NvmeError, QueueLost
+from initiator import multipath
 from initiator.multipath import MultipathController, parse_path
 from protocol.logpage import ANA_HEADER, ANA_LOG
 from protocol.status import Status
 from target.config import parse
 from target.service import TargetService
 
-from .conftest import NQN, free_port, ns, params, run, sub
+from .conftest import NQN, free_port, ns, params, run, sub, until
 
 SIZE = 4 << 20
 BS = 512
@@ -254,6 +258,200 @@ def test_paths_to_different_namespaces_refused(tmp_path: Path) -> None:
         finally:
             await a.stop()
             await b.stop()
+    run(main())
+
+
+def _path_states(mp: MultipathController) -> list[tuple[str, dict[str, str]]]:
+    return [(p["state"], p["ana"]) for p in mp.describe_paths()]
+
+
+@pytest.mark.parametrize("b_first", [False, True])
+def test_a_path_down_at_connect_joins_when_it_comes_up(tmp_path: Path, b_first: bool) -> None:
+    """B is down at connect time: the connection is made on A, B shows "connecting" and takes
+    no I/O; I/O goes on while B comes up and joins (its ANA log read); then A dies and B,
+    promoted, carries the writes. Listed first or second, the path down is not the one the
+    connection takes its namespaces and controller id from."""
+    pair = Pair(tmp_path)
+    if b_first:
+        pair.ports = pair.ports[::-1]
+    a, b = (1, 0) if b_first else (0, 1)
+
+    async def main() -> None:
+        await pair.a.start()
+        mp = await pair.connect()
+        stop = asyncio.Event()
+        acked: dict[int, bytes] = {}
+        count = [0]
+
+        async def writer() -> None:
+            while not stop.is_set():
+                data = os.urandom(BS)
+                lba = count[0] % 512
+                await mp.write(1, lba, data)
+                acked[lba] = data
+                count[0] += 1
+
+        try:
+            assert _path_states(mp)[a] == ("live", {"1": "optimized"})
+            assert _path_states(mp)[b] == ("connecting", {})
+            assert mp.state == "live" and mp.cntlid == mp.paths[a].cntlid < 100
+            assert sorted(mp.namespaces) == [1]
+            task = asyncio.create_task(writer())
+            await asyncio.sleep(0.3)
+            await pair.b.start()
+            await until(lambda: _path_states(mp)[b] == ("live", {"1": "inaccessible"}))
+            assert mp.paths[b].reconnects == mp.reconnects == 0  # a first connect, not a reconnect
+            before = count[0]
+            await asyncio.sleep(0.2)
+            assert count[0] > before and not task.done()  # the load never stopped
+            await pair.a.stop()
+            await pair.b.op_ana_set("optimized")
+            await until(lambda: pair.writes(pair.b) > 20)
+            stop.set()
+            await task  # raises if a write failed
+            for lba, data in acked.items():
+                assert await mp.read(1, lba, 1) == data
+        finally:
+            stop.set()
+            await mp.close()
+            await pair.stop()
+    run(main())
+
+
+def test_a_late_path_to_another_data_set_is_refused(tmp_path: Path) -> None:
+    """The path that comes up later shows another NGUID: it is closed, shown refused with the
+    reason, and never used; the connection goes on on A."""
+    pair = Pair(tmp_path)
+    other = parse({"port": [{"transport": "tcp", "address": "127.0.0.1", "port": pair.ports[1]}],
+                   "subsystem": [sub(cntlid_min=100, namespaces=[
+                       {**ns(tmp_path / "b.img", 1, SIZE), "nguid": "11" * 16}])],
+                   "control": {"socket": ""}}, "test")
+    pair.b = TargetService(other)
+
+    async def main() -> None:
+        await pair.a.start()
+        mp = await pair.connect()
+        try:
+            await pair.b.start()
+            await until(lambda: mp.describe_paths()[1]["state"] == "refused")
+            assert "different NGUID" in mp.describe_paths()[1]["error"]
+            await mp.write(1, 0, b"r" * BS)
+            assert (pair.writes(pair.a), pair.writes(pair.b)) == (1, 0)
+            await until(lambda: not pair.b.target.controllers)  # closed on the target too
+        finally:
+            await mp.close()
+            await pair.stop()
+    run(main())
+
+
+def test_a_path_that_never_connects_gives_up_after_its_ctrl_loss_tmo(tmp_path: Path) -> None:
+    """B, listed first, never comes up: "connecting", then "failed" after its ctrl_loss_tmo;
+    the connection stays live on A and keeps A's namespaces, also while A is down."""
+    pair = Pair(tmp_path)
+    pair.ports = pair.ports[::-1]
+
+    async def main() -> None:
+        await pair.a.start()
+        mp = await pair.connect(ctrl_loss_tmo=0.6)
+        try:
+            assert mp.describe_paths()[0]["state"] == "connecting"
+            await until(lambda: mp.describe_paths()[0]["state"] == "failed")
+            assert mp.state == "live" and mp.failed is None
+            await mp.write(1, 0, b"f" * BS)
+            assert await mp.read(1, 0, 1) == b"f" * BS
+            await pair.a.stop()
+            with pytest.raises((QueueLost, ConnectionError)):  # no path left within ctrl_loss_tmo
+                await mp.write(1, 0, b"g" * BS)
+            await until(lambda: not mp._refreshing)  # A's state read again (and failed)
+            assert sorted(mp.namespaces) == [1]  # still what A showed, not B's nothing
+        finally:
+            await mp.close()
+            await pair.stop()
+    run(main())
+
+
+def test_a_joining_path_takes_no_io_before_its_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write waits for a usable path (A down); B, another data set and optimized, comes up
+    and its check takes a while: the waiting write must not go to B meanwhile (neither the
+    waiting-commands sweep nor B's events may read its ANA log before it is admitted)."""
+    pair = Pair(tmp_path)
+    pair.b = TargetService(parse({"port": [{"transport": "tcp", "address": "127.0.0.1", "port": pair.ports[1]}],
+                                  "subsystem": [sub(cntlid_min=100, namespaces=[
+                                      {**ns(tmp_path / "b.img", 1, SIZE), "nguid": "22" * 16}])],
+                                  "control": {"socket": ""}}, "test"))
+    real = multipath._namespace_ids
+
+    async def slow_ids(path: Controller) -> Any:
+        if path is mp.paths[1]:
+            await asyncio.sleep(1.0)
+        return await real(path)
+
+    async def main() -> None:
+        nonlocal mp
+        await pair.a.start()
+        mp = await pair.connect(ctrl_loss_tmo=2.0)
+        monkeypatch.setattr(multipath, "_namespace_ids", slow_ids)
+        try:
+            await pair.a.stop()
+            write = asyncio.create_task(mp.write(1, 0, b"w" * BS))
+            await asyncio.sleep(0.3)
+            await pair.b.start()
+            await until(lambda: mp.describe_paths()[1]["state"] == "refused")
+            with pytest.raises((QueueLost, ConnectionError)):
+                await write
+            assert pair.writes(pair.b) == 0
+        finally:
+            await mp.close()
+            await pair.stop()
+    mp: Any = None
+    run(main())
+
+
+def test_connect_fails_when_no_path_connects(tmp_path: Path) -> None:
+    """Every path down: one ConnectError naming each path and its error; nothing is left
+    running (no controller stays referenced by a timer or task)."""
+    pair = Pair(tmp_path)
+
+    async def main() -> None:
+        before = asyncio.all_tasks()
+        with pytest.raises(ConnectError) as err:
+            await pair.connect()
+        message = str(err.value)
+        del err  # its traceback holds the connect's frames
+        assert message.startswith(f"no path to {NQN} connects: 127.0.0.1:{pair.ports[0]}: ")
+        assert f"; 127.0.0.1:{pair.ports[1]}: " in message and "\n" not in message
+        await asyncio.sleep(0.05)  # the cancelled reconnect tasks end
+        assert asyncio.all_tasks() == before
+        with pytest.raises(OSError):  # a single path too leaves nothing behind
+            await Controller.connect(params(pair.ports[0]))
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, Controller)]
+    run(main())
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_overlapping_cntlid_ranges_are_warned_about(tmp_path: Path, late: bool) -> None:
+    """Both targets give controller id 1 (the same cntlid range): the connection works, with a
+    warning naming both paths, whether the second path is there at connect time or joins."""
+    pair = Pair(tmp_path)
+    pair.b = TargetService(target_config(pair.ports[1], pair.file, "inaccessible", (1, 99)))
+
+    async def main() -> None:
+        await pair.a.start()
+        if not late:
+            await pair.b.start()
+        with structlog.testing.capture_logs() as logs:
+            mp = await pair.connect()
+            try:
+                if late:
+                    await pair.b.start()
+                    await until(lambda: _path_states(mp)[1] == ("live", {"1": "inaccessible"}))
+                await mp.write(1, 0, b"c" * BS)
+            finally:
+                await mp.close()
+                await pair.stop()
+        warned = [e for e in logs if e["event"].startswith("two paths have the same controller id")]
+        assert [(e["cntlid"], e["paths"]) for e in warned] == [(1, [f"127.0.0.1:{p}" for p in pair.ports])]
     run(main())
 
 

@@ -3,7 +3,9 @@ the same file as one subsystem and namespace (same NQN, so the same derived NGUI
 controller id ranges), A optimized and B inaccessible. The initiator daemon connects to both
 (``blockctl connect --path A --path B``) and mounts the volume; threads write random 4 KiB
 blocks with O_DIRECT and log each write once it returned. A is killed with SIGKILL, B promoted
-with ``blockctl target ana promote``: no write fails, and every logged write reads back."""
+with ``blockctl target ana promote``: no write fails, and every logged write reads back. A path
+whose target is down at connect time joins when that target starts; with every target down the
+connect fails with one line."""
 
 from __future__ import annotations
 
@@ -104,34 +106,49 @@ def _read_back(path: Path, acked: dict[int, bytes]) -> list[int]:
         os.close(fd)
 
 
-def test_kill_primary_promote_standby_no_error(tmp_path: Path) -> None:
-    s = Stack(tmp_path, size=SIZE, ctrl_loss_tmo=30)
-    backing = tmp_path / "vol.img"
-    port_b = free_port()
-    cfg_b = _config(tmp_path, "b", port_b, backing, "inaccessible", (100, 199))
-    _config(tmp_path, "target", s.port, backing, "optimized", (1, 99))  # Stack.start_target's file
-    b: subprocess.Popen | None = None
-    try:
-        s.start_target()
-        with open(tmp_path / "b.log", "ab") as log:
-            b = subprocess.Popen([tool("blockd"), "target", "--config", str(cfg_b)], stdout=log, stderr=log, cwd=REPO)
-        wait_tcp(port_b, b)
-        s.start_initiator()
-        s.blockctl("connect", "-n", NQN, "--name", "vol", "-l", "30", "-i", "2",
-                   "--path", f"127.0.0.1:{s.port}", "--path", f"127.0.0.1:{port_b}")
-        listing = s.blockctl("list").stdout
-        assert f"path tcp://127.0.0.1:{s.port} cntlid 1 live: nsid 1 optimized" in listing, listing
-        assert f"path tcp://127.0.0.1:{port_b} cntlid 100 live: nsid 1 inaccessible" in listing, listing
-        s.mount()
+class _Pair:
+    """Target A (``Stack``'s own, optimized, cntlids 1-99) and target B (inaccessible, cntlids
+    100-199) on one file; B is started by :meth:`start_b`."""
 
-        writer = _Writer(s.file)
+    def __init__(self, tmp_path: Path) -> None:
+        self.dir = tmp_path
+        self.s = Stack(tmp_path, size=SIZE, ctrl_loss_tmo=30)
+        self.backing = tmp_path / "vol.img"
+        self.port_b = free_port()
+        self.cfg_b = _config(tmp_path, "b", self.port_b, self.backing, "inaccessible", (100, 199))
+        _config(tmp_path, "target", self.s.port, self.backing, "optimized", (1, 99))  # Stack.start_target's file
+        self.b: subprocess.Popen | None = None
+
+    def start_b(self) -> None:
+        with open(self.dir / "b.log", "ab") as log:
+            self.b = subprocess.Popen([tool("blockd"), "target", "--config", str(self.cfg_b)],
+                                      stdout=log, stderr=log, cwd=REPO)
+        wait_tcp(self.port_b, self.b)
+
+    def connect(self) -> None:
+        self.s.blockctl("connect", "-n", NQN, "--name", "vol", "-l", "30", "-i", "2",
+                        "--path", f"127.0.0.1:{self.s.port}", "--path", f"127.0.0.1:{self.port_b}")
+
+    def path_b(self, shown: str) -> str:
+        return f"path tcp://127.0.0.1:{self.port_b} {shown}"
+
+    def wait_listed(self, line: str, timeout: float = 20) -> str:
+        deadline = time.monotonic() + timeout
+        while line not in (listing := self.s.blockctl("list").stdout) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert line in listing, listing
+        return listing
+
+    def fail_over(self, writer: _Writer) -> None:
+        """Kill A under ``writer``'s load, promote B; the writes go on without an error and
+        every acknowledged one reads back, through the mount and from the file."""
         try:
             time.sleep(1.5)
             before_kill = writer.writes
             assert before_kill > 0 and not writer.errors
-            s.stop_target(signal.SIGKILL)
+            self.s.stop_target(signal.SIGKILL)
             time.sleep(1.0)  # the writers wait: the only other path is inaccessible
-            promote = subprocess.run([tool("blockctl"), "target", "--target-socket", str(tmp_path / "b.sock"),
+            promote = subprocess.run([tool("blockctl"), "target", "--target-socket", str(self.dir / "b.sock"),
                                       "ana", "promote"], capture_output=True, text=True, timeout=30)
             assert promote.returncode == 0, promote.stderr
             assert "now optimized" in promote.stdout
@@ -142,15 +159,76 @@ def test_kill_primary_promote_standby_no_error(tmp_path: Path) -> None:
             writer.join()
         assert not writer.errors, writer.errors
         assert writer.writes >= before_kill + 50, "writes did not go on through the standby"
-        listing = s.blockctl("list").stdout
-        assert f"path tcp://127.0.0.1:{port_b} cntlid 100 live: nsid 1 optimized" in listing, listing
-        assert _read_back(s.file, writer.acked) == []
-        with open(backing, "rb") as f:  # and the file itself holds them
+        self.wait_listed(self.path_b("cntlid 100 live: nsid 1 optimized"))
+        assert _read_back(self.s.file, writer.acked) == []
+        with open(self.backing, "rb") as f:  # and the file itself holds them
             for offset, data in writer.acked.items():
                 f.seek(offset)
                 assert f.read(BLOCK) == data
+
+    def stop(self) -> None:
+        self.s.stop()
+        if self.b is not None and self.b.poll() is None:
+            self.b.send_signal(signal.SIGTERM)
+            self.b.wait(15)
+
+
+def test_kill_primary_promote_standby_no_error(tmp_path: Path) -> None:
+    pair = _Pair(tmp_path)
+    s = pair.s
+    try:
+        s.start_target()
+        pair.start_b()
+        s.start_initiator()
+        pair.connect()
+        listing = s.blockctl("list").stdout
+        assert f"path tcp://127.0.0.1:{s.port} cntlid 1 live: nsid 1 optimized" in listing, listing
+        assert pair.path_b("cntlid 100 live: nsid 1 inaccessible") in listing, listing
+        s.mount()
+        pair.fail_over(_Writer(s.file))
+    finally:
+        pair.stop()
+
+
+def test_a_path_down_at_connect_joins_when_its_target_starts(tmp_path: Path) -> None:
+    """B is down when the host connects: the connect succeeds on A, ``blockctl list`` shows B
+    connecting; B starts under a write load and joins (its ANA state read, inaccessible), the
+    writes never stop; then A is killed and B promoted, and the load goes on through B."""
+    pair = _Pair(tmp_path)
+    s = pair.s
+    try:
+        s.start_target()
+        s.start_initiator()
+        pair.connect()
+        listing = s.blockctl("list").stdout
+        assert f"path tcp://127.0.0.1:{s.port} cntlid 1 live: nsid 1 optimized" in listing, listing
+        assert pair.path_b("cntlid 0 connecting: no ANA state") in listing, listing
+        assert " live, " in listing  # the connection itself
+        s.mount()
+        writer = _Writer(s.file)
+        time.sleep(1.0)
+        pair.start_b()
+        pair.wait_listed(pair.path_b("cntlid 100 live: nsid 1 inaccessible"))
+        assert not writer.errors, writer.errors
+        pair.fail_over(writer)
+        assert "connected after retrying" in s.log("initiator", 200)
+    finally:
+        pair.stop()
+
+
+def test_connect_fails_in_one_line_when_no_path_connects(tmp_path: Path) -> None:
+    s = Stack(tmp_path, size=SIZE)
+    ports = free_port(), free_port()
+    try:
+        s.start_initiator()
+        proc = s.blockctl("connect", "-n", NQN, "--name", "vol", "-l", "30",
+                          *(arg for p in ports for arg in ("--path", f"127.0.0.1:{p}")), check=False)
+        assert proc.returncode != 0
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert f"no path to {NQN} connects: 127.0.0.1:{ports[0]}: " in lines[0], lines
+        assert f"; 127.0.0.1:{ports[1]}: " in lines[0], lines
+        assert "Traceback" not in proc.stderr
+        assert s.blockctl("list").stdout.strip() == "no connections"
     finally:
         s.stop()
-        if b is not None and b.poll() is None:
-            b.send_signal(signal.SIGTERM)
-            b.wait(15)

@@ -17,6 +17,11 @@ def test_khost_one_subsystem_two_paths(guest_case):
     """nvme list-subsys: one subsystem with two paths; each path's ANA state; one block device."""
 
 
+def test_khost_follows_a_namespace_moved_to_another_group(guest_case):
+    """A reload moves the namespace to ANA group 2 and back: same device and controllers, each
+    path's ana_grpid follows, its ANA state stays, the data stays and writes go through."""
+
+
 def test_khost_fio_verify_survives_primary_kill(guest_case):
     """fio with crc32c verify; kill -9 the primary, promote the standby: fio ends without error."""
 

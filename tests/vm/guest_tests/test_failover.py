@@ -4,8 +4,10 @@ Inside the VM; run from the host by tests/vm/test_failover.py (one boot for the 
 ``blockd target`` processes on 192.0.2.1 (ports 4420 and 4421) export the same file as one
 subsystem and namespace (same NQN, so the same derived NGUID/UUID; disjoint controller id
 ranges): A optimized, B inaccessible. The kernel host connects to both: one subsystem, two
-paths, one multipath block device. Under load, the primary is killed with SIGKILL and the
-standby promoted with ``blockctl target ana promote``; the load must end without an error.
+paths, one multipath block device. Both targets then move the namespace to ANA group 2 and
+back on a reload: the kernel follows without losing the device. Under load, the primary is
+killed with SIGKILL and the standby promoted with ``blockctl target ana promote``; the load
+must end without an error.
 First fio with verify on the raw device (A dies, B takes over), then, with A back as the
 standby, ext4 (B dies, A takes over) and fsck.
 
@@ -18,6 +20,7 @@ import glob
 import os
 import re
 import shlex
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -33,7 +36,8 @@ PORTS = {"a": 4420, "b": 4421}
 CNTLIDS = {"a": (1, 99), "b": (100, 199)}
 
 
-def _config(name: str, state: str) -> Path:
+def _config(name: str, state: str, group: int = 1) -> Path:
+    """Target ``name``'s file: groups 1 and 2 in ``state``, the namespace in ``group``."""
     cfg = RESULTS / f"failover-{name}.toml"
     cfg.write_text(f"""\
 [control]
@@ -47,6 +51,10 @@ port = {PORTS[name]}
 [[ana]]
 state = "{state}"
 
+[[ana]]
+group = 2
+state = "{state}"
+
 [[subsystem]]
 nqn = "{NQN}"
 allow_any_host = true
@@ -57,6 +65,7 @@ cntlid_max = {CNTLIDS[name][1]}
 nsid = 1
 path = "{VOL}"
 size = {SIZE}
+ana_group = {group}
 """)
     return cfg
 
@@ -86,17 +95,22 @@ def _ctrl_of(port: int) -> str:
     raise AssertionError(f"no controller of {NQN} on port {port}")
 
 
-def _ana_state(port: int) -> str:
+def _path_attr(port: int, name: str) -> str:
+    """An attribute (ana_state, ana_grpid) of the path device of the controller on ``port``."""
     ctrl = _ctrl_of(port)
-    paths = glob.glob(f"/sys/class/nvme/{ctrl}/nvme*c*n1/ana_state")
+    paths = glob.glob(f"/sys/class/nvme/{ctrl}/nvme*c*n1/{name}")
     assert paths, f"{ctrl} has no path device (native multipath off?)"
     return Path(paths[0]).read_text().strip()
 
 
-def _wait_state(port: int, state: str, timeout: float = 60) -> None:
+def _ana_state(port: int) -> str:
+    return _path_attr(port, "ana_state")
+
+
+def _wait_state(port: int, state: str, timeout: float = 60, attr: str = "ana_state") -> None:
     deadline = time.monotonic() + timeout
-    while _ana_state(port) != state:
-        assert time.monotonic() < deadline, f"port {port}: ANA state {_ana_state(port)}, not {state}"
+    while _path_attr(port, attr) != state:
+        assert time.monotonic() < deadline, f"port {port}: {attr} {_path_attr(port, attr)}, not {state}"
         time.sleep(0.5)
 
 
@@ -133,6 +147,29 @@ def test_khost_one_subsystem_two_paths(pair):
     cntlids = sorted(int(Path(f"/sys/class/nvme/{c}/cntlid").read_text()) for c in ctrls)
     assert cntlids[0] in range(1, 100) and cntlids[1] in range(100, 200), cntlids
     assert re.fullmatch(r"/dev/nvme\d+n1", pair["dev"]), pair["dev"]
+
+
+def test_khost_follows_a_namespace_moved_to_another_group(pair):
+    """Both targets move the namespace to ANA group 2 on a reload (SIGHUP), then back to 1: the
+    kernel keeps the same controllers and block device, each path's ana_grpid follows (read
+    from the ANA log after the ANA change event: no namespace is removed or added) and its
+    state stays; data written before reads back after each move and a write goes through."""
+    dev = pair["dev"]
+    sh(f"head -c 65536 /dev/urandom >/tmp/move-before && dd if=/tmp/move-before of={dev} bs=4k oflag=direct")
+    ctrls = {port: _ctrl_of(port) for port in PORTS.values()}
+    for group in (2, 1):
+        for name, state in (("a", "optimized"), ("b", "inaccessible")):
+            _config(name, state, group)
+            pair["daemons"][name].proc.send_signal(signal.SIGHUP)
+        for name, state in (("a", "optimized"), ("b", "inaccessible")):
+            _wait_state(PORTS[name], str(group), attr="ana_grpid")
+            assert _ana_state(PORTS[name]) == state
+        assert {port: _ctrl_of(port) for port in PORTS.values()} == ctrls
+        sh(f"test -b {dev} && dd if={dev} of=/tmp/move-after bs=4k count=16 iflag=direct status=none "
+           f"&& cmp /tmp/move-before /tmp/move-after")
+        sh(f"dd if=/dev/urandom of={dev} bs=4k seek={16 + group} count=1 oflag=direct status=none")
+    for d in pair["daemons"].values():
+        assert "namespace removed" not in d.log_tail(200)
 
 
 def test_khost_fio_verify_survives_primary_kill(pair):
