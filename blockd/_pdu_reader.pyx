@@ -17,6 +17,8 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyOb
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from libc.string cimport memcpy, memmove, memset
 
+from blockd._le cimport le32
+
 from blockd.tcp_frames import (
     CARRIES_DATA, HLEN, MIN_FREE, NO_DIGEST, STAGING, TERM_REQS, DataDigestError, FramingError, Pdu,
 )
@@ -63,10 +65,6 @@ for _t in range(256):
 
 # Pdu(...) would run the named tuple's Python-level __new__; tuple.__new__ builds the same object in C.
 _new_tuple = tuple.__new__
-
-
-cdef inline unsigned int _le32(const unsigned char* p) noexcept:
-    return p[0] | (p[1] << 8) | (p[2] << 16) | (<unsigned int>p[3] << 24)
 
 
 cdef void _fill_table(unsigned char* table, types) except *:
@@ -221,7 +219,7 @@ cdef class PduReader:
             if self._end - self._start < _DIGEST:
                 self._need = _DIGEST
                 return None
-            got = _le32(self._p + self._start)
+            got = le32(self._p + self._start)
             self._start += _DIGEST
         dest = self._pl_dest
         self._pl_dest = None
@@ -246,7 +244,7 @@ cdef class PduReader:
         flags = h[_O_FLAGS]
         hlen = h[_O_HLEN]
         pdo = h[_O_PDO]
-        plen = _le32(h + _O_PLEN)
+        plen = le32(h + _O_PLEN)
         if not self._allowed_t[ptype]:
             if self._accepted_t[ptype]:
                 raise self._refused(_FES_SEQUENCE, 0, f"PDU type {ptype:#x} out of sequence")
@@ -281,7 +279,7 @@ cdef class PduReader:
             self._need = header_end
             return None
         header = self._view[pos:pos + hlen]
-        if hd and _le32(h + hlen) != crc32c(header):
+        if hd and le32(h + hlen) != crc32c(header):
             raise FramingError(_FES_HDGST, 0, "header digest mismatch", bytes(header))
         if data_len and self.place is not None and digests:
             dest = self.place(ptype, header, data_len)
@@ -294,7 +292,7 @@ cdef class PduReader:
         if data_len:
             start = pos + header_end
             data = self._view[start:start + data_len]
-            if dd and _le32(self._p + start + data_len) != crc32c(data):
+            if dd and le32(self._p + start + data_len) != crc32c(data):
                 # The stream goes on after the bad PDU.
                 self._start = pos + plen
                 raise DataDigestError(ptype, bytes(header))
@@ -326,7 +324,7 @@ cdef class PduReader:
         finally:
             PyBuffer_Release(&target)
         if have >= data_len + dd:
-            bad = dd and _le32(self._p + start + data_len) != crc32c(dest)
+            bad = dd and le32(self._p + start + data_len) != crc32c(dest)
             self._start = start + data_len + dd  # the stream goes on after it, even after a bad digest
             self._need = _HDR
             if bad:

@@ -47,6 +47,8 @@ from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.types cimport off_t
 from posix.unistd cimport pread, pwrite
 
+from blockd._le cimport le16, le32, le64, st16, st32
+
 from blockd.iostats import KIND_BY_OPCODE
 from protocol.constants import CC_EN, CSTS_RDY, PSDT_SGL, IoOpcode, SglId
 from protocol.layout import field_offset
@@ -103,41 +105,19 @@ cdef bytes _RESP_TEMPLATE = (COMMON_HEADER_FAST.pack(PduType.CAPSULE_RESP, 0, CA
                              + CQE_FAST.pack(0, 0, 0, 0, 0, 0))
 
 
-cdef inline unsigned int _le16(const unsigned char* p) noexcept nogil:
-    return p[0] | (p[1] << 8)
-
-
-cdef inline unsigned int _le32(const unsigned char* p) noexcept nogil:
-    return p[0] | (p[1] << 8) | (p[2] << 16) | (<unsigned int>p[3] << 24)
-
-
-cdef inline unsigned long long _le64(const unsigned char* p) noexcept nogil:
-    return _le32(p) | (<unsigned long long>_le32(p + 4) << 32)
-
-
-cdef inline void _st16(unsigned char* p, unsigned int v) noexcept nogil:
-    p[0] = v & 0xFF
-    p[1] = (v >> 8) & 0xFF
-
-
-cdef inline void _st32(unsigned char* p, unsigned int v) noexcept nogil:
-    _st16(p, v & 0xFFFF)
-    _st16(p + 2, v >> 16)
-
-
 cdef inline void _c2h_header(unsigned char* p, unsigned int cid, unsigned int n, int flags) noexcept:
     memcpy(p, <const char*>_C2H_TEMPLATE, _DATA_HLEN)
     p[_D_FLAGS] = flags
-    _st32(p + _D_PLEN, _DATA_HLEN + n)
-    _st16(p + _D_CID, cid)
-    _st32(p + _D_DATAL, n)
+    st32(p + _D_PLEN, _DATA_HLEN + n)
+    st16(p + _D_CID, cid)
+    st32(p + _D_DATAL, n)
 
 
 cdef inline void _capsule_resp(unsigned char* p, unsigned int sqhd, unsigned int sqid, unsigned int cid) noexcept:
     memcpy(p, <const char*>_RESP_TEMPLATE, _RESP_LEN)
-    _st16(p + _R_SQHD, sqhd)
-    _st16(p + _R_SQID, sqid)
-    _st16(p + _R_CID, cid)
+    st16(p + _R_SQHD, sqhd)
+    st16(p + _R_SQID, sqid)
+    st16(p + _R_CID, cid)
 
 
 def _check_layouts():
@@ -147,8 +127,8 @@ def _check_layouts():
                   sgl_length=0x0A0B0C0D, sgl_id=0x5A, slba=0x1112131415161718, nlb=0x2122, control=0x3132)
     sqe = IO_COMMAND.build(sample)
     cdef const unsigned char* q = <const unsigned char*><const char*>sqe
-    got = (q[_O_OPC], q[_O_FLAGS], _le16(q + _O_CID), _le32(q + _O_NSID), _le64(q + _O_ADDR),
-           _le32(q + _O_LEN), q[_O_SGL_ID], _le64(q + _O_SLBA), _le16(q + _O_NLB), _le16(q + _O_CONTROL))
+    got = (q[_O_OPC], q[_O_FLAGS], le16(q + _O_CID), le32(q + _O_NSID), le64(q + _O_ADDR),
+           le32(q + _O_LEN), q[_O_SGL_ID], le64(q + _O_SLBA), le16(q + _O_NLB), le16(q + _O_CONTROL))
     out = bytearray(_DATA_HLEN + _RESP_LEN)
     cdef unsigned char* o = <unsigned char*>PyByteArray_AS_STRING(out)
     _c2h_header(o, 0x1234, 0x56789A, _LAST_SUCCESS)
@@ -293,14 +273,14 @@ cdef class TcpFastPath:
             q = <const unsigned char*>hb.buf + _SQE_AT
             opcode = q[_O_OPC]
             flags = q[_O_FLAGS]
-            cid = _le16(q + _O_CID)
-            nsid = _le32(q + _O_NSID)
-            address = _le64(q + _O_ADDR)
-            length = _le32(q + _O_LEN)
+            cid = le16(q + _O_CID)
+            nsid = le32(q + _O_NSID)
+            address = le64(q + _O_ADDR)
+            length = le32(q + _O_LEN)
             sgl_id = q[_O_SGL_ID]
-            slba = _le64(q + _O_SLBA)
-            nlb = _le16(q + _O_NLB) + 1
-            control = _le16(q + _O_CONTROL)
+            slba = le64(q + _O_SLBA)
+            nlb = le16(q + _O_NLB) + 1
+            control = le16(q + _O_CONTROL)
         finally:
             PyBuffer_Release(&hb)
         if (flags & _PSDT_MASK) != _PSDT_SGL or length == 0 or length > self.max_transfer:
