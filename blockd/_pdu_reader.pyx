@@ -77,32 +77,6 @@ cdef void _fill_table(unsigned char* table, types) except *:
 cdef class PduReader:
     """See :class:`blockd.pdu_reader.PduReader`: the same reader, compiled."""
 
-    cdef public object place
-    cdef public Py_ssize_t max_data
-    cdef public Py_ssize_t completed
-    cdef public bint hdgst
-    cdef public bint ddgst
-    cdef object _accepted
-    cdef object _allowed
-    cdef unsigned char _accepted_t[256]
-    cdef unsigned char _allowed_t[256]
-    cdef readonly bytearray _buf  # read by a test: staging must not grow for placed data
-    cdef object _view
-    cdef unsigned char* _p
-    cdef Py_ssize_t _size
-    cdef Py_ssize_t _start
-    cdef Py_ssize_t _end
-    cdef Py_ssize_t _need
-    cdef Py_ssize_t _min_free
-    # the data PDU being received into the buffer ``place`` gave (``_pl_dest`` not None)
-    cdef object _pl_dest
-    cdef bytes _pl_header
-    cdef int _pl_type
-    cdef int _pl_flags
-    cdef Py_ssize_t _pl_len
-    cdef Py_ssize_t _pl_filled
-    cdef bint _pl_digest
-
     def __init__(self, accepted, Py_ssize_t max_data, place=None, Py_ssize_t staging=STAGING):
         self.accepted = accepted
         self.allowed = accepted
@@ -142,7 +116,7 @@ cdef class PduReader:
         self._p = <unsigned char*>PyByteArray_AS_STRING(buf)
         self._size = len(buf)
 
-    def get_buffer(self, Py_ssize_t sizehint=-1):
+    cpdef object get_buffer(self, Py_ssize_t sizehint=-1):
         if self._pl_dest is not None and self._pl_filled < self._pl_len:
             return self._pl_dest[self._pl_filled:]
         if self._size - self._end < self._min_free or self._size - self._start < self._need:
@@ -177,24 +151,66 @@ cdef class PduReader:
 
     def buffer_updated(self, Py_ssize_t nbytes):
         """``nbytes`` arrived where ``get_buffer`` said: yield every PDU now complete."""
-        if self._pl_dest is not None and self._pl_filled < self._pl_len:
-            self._pl_filled += nbytes
-            if self._pl_filled < self._pl_len:
-                return
-        else:
-            self._end += nbytes
+        if not self.advance(nbytes):
+            return
         while True:
-            if self._pl_dest is not None:
-                pdu = self._finish_placement()
-                if pdu is None:
-                    return
-                self.completed += 1
-                yield pdu
-            pdu = self._next()
+            pdu = self.take()
             if pdu is None:
                 return
-            self.completed += 1
             yield pdu
+
+    cdef bint advance(self, Py_ssize_t nbytes) noexcept:
+        """Count ``nbytes`` more received; False while the data being placed is still incomplete
+        (no PDU can be complete then)."""
+        if self._pl_dest is not None and self._pl_filled < self._pl_len:
+            self._pl_filled += nbytes
+            return self._pl_filled >= self._pl_len
+        self._end += nbytes
+        return True
+
+    cdef object take(self):
+        """The next complete PDU, or None: one step of ``buffer_updated``."""
+        if self._pl_dest is not None:
+            pdu = self._finish_placement()
+        else:
+            pdu = self._next()
+        if pdu is not None:
+            self.completed += 1
+        return pdu
+
+    cdef Py_ssize_t whole(self, int ptype) noexcept:
+        """PLEN of the next PDU if it is a whole ``ptype`` PDU in staging that ``_next`` would
+        return as it is (every check passed, no digests, its data, if any, in staging), else -1.
+
+        It checks less than ``_next`` only in the direction of saying -1 (a PDU with a digest
+        flag set, or with a digest negotiated, is left to ``take``), so a caller that serves
+        the PDU from staging and ``skip`` s it sees what ``take`` would have given. ``place`` is
+        not called: the caller applies its rule (the target's in-capsule size) itself. Data
+        being placed is no concern here: until it is all in, ``advance`` says False and staging
+        holds none of it; after it, only its data digest (and with digests on this says -1)."""
+        cdef Py_ssize_t pos = self._start
+        cdef Py_ssize_t plen, hlen, data_len
+        cdef const unsigned char* h
+        if self.hdgst or self.ddgst or self._end - pos < _HDR:
+            return -1
+        h = self._p + pos
+        if h[_O_TYPE] != ptype or not self._allowed_t[ptype] or h[_O_FLAGS] & (_F_HDGST | _F_DDGST):
+            return -1
+        hlen = h[_O_HLEN]
+        plen = le32(h + _O_PLEN)
+        if hlen != _hlen[ptype] or plen < hlen or plen > self._end - pos:
+            return -1
+        data_len = plen - hlen
+        if data_len and (not _carries_data[ptype] or _term_req[ptype] or h[_O_PDO] != hlen
+                         or data_len > self.max_data):
+            return -1
+        return plen
+
+    cdef void skip(self, Py_ssize_t plen) noexcept:
+        """The PDU ``whole`` measured was handled from staging: go past it."""
+        self._start += plen
+        self._need = _HDR
+        self.completed += 1
 
     def in_pdu(self):
         """Part of a PDU has arrived and not the rest (or whole PDUs wait to be taken)."""
