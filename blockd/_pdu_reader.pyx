@@ -17,6 +17,8 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyOb
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from libc.string cimport memcpy, memmove, memset
 
+from blockd._le cimport le32
+
 from blockd.tcp_frames import (
     CARRIES_DATA, HLEN, MIN_FREE, NO_DIGEST, STAGING, TERM_REQS, DataDigestError, FramingError, Pdu,
 )
@@ -65,10 +67,6 @@ for _t in range(256):
 _new_tuple = tuple.__new__
 
 
-cdef inline unsigned int _le32(const unsigned char* p) noexcept:
-    return p[0] | (p[1] << 8) | (p[2] << 16) | (<unsigned int>p[3] << 24)
-
-
 cdef void _fill_table(unsigned char* table, types) except *:
     memset(table, 0, 256)
     for t in types:
@@ -78,32 +76,6 @@ cdef void _fill_table(unsigned char* table, types) except *:
 
 cdef class PduReader:
     """See :class:`blockd.pdu_reader.PduReader`: the same reader, compiled."""
-
-    cdef public object place
-    cdef public Py_ssize_t max_data
-    cdef public Py_ssize_t completed
-    cdef public bint hdgst
-    cdef public bint ddgst
-    cdef object _accepted
-    cdef object _allowed
-    cdef unsigned char _accepted_t[256]
-    cdef unsigned char _allowed_t[256]
-    cdef readonly bytearray _buf  # read by a test: staging must not grow for placed data
-    cdef object _view
-    cdef unsigned char* _p
-    cdef Py_ssize_t _size
-    cdef Py_ssize_t _start
-    cdef Py_ssize_t _end
-    cdef Py_ssize_t _need
-    cdef Py_ssize_t _min_free
-    # the data PDU being received into the buffer ``place`` gave (``_pl_dest`` not None)
-    cdef object _pl_dest
-    cdef bytes _pl_header
-    cdef int _pl_type
-    cdef int _pl_flags
-    cdef Py_ssize_t _pl_len
-    cdef Py_ssize_t _pl_filled
-    cdef bint _pl_digest
 
     def __init__(self, accepted, Py_ssize_t max_data, place=None, Py_ssize_t staging=STAGING):
         self.accepted = accepted
@@ -144,7 +116,7 @@ cdef class PduReader:
         self._p = <unsigned char*>PyByteArray_AS_STRING(buf)
         self._size = len(buf)
 
-    def get_buffer(self, Py_ssize_t sizehint=-1):
+    cpdef object get_buffer(self, Py_ssize_t sizehint=-1):
         if self._pl_dest is not None and self._pl_filled < self._pl_len:
             return self._pl_dest[self._pl_filled:]
         if self._size - self._end < self._min_free or self._size - self._start < self._need:
@@ -179,24 +151,66 @@ cdef class PduReader:
 
     def buffer_updated(self, Py_ssize_t nbytes):
         """``nbytes`` arrived where ``get_buffer`` said: yield every PDU now complete."""
-        if self._pl_dest is not None and self._pl_filled < self._pl_len:
-            self._pl_filled += nbytes
-            if self._pl_filled < self._pl_len:
-                return
-        else:
-            self._end += nbytes
+        if not self.advance(nbytes):
+            return
         while True:
-            if self._pl_dest is not None:
-                pdu = self._finish_placement()
-                if pdu is None:
-                    return
-                self.completed += 1
-                yield pdu
-            pdu = self._next()
+            pdu = self.take()
             if pdu is None:
                 return
-            self.completed += 1
             yield pdu
+
+    cdef bint advance(self, Py_ssize_t nbytes) noexcept:
+        """Count ``nbytes`` more received; False while the data being placed is still incomplete
+        (no PDU can be complete then)."""
+        if self._pl_dest is not None and self._pl_filled < self._pl_len:
+            self._pl_filled += nbytes
+            return self._pl_filled >= self._pl_len
+        self._end += nbytes
+        return True
+
+    cdef object take(self):
+        """The next complete PDU, or None: one step of ``buffer_updated``."""
+        if self._pl_dest is not None:
+            pdu = self._finish_placement()
+        else:
+            pdu = self._next()
+        if pdu is not None:
+            self.completed += 1
+        return pdu
+
+    cdef Py_ssize_t whole(self, int ptype) noexcept:
+        """PLEN of the next PDU if it is a whole ``ptype`` PDU in staging that ``_next`` would
+        return as it is (every check passed, no digests, its data, if any, in staging), else -1.
+
+        It checks less than ``_next`` only in the direction of saying -1 (a PDU with a digest
+        flag set, or with a digest negotiated, is left to ``take``), so a caller that serves
+        the PDU from staging and ``skip`` s it sees what ``take`` would have given. ``place`` is
+        not called: the caller applies its rule (the target's in-capsule size) itself. Data
+        being placed is no concern here: until it is all in, ``advance`` says False and staging
+        holds none of it; after it, only its data digest (and with digests on this says -1)."""
+        cdef Py_ssize_t pos = self._start
+        cdef Py_ssize_t plen, hlen, data_len
+        cdef const unsigned char* h
+        if self.hdgst or self.ddgst or self._end - pos < _HDR:
+            return -1
+        h = self._p + pos
+        if h[_O_TYPE] != ptype or not self._allowed_t[ptype] or h[_O_FLAGS] & (_F_HDGST | _F_DDGST):
+            return -1
+        hlen = h[_O_HLEN]
+        plen = le32(h + _O_PLEN)
+        if hlen != _hlen[ptype] or plen < hlen or plen > self._end - pos:
+            return -1
+        data_len = plen - hlen
+        if data_len and (not _carries_data[ptype] or _term_req[ptype] or h[_O_PDO] != hlen
+                         or data_len > self.max_data):
+            return -1
+        return plen
+
+    cdef void skip(self, Py_ssize_t plen) noexcept:
+        """The PDU ``whole`` measured was handled from staging: go past it."""
+        self._start += plen
+        self._need = _HDR
+        self.completed += 1
 
     def in_pdu(self):
         """Part of a PDU has arrived and not the rest (or whole PDUs wait to be taken)."""
@@ -221,7 +235,7 @@ cdef class PduReader:
             if self._end - self._start < _DIGEST:
                 self._need = _DIGEST
                 return None
-            got = _le32(self._p + self._start)
+            got = le32(self._p + self._start)
             self._start += _DIGEST
         dest = self._pl_dest
         self._pl_dest = None
@@ -246,7 +260,7 @@ cdef class PduReader:
         flags = h[_O_FLAGS]
         hlen = h[_O_HLEN]
         pdo = h[_O_PDO]
-        plen = _le32(h + _O_PLEN)
+        plen = le32(h + _O_PLEN)
         if not self._allowed_t[ptype]:
             if self._accepted_t[ptype]:
                 raise self._refused(_FES_SEQUENCE, 0, f"PDU type {ptype:#x} out of sequence")
@@ -281,7 +295,7 @@ cdef class PduReader:
             self._need = header_end
             return None
         header = self._view[pos:pos + hlen]
-        if hd and _le32(h + hlen) != crc32c(header):
+        if hd and le32(h + hlen) != crc32c(header):
             raise FramingError(_FES_HDGST, 0, "header digest mismatch", bytes(header))
         if data_len and self.place is not None and digests:
             dest = self.place(ptype, header, data_len)
@@ -294,7 +308,7 @@ cdef class PduReader:
         if data_len:
             start = pos + header_end
             data = self._view[start:start + data_len]
-            if dd and _le32(self._p + start + data_len) != crc32c(data):
+            if dd and le32(self._p + start + data_len) != crc32c(data):
                 # The stream goes on after the bad PDU.
                 self._start = pos + plen
                 raise DataDigestError(ptype, bytes(header))
@@ -326,7 +340,7 @@ cdef class PduReader:
         finally:
             PyBuffer_Release(&target)
         if have >= data_len + dd:
-            bad = dd and _le32(self._p + start + data_len) != crc32c(dest)
+            bad = dd and le32(self._p + start + data_len) != crc32c(dest)
             self._start = start + data_len + dd  # the stream goes on after it, even after a bad digest
             self._need = _HDR
             if bad:

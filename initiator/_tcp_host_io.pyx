@@ -18,6 +18,8 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
+from blockd._le cimport le16, le32, st32
+
 from blockd.tcp_pdu import DataDigestError, FramingError, term_req
 from initiator.errors import QueueLost
 from initiator.tcp_host_io import FEI_CCCID, FEI_DATAO, FEI_FLAGS, FEI_RESP_CID
@@ -75,21 +77,6 @@ if ((_probe[_O_TYPE], _probe[_O_FLAGS], _probe[_O_HLEN], _probe[_O_PDO],
     raise ImportError("protocol/'s data PDU or SGL layout is not the one initiator/_tcp_host_io.pyx reads")
 
 
-cdef inline uint16_t _le16(const uint8_t* p) noexcept:
-    return p[0] | (p[1] << 8)
-
-
-cdef inline uint32_t _le32(const uint8_t* p) noexcept:
-    return p[0] | (p[1] << 8) | (p[2] << 16) | (<uint32_t>p[3] << 24)
-
-
-cdef inline void _put32(uint8_t* p, uint32_t v) noexcept:
-    p[0] = v & 0xFF
-    p[1] = (v >> 8) & 0xFF
-    p[2] = (v >> 16) & 0xFF
-    p[3] = v >> 24
-
-
 cdef struct DataHeader:
     uint8_t flags
     uint16_t cid
@@ -107,10 +94,10 @@ cdef int _data_header(object header, DataHeader* h) except -1:
             raise ValueError("data PDU header too short")
         p = <const uint8_t*>view.buf
         h.flags = p[_O_FLAGS]
-        h.cid = _le16(p + _O_CCCID)
-        h.ttag = _le16(p + _O_TTAG)
-        h.datao = _le32(p + _O_DATAO)
-        h.datal = _le32(p + _O_DATAL)
+        h.cid = le16(p + _O_CCCID)
+        h.ttag = le16(p + _O_TTAG)
+        h.datao = le32(p + _O_DATAO)
+        h.datal = le32(p + _O_DATAL)
     finally:
         PyBuffer_Release(&view)
     return 0
@@ -161,7 +148,7 @@ cdef class TcpHostIo:
             raise ValueError(f"an SQE is {_SQE} bytes, not {len(sqe)}")
         s = <uint8_t*>PyByteArray_AS_STRING(sqe)
         memset(s + _O_SGL, 0, _SGL)
-        _put32(s + _O_SGL_LENGTH, <uint32_t>length)
+        st32(s + _O_SGL_LENGTH, <uint32_t>length)
         s[_O_SGL_ID] = sgl_id
         writer = self.writer
         if writer.hdgst or writer.ddgst:
@@ -174,11 +161,11 @@ cdef class TcpHostIo:
         c[_O_HLEN] = <uint8_t>_CAPSULE
         memcpy(c + _HDR, s, _SQE)
         if out is None or not length:
-            _put32(c + _O_PLEN, <uint32_t>_CAPSULE)
+            st32(c + _O_PLEN, <uint32_t>_CAPSULE)
             self.out.send([capsule])
         else:
             c[_O_PDO] = <uint8_t>_CAPSULE
-            _put32(c + _O_PLEN, <uint32_t>(_CAPSULE + length))
+            st32(c + _O_PLEN, <uint32_t>(_CAPSULE + length))
             self.out.send([capsule, out])
 
     # -- receiving ------------------------------------------------------------------------------
@@ -222,10 +209,10 @@ cdef class TcpHostIo:
             if view.len < _O_STATUS + 2:
                 raise ValueError("CapsuleResp header too short")
             p = <const uint8_t*>view.buf
-            dw0 = _le32(p + _O_DW0)
-            dw1 = _le32(p + _O_DW1)
-            cid = _le16(p + _O_CID)
-            wire = _le16(p + _O_STATUS)
+            dw0 = le32(p + _O_DW0)
+            dw1 = le32(p + _O_DW1)
+            cid = le16(p + _O_CID)
+            wire = le16(p + _O_STATUS)
         finally:
             PyBuffer_Release(&view)
         cmd = self.queue.finish(cid)

@@ -47,7 +47,11 @@ from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.types cimport off_t
 from posix.unistd cimport pread, pwrite
 
+from blockd._le cimport le16, le32, le64, st16, st32
+from blockd._pdu_reader cimport PduReader
+
 from blockd.iostats import KIND_BY_OPCODE
+from blockd.tcp_frames import DataDigestError, FramingError
 from protocol.constants import CC_EN, CSTS_RDY, PSDT_SGL, IoOpcode, SglId
 from protocol.layout import field_offset
 from protocol.nvme import CQE, CQE_FAST, FLAGS_PSDT_FUSE_MASK, IO_COMMAND, RW_CONTROL_FUA
@@ -72,6 +76,7 @@ cdef Py_ssize_t _O_SGL_ID = field_offset(IO_COMMAND, "sgl_id")
 cdef Py_ssize_t _O_SLBA = field_offset(IO_COMMAND, "slba")
 cdef Py_ssize_t _O_NLB = field_offset(IO_COMMAND, "nlb")
 cdef Py_ssize_t _O_CONTROL = field_offset(IO_COMMAND, "control")
+cdef Py_ssize_t _O_HLEN_CMD = field_offset(COMMON_HEADER, "hlen")
 
 cdef Py_ssize_t _DATA_HLEN = DATA_HLEN
 cdef Py_ssize_t _RESP_LEN = CAPSULE_RESP_HLEN
@@ -96,6 +101,7 @@ cdef int _CC_EN = CC_EN
 cdef int _CSTS_RDY = CSTS_RDY
 cdef int _LAST = PduFlags.LAST_PDU
 cdef int _LAST_SUCCESS = PduFlags.LAST_PDU | PduFlags.SUCCESS
+cdef int _CAPSULE_CMD = PduType.CAPSULE_CMD
 
 # Templates built by protocol/: the fields that vary are stored into copies of them.
 cdef bytes _C2H_TEMPLATE = DATA_PDU_HEADER_FAST.pack(PduType.C2H_DATA, 0, DATA_HLEN, DATA_HLEN, 0, 0, 0, 0, 0)
@@ -103,41 +109,19 @@ cdef bytes _RESP_TEMPLATE = (COMMON_HEADER_FAST.pack(PduType.CAPSULE_RESP, 0, CA
                              + CQE_FAST.pack(0, 0, 0, 0, 0, 0))
 
 
-cdef inline unsigned int _le16(const unsigned char* p) noexcept nogil:
-    return p[0] | (p[1] << 8)
-
-
-cdef inline unsigned int _le32(const unsigned char* p) noexcept nogil:
-    return p[0] | (p[1] << 8) | (p[2] << 16) | (<unsigned int>p[3] << 24)
-
-
-cdef inline unsigned long long _le64(const unsigned char* p) noexcept nogil:
-    return _le32(p) | (<unsigned long long>_le32(p + 4) << 32)
-
-
-cdef inline void _st16(unsigned char* p, unsigned int v) noexcept nogil:
-    p[0] = v & 0xFF
-    p[1] = (v >> 8) & 0xFF
-
-
-cdef inline void _st32(unsigned char* p, unsigned int v) noexcept nogil:
-    _st16(p, v & 0xFFFF)
-    _st16(p + 2, v >> 16)
-
-
 cdef inline void _c2h_header(unsigned char* p, unsigned int cid, unsigned int n, int flags) noexcept:
     memcpy(p, <const char*>_C2H_TEMPLATE, _DATA_HLEN)
     p[_D_FLAGS] = flags
-    _st32(p + _D_PLEN, _DATA_HLEN + n)
-    _st16(p + _D_CID, cid)
-    _st32(p + _D_DATAL, n)
+    st32(p + _D_PLEN, _DATA_HLEN + n)
+    st16(p + _D_CID, cid)
+    st32(p + _D_DATAL, n)
 
 
 cdef inline void _capsule_resp(unsigned char* p, unsigned int sqhd, unsigned int sqid, unsigned int cid) noexcept:
     memcpy(p, <const char*>_RESP_TEMPLATE, _RESP_LEN)
-    _st16(p + _R_SQHD, sqhd)
-    _st16(p + _R_SQID, sqid)
-    _st16(p + _R_CID, cid)
+    st16(p + _R_SQHD, sqhd)
+    st16(p + _R_SQID, sqid)
+    st16(p + _R_CID, cid)
 
 
 def _check_layouts():
@@ -147,8 +131,8 @@ def _check_layouts():
                   sgl_length=0x0A0B0C0D, sgl_id=0x5A, slba=0x1112131415161718, nlb=0x2122, control=0x3132)
     sqe = IO_COMMAND.build(sample)
     cdef const unsigned char* q = <const unsigned char*><const char*>sqe
-    got = (q[_O_OPC], q[_O_FLAGS], _le16(q + _O_CID), _le32(q + _O_NSID), _le64(q + _O_ADDR),
-           _le32(q + _O_LEN), q[_O_SGL_ID], _le64(q + _O_SLBA), _le16(q + _O_NLB), _le16(q + _O_CONTROL))
+    got = (q[_O_OPC], q[_O_FLAGS], le16(q + _O_CID), le32(q + _O_NSID), le64(q + _O_ADDR),
+           le32(q + _O_LEN), q[_O_SGL_ID], le64(q + _O_SLBA), le16(q + _O_NLB), le16(q + _O_CONTROL))
     out = bytearray(_DATA_HLEN + _RESP_LEN)
     cdef unsigned char* o = <unsigned char*>PyByteArray_AS_STRING(out)
     _c2h_header(o, 0x1234, 0x56789A, _LAST_SUCCESS)
@@ -223,9 +207,12 @@ cdef class FastNamespace:
 # -- the I/O path of one TCP connection --------------------------------------------------------------
 
 cdef class TcpFastPath:
-    """Serves the steady-state Read and Write capsules of one NVMe/TCP I/O queue (module docstring)."""
+    """Serves the steady-state Read and Write capsules of one NVMe/TCP I/O queue (module docstring),
+    and runs the connection's receive loop in C (:meth:`buffer_updated`)."""
 
     cdef object conn
+    cdef PduReader reader
+    cdef object py_buffer_updated
     cdef object queue
     cdef object ctrl
     cdef object out
@@ -249,6 +236,79 @@ cdef class TcpFastPath:
         self.conn = conn
         self.max_transfer = max_transfer
         self.served = 0
+        reader = conn.reader
+        self.reader = reader if type(reader) is PduReader else None
+        self.py_buffer_updated = type(conn).buffer_updated
+
+    # -- the receive loop ----------------------------------------------------------------------------
+
+    def get_buffer(self, Py_ssize_t sizehint):
+        """``PduProtocol.get_buffer``: where the socket's next bytes go (the reader's staging)."""
+        reader = self.conn.reader
+        if reader is self.reader:
+            return self.reader.get_buffer(sizehint)
+        return reader.get_buffer(sizehint)  # a terminated connection's discarding reader
+
+    def buffer_updated(self, Py_ssize_t nbytes):
+        """``PduProtocol.buffer_updated`` with ``TcpTargetConnection._receive`` in C: the
+        connection's receive callback (the connection binds it in place of its own, so the
+        event loop calls it directly). Every PDU the reader completes is handled in arrival
+        order: a whole command capsule in staging that the fast path serves is served from
+        there (no ``Pdu``, no ``place`` buffer, no Python call); every other PDU is taken from
+        the reader as ``_receive`` takes it and handed to ``TcpTargetConnection._take``, the
+        Python path's own handler, with the same stop when the connection pauses; framing and
+        digest errors go to ``_terminate`` and ``_digest_error`` as there."""
+        conn = self.conn
+        if self.reader is None or conn.reader is not self.reader:
+            return self.py_buffer_updated(conn, nbytes)  # terminated: the Python path discards
+        out = conn.out
+        out.hold()
+        try:
+            self._receive(nbytes)
+        finally:
+            out.release()
+
+    cdef int _receive(self, Py_ssize_t nbytes) except -1:
+        cdef PduReader reader = self.reader
+        cdef Py_ssize_t plen
+        conn = self.conn
+        while True:
+            try:
+                if reader.advance(nbytes):
+                    while True:
+                        if not self._off and (self._bound or self._bind()):
+                            plen = reader.whole(_CAPSULE_CMD)
+                            if plen >= 0 and self._serve_staged(reader, plen):
+                                reader.skip(plen)
+                                if conn.paused:  # the rest stays in the reader until resume_writing
+                                    return 0
+                                continue
+                        pdu = reader.take()
+                        if pdu is None:
+                            return 0
+                        if not conn._take(pdu):
+                            return 0
+                return 0
+            except FramingError as exc:
+                conn._terminate(exc)
+                return 0
+            except DataDigestError as exc:
+                conn._digest_error(exc)
+                if conn.transport.is_closing():
+                    return 0
+                nbytes = 0  # the reader skipped the bad PDU; go on with what follows it
+
+    cdef bint _serve_staged(self, PduReader reader, Py_ssize_t plen) except -1:
+        """Serve the whole CapsuleCmd at the reader's position from staging, if the fast path can."""
+        cdef long long start = _now_ns()
+        cdef const unsigned char* h = reader._p + reader._start
+        cdef Py_ssize_t hlen = h[_O_HLEN_CMD]
+        cdef Py_ssize_t dlen = plen - hlen
+        if dlen > self.inline_size:
+            return False  # the connection's place callback refuses it (a framing error): Python's
+        return self._serve(h, hlen, h + hlen if dlen else NULL, dlen, start)
+
+    # -- serving one capsule -----------------------------------------------------------------------------
 
     cdef bint _bind(self) except -1:
         """Once the queue is a connected I/O queue: take what stays fixed from then on."""
@@ -282,27 +342,42 @@ cdef class TcpFastPath:
         if self._off or (not self._bound and not self._bind()):
             return False
         cdef Py_buffer hb
+        cdef Py_buffer db
+        db.buf = NULL
+        db.len = 0
+        PyObject_GetBuffer(header, &hb, PyBUF_SIMPLE)
+        try:
+            if data is not None:
+                PyObject_GetBuffer(data, &db, PyBUF_SIMPLE)
+            try:
+                return self._serve(<const unsigned char*>hb.buf, hb.len, <const unsigned char*>db.buf, db.len, start)
+            finally:
+                if data is not None:
+                    PyBuffer_Release(&db)
+        finally:
+            PyBuffer_Release(&hb)
+
+    cdef bint _serve(self, const unsigned char* header, Py_ssize_t hlen, const unsigned char* data,
+                     Py_ssize_t dlen, long long start) except -1:
+        """The capsule's header (common header and SQE, ``hlen`` bytes) and in-capsule data
+        (``data`` NULL: none): served, or False with nothing done."""
         cdef int opcode, flags, sgl_id, control
         cdef unsigned int cid, nsid, length, nlb
         cdef unsigned long long address, slba
         cdef const unsigned char* q
-        PyObject_GetBuffer(header, &hb, PyBUF_SIMPLE)
-        try:
-            if hb.len < _SQE_AT + _O_CONTROL + 2:
-                return False
-            q = <const unsigned char*>hb.buf + _SQE_AT
-            opcode = q[_O_OPC]
-            flags = q[_O_FLAGS]
-            cid = _le16(q + _O_CID)
-            nsid = _le32(q + _O_NSID)
-            address = _le64(q + _O_ADDR)
-            length = _le32(q + _O_LEN)
-            sgl_id = q[_O_SGL_ID]
-            slba = _le64(q + _O_SLBA)
-            nlb = _le16(q + _O_NLB) + 1
-            control = _le16(q + _O_CONTROL)
-        finally:
-            PyBuffer_Release(&hb)
+        if hlen < _SQE_AT + _O_CONTROL + 2:
+            return False
+        q = header + _SQE_AT
+        opcode = q[_O_OPC]
+        flags = q[_O_FLAGS]
+        cid = le16(q + _O_CID)
+        nsid = le32(q + _O_NSID)
+        address = le64(q + _O_ADDR)
+        length = le32(q + _O_LEN)
+        sgl_id = q[_O_SGL_ID]
+        slba = le64(q + _O_SLBA)
+        nlb = le16(q + _O_NLB) + 1
+        control = le16(q + _O_CONTROL)
         if (flags & _PSDT_MASK) != _PSDT_SGL or length == 0 or length > self.max_transfer:
             return False
         if opcode == _READ:
@@ -310,8 +385,8 @@ cdef class TcpFastPath:
                 return False
         elif opcode == _WRITE:
             # in-capsule data only (an R2T write waits for its data: Python's), and no FUA
-            if (sgl_id != _SGL_IN_CAPSULE or address != 0 or length > self.inline_size or data is None
-                    or control & _FUA):
+            if (sgl_id != _SGL_IN_CAPSULE or address != 0 or length > self.inline_size or data == NULL
+                    or dlen < length or control & _FUA):
                 return False
         else:
             return False
@@ -341,8 +416,8 @@ cdef class TcpFastPath:
             return False
         return self._write(ns, f.fd, <off_t>(slba << ns.lba_shift), length, cid, data, start)
 
-    cdef object _read(self, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
-                      long long start):
+    cdef bint _read(self, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
+                    long long start) except -1:
         cdef Py_ssize_t total = _DATA_HLEN + length + (0 if self.sqhd_disabled else _RESP_LEN)
         cdef bytes reply = PyBytes_FromStringAndSize(NULL, total)
         cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(reply)
@@ -368,22 +443,15 @@ cdef class TcpFastPath:
         self.served += 1
         return True
 
-    cdef object _write(self, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
-                       object data, long long start):
-        cdef Py_buffer db
+    cdef bint _write(self, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
+                     const unsigned char* data, long long start) except -1:
         cdef Py_ssize_t done = 0, n
-        PyObject_GetBuffer(data, &db, PyBUF_SIMPLE)
-        try:
-            if db.len < length:
-                return False
-            with nogil:
-                while done < length:
-                    n = pwrite(fd, <const char*>db.buf + done, length - done, offset + done)
-                    if n <= 0:
-                        break
-                    done += n
-        finally:
-            PyBuffer_Release(&db)
+        with nogil:
+            while done < length:
+                n = pwrite(fd, data + done, length - done, offset + done)
+                if n <= 0:
+                    break
+                done += n
         if done != length:
             return False  # the Python path writes again and reports the error
         cdef bytes resp = PyBytes_FromStringAndSize(NULL, _RESP_LEN)

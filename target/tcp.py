@@ -15,6 +15,7 @@ from collections import deque
 import structlog
 
 from blockd.tcp_asyncio import OutputBatcher, PduProtocol
+from blockd.tcp_frames import Pdu
 from blockd.tcp_pdu import (
     DataDigestError, FramingError, PduReader, PduWriter, term_req,
 )
@@ -124,6 +125,11 @@ class TcpTargetConnection(PduProtocol):
         self.fast = TcpFastPath(self, INFO.max_transfer) if TcpFastPath is not None else None
         """The compiled Read/Write path (:mod:`target.io_fast`): it answers the capsules it can,
         the queue takes the rest; None in pure mode."""
+        if self.fast is not None:
+            # the event loop calls the compiled receive loop itself (these shadow PduProtocol's):
+            # no Python frame, generator or Pdu per served command (docs/dataplane.md)
+            self.get_buffer = self.fast.get_buffer  # type: ignore[method-assign]
+            self.buffer_updated = self.fast.buffer_updated  # type: ignore[method-assign]
         self.r2t_pending: dict[int, tuple[Request, int]] = {}
         self._next_ttag = 0
         self.local_address = ""
@@ -264,24 +270,12 @@ class TcpTargetConnection(PduProtocol):
         self._timer = asyncio.get_running_loop().call_later(self.limits.pdu_timeout, self._pdu_tick)
 
     def _receive(self, nbytes: int) -> None:
+        """The reference receive loop; with the compiled plane ``TcpFastPath.buffer_updated``
+        runs the same loop in C (and calls ``_take`` for every PDU it does not serve itself)."""
         while True:
             try:
                 for pdu in self.reader.buffer_updated(nbytes):
-                    ptype = pdu.pdu_type
-                    # the reader lets through only the types the state allows (reader.allowed)
-                    if ptype == _CAPSULE_CMD:
-                        fast = self.fast
-                        if fast is None or not fast.submit(pdu.header, pdu.data):
-                            self.queue.submit(pdu.header[_CAPSULE_SQE], pdu.data)
-                        if self.paused:  # the rest stays in the reader until resume_writing
-                            return
-                    elif ptype == _H2C_DATA:
-                        self._h2c_data(pdu.header, pdu.flags)
-                    elif ptype == PduType.IC_REQ:
-                        self._icreq(pdu.header)
-                    else:  # H2CTermReq
-                        self.queue.note_teardown("peer terminated (H2CTermReq)")
-                        self.close()
+                    if not self._take(pdu):
                         return
                 return
             except FramingError as exc:
@@ -292,6 +286,26 @@ class TcpTargetConnection(PduProtocol):
                 if self.transport.is_closing():
                     return
                 nbytes = 0  # the reader skipped the bad PDU; go on with what follows it
+
+    def _take(self, pdu: Pdu) -> bool:
+        """Handle one PDU from the reader; False: take no more now (the connection paused, the
+        rest stays in the reader until resume_writing; or it ends)."""
+        ptype = pdu.pdu_type
+        # the reader lets through only the types the state allows (reader.allowed)
+        if ptype == _CAPSULE_CMD:
+            fast = self.fast
+            if fast is None or not fast.submit(pdu.header, pdu.data):
+                self.queue.submit(pdu.header[_CAPSULE_SQE], pdu.data)
+            return not self.paused
+        if ptype == _H2C_DATA:
+            self._h2c_data(pdu.header, pdu.flags)
+        elif ptype == PduType.IC_REQ:
+            self._icreq(pdu.header)
+        else:  # H2CTermReq
+            self.queue.note_teardown("peer terminated (H2CTermReq)")
+            self.close()
+            return False
+        return True
 
     # -- PDUs from the host ---------------------------------------------------------------------
 

@@ -61,6 +61,9 @@ class CountingTransport(asyncio.Transport):
     def is_closing(self) -> bool:
         return False
 
+    def get_write_buffer_size(self) -> int:
+        return 0
+
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         pass
 
@@ -93,7 +96,7 @@ def feed(conn: target.tcp.TcpTargetConnection, raw: bytes) -> None:
         conn.buffer_updated(n)
 
 
-async def measure(path: Path, ios: int) -> dict[str, float]:
+async def measure(path: Path, ios: int, repeat: int = 1) -> dict[str, float]:
     cfg = parse({"port": [], "subsystem": [{"nqn": NQN, "namespace": [
         {"nsid": 1, "path": str(path), "size": SIZE, "block_size": 512}]}], "control": {"socket": ""}}, "bench")
     service = TargetService(cfg)
@@ -125,12 +128,13 @@ async def measure(path: Path, ios: int) -> dict[str, float]:
                    for i in range(ios)]
         before = io.transport.sent
         t0 = time.process_time()
-        for raw in streams:
-            feed(io, raw)
-            io.out.flush()  # the loop's call_soon, once per receive
+        for _ in range(repeat):
+            for raw in streams:
+                feed(io, raw)
+                io.out.flush()  # the loop's call_soon, once per receive
         elapsed = time.process_time() - t0
-        assert io.transport.sent - before >= ios * 24, "replies missing"
-        out[name] = elapsed / ios * 1e6
+        assert io.transport.sent - before >= repeat * ios * 24, "replies missing"
+        out[name] = elapsed / (repeat * ios) * 1e6
     out["served"] = io.fast.served if io.fast is not None else 0
     await service.stop()
     return out
@@ -140,6 +144,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ios", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--mode", choices=("both", "compiled", "python queue"), default="both",
+                    help="one mode only: for valgrind's instruction counts, taken at two --repeat values")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="feed the same capsules this many times (building them costs more than serving)")
     args = ap.parse_args()
     if target.tcp.TcpFastPath is None:
         sys.exit("the compiled data plane is not in use (BLOCKD_PURE=1 or not built)")
@@ -151,12 +159,17 @@ def main() -> int:
         best: dict[str, dict[str, float]] = {}
         for _ in range(args.rounds):  # interleaved, best of each
             for mode, fast in (("compiled", compiled), ("python queue", None)):
+                if args.mode not in ("both", mode):
+                    continue
                 target.tcp.TcpFastPath = fast
-                got = asyncio.run(measure(path, args.ios))
+                got = asyncio.run(measure(path, args.ios, args.repeat))
                 for k in ("read", "write"):
                     best.setdefault(mode, {})[k] = min(best.get(mode, {}).get(k, 1e9), got[k])
                 best[mode]["served"] = got["served"]
     print(f"target CPU per 4 KiB QD1 I/O (µs, process time, best of {args.rounds} x {args.ios} I/Os)")
+    if args.mode != "both":
+        print(", ".join(f"{k} {best[args.mode][k]:.2f}" for k in ("read", "write")))
+        return 0
     print("| I/O | Python queue | compiled | ratio |\n|---|---|---|---|")
     for k in ("read", "write"):
         py, c = best["python queue"][k], best["compiled"][k]

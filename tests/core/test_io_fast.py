@@ -11,7 +11,9 @@ Flush, R2T writes, unknown opcodes, SQ flow control on and off, digests.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -106,9 +108,22 @@ def _stream(seed: int, count: int) -> list[list[tuple[bytes, bytes]]]:
     return chunks
 
 
-async def _answers(io: RawConn, chunk: list[tuple[bytes, bytes]], digests: bool) -> list[bytes]:
-    """Every PDU the target sends until each command of ``chunk`` completed (R2Ts answered)."""
-    io.send(b"".join(capsule(sqe, data, hdgst=digests, ddgst=digests) for sqe, data in chunk))
+async def _answers(io: RawConn, chunk: list[tuple[bytes, bytes]], digests: bool,
+                   split: random.Random | None) -> list[bytes]:
+    """Every PDU the target sends until each command of ``chunk`` completed (R2Ts answered).
+    With ``split`` the chunk's bytes go out in pieces cut at random points (inside headers,
+    SQEs and data too), each given its own turn of the event loop, so that the target receives
+    them in as many reads: its receive loop then finds capsules whole, in part, and several in
+    one buffer."""
+    raw = b"".join(capsule(sqe, data, hdgst=digests, ddgst=digests) for sqe, data in chunk)
+    if split is None:
+        io.send(raw)
+    else:
+        cuts = sorted(split.sample(range(1, len(raw)), min(len(raw) - 1, split.randrange(1, 12))))
+        for start, end in zip([0, *cuts], [*cuts, len(raw)]):
+            io.send(raw[start:end])
+            await io.writer.drain()
+            await asyncio.sleep(0)
     by_cid = {int.from_bytes(sqe[2:4], "little"): sqe for sqe, _ in chunk}
     got: list[bytes] = []
     done = 0
@@ -135,7 +150,8 @@ def _h2c_with_digests(cid: int, ttag: int, data: bytes) -> bytes:
     return header + crc32c(header).to_bytes(4, "little") + data + crc32c(data).to_bytes(4, "little")
 
 
-def _run(tmp: Path, chunks: list[list[tuple[bytes, bytes]]], cattr: int, dgst: int) -> dict[str, Any]:
+def _run(tmp: Path, chunks: list[list[tuple[bytes, bytes]]], cattr: int, dgst: int,
+         split: int | None = None) -> dict[str, Any]:
     tmp.mkdir()
     rw, ro, rw4k = tmp / "rw.img", tmp / "ro.img", tmp / "rw4k.img"
     fill_file(rw, RW_SIZE, seed=1)
@@ -158,7 +174,8 @@ def _run(tmp: Path, chunks: list[list[tuple[bytes, bytes]]], cattr: int, dgst: i
             resp = await io.recv()
             assert resp is not None and resp.ptype == PduType.CAPSULE_RESP
             assert CQE_FAST.unpack_from(resp.header, 8)[_CQE_STATUS] == 0
-            out["wire"] = [await _answers(io, chunk, dgst != 0) for chunk in chunks]
+            cutter = None if split is None else random.Random(split)
+            out["wire"] = [await _answers(io, chunk, dgst != 0, cutter) for chunk in chunks]
             ctrl = service.target.controllers[cntlid]
             queue = ctrl.queues[1]
             fast = queue.transport.fast
@@ -168,6 +185,7 @@ def _run(tmp: Path, chunks: list[list[tuple[bytes, bytes]]], cattr: int, dgst: i
                                [ctrl.counters] + [n.counters for n in ctrl.subsystem.namespaces.values()]]
             out["error_log"] = list(ctrl.error_log)
             out["sqhd"] = queue.sqhd
+            out["completed"] = queue.transport.reader.completed  # PDUs received (the PDU timeout's clock)
             await io.close()
             await admin.close()
 
@@ -183,15 +201,19 @@ def _comparable(snapshot: dict[str, Any]) -> dict[str, Any]:
 
 
 @compiled_only
-@pytest.mark.parametrize("seed,cattr,dgst", [
-    (1, 0, 0), (2, CATTR_DISABLE_SQFLOW, 0), (3, 0, 0), (4, 0, 3), (5, CATTR_DISABLE_SQFLOW, 0),
+@pytest.mark.parametrize("seed,cattr,dgst,split", [
+    (1, 0, 0, None), (2, CATTR_DISABLE_SQFLOW, 0, None), (3, 0, 0, None), (4, 0, 3, None),
+    (5, CATTR_DISABLE_SQFLOW, 0, None), (6, 0, 0, 60), (7, CATTR_DISABLE_SQFLOW, 0, 70), (8, 0, 3, 80),
 ])
 def test_compiled_path_answers_exactly_as_the_python_queue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           seed: int, cattr: int, dgst: int) -> None:
+                                                           seed: int, cattr: int, dgst: int,
+                                                           split: int | None) -> None:
+    """The compiled receive loop and fast path against the Python ``_receive`` and queue; with
+    ``split`` the streams reach the target in pieces cut at random points."""
     chunks = _stream(seed, 300)
-    fast = _run(tmp_path / "fast", chunks, cattr, dgst)
+    fast = _run(tmp_path / "fast", chunks, cattr, dgst, split)
     monkeypatch.setattr(target.tcp, "TcpFastPath", None)  # every capsule to the Python queue
-    reference = _run(tmp_path / "reference", chunks, cattr, dgst)
+    reference = _run(tmp_path / "reference", chunks, cattr, dgst, split)
     assert reference["served"] == 0
     if dgst:
         assert fast["served"] == 0  # digests are left to the Python path
@@ -202,7 +224,7 @@ def test_compiled_path_answers_exactly_as_the_python_queue(tmp_path: Path, monke
             assert got_pdu[:96] == want_pdu[:96] and got_pdu == want_pdu, (
                 f"chunk {i}, PDU {pdu}: commands {[sqe.hex() for sqe, _ in chunks[i]]}")
         assert len(got) == len(want), f"chunk {i}"
-    for key in ("files", "counters", "error_log", "in_flight", "sqhd"):
+    for key in ("files", "counters", "error_log", "in_flight", "sqhd", "completed"):
         assert fast[key] == reference[key], key
     assert fast["in_flight"] == (0, [0, 0, 0])
 
@@ -289,5 +311,30 @@ def test_a_full_command_pool_is_left_to_the_python_queue(tmp_path: Path) -> None
             status, _, cid, data = await io.command(read)
             assert (cid, status, data) == (99, to_wire(Status.COMMAND_SEQUENCE_ERROR), b"")
             assert queue.transport.fast.served == 0
+
+    run(main(), timeout=30)
+
+
+def test_in_capsule_data_beyond_the_queue_size_is_a_framing_error(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write whose capsule carries more data than the queue takes in a capsule ends the
+    connection (Data Transfer Out of Range) even when its SGL asks for no more than that and the
+    whole capsule is in the receive buffer, where the compiled receive loop would serve it: the
+    refusal is the reader's ``place`` callback's, which that loop does not call, so it applies
+    the queue's size itself. (A 4 KiB queue size: at 128 KiB such a capsule never fits the
+    reader's 64 KiB staging whole.)"""
+    monkeypatch.setattr(target.tcp.TcpTargetConnection, "info", dataclasses.replace(target.tcp.INFO, io_inline=4096))
+
+    async def main() -> None:
+        async with _small_target(tmp_path) as (service, io, cntlid):
+            await io.connect_io(cntlid)
+            before = (tmp_path / "vol.img").read_bytes()
+            write = build_sqe(IoOpcode.WRITE, 5, nsid=1, dptr=build_sgl_data_block(SglId.DATA_BLOCK_OFFSET, 0, 512))
+            io.send(capsule(write, b"\x01" * 8192))
+            term = await io.recv()
+            assert term is not None and term.ptype == PduType.C2H_TERM_REQ
+            assert await io.closed()
+            assert (tmp_path / "vol.img").read_bytes() == before
+            assert service.target.rejections.counts["incapsule_too_large"] == 1
 
     run(main(), timeout=30)
