@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+import initiator.controller as controller_module
 from initiator.controller import MAX_ATTEMPTS, TRANSPORTS, Controller
 from initiator.errors import ConnectError, NvmeError, QueueLost
 from initiator.params import ConnectParams
@@ -340,14 +341,19 @@ def test_reconnect_gives_up_after_ctrl_loss_tmo() -> None:
 # -- timeouts ----------------------------------------------------------------------------------
 
 
-def test_timeout_sweep_fails_the_late_command_and_retries_the_rest() -> None:
+def test_timeout_sweep_fails_the_late_command_and_retries_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A sweep every 50 ms: the late command (deadline 1.0 s) is failed by 1.05 s, well before the
+    # other's deadline (1.4 s), however the sweep's phase falls. With the default 0.5 s sweep and
+    # deadlines 0.2 s apart, a sweep late in its period caught both (seen failing under load).
+    monkeypatch.setattr(controller_module, "TIMEOUT_SWEEP", 0.05)
+
     async def main() -> None:
         target = FakeTarget("t")
-        ctrl = await connect(target, command_timeout=0.3)
+        ctrl = await connect(target, command_timeout=1.0)
         io = target.io
         late, other = Done(), Done()
         ctrl.submit_io(read_sqe(1), None, memoryview(bytearray(BLOCK)), late)
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.4)
         ctrl.submit_io(read_sqe(2), None, memoryview(bytearray(BLOCK)), other)
         await until(lambda: bool(late.calls), timeout=3)
         [exc] = late.calls

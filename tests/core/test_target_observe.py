@@ -174,7 +174,9 @@ def test_blockctl_target_verbs(tmp_path: Path) -> None:
     (total,) = written
     assert 0 < n1["ops"]["write"] <= total and n1["bytes"]["write"] == n1["ops"]["write"] * 4096
     assert 0.9 < n1["iops"]["write"] / n1["ops"]["write"] < 1.1  # over one second
-    assert n1["p99_latency_us"] >= n1["mean_latency_us"] > 0
+    # both measured; no order between them: one stall of the loaded machine can lift the mean
+    # above the p99 bucket (seen in CI)
+    assert n1["p99_latency_us"] > 0 and n1["mean_latency_us"] > 0
     # the counters at the interval's end (the loop wrote on until the child had exited)
     assert n1["ops"]["write"] <= _by(stats["totals"]["namespaces"], "nsid", 1)["ops"]["write"] <= total
 
