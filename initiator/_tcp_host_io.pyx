@@ -19,6 +19,7 @@ from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
 from blockd._le cimport le16, le32, st32
+from initiator._queue cimport HostCommand, HostQueue
 
 from blockd.tcp_pdu import DataDigestError, FramingError, term_req
 from initiator.errors import QueueLost
@@ -107,7 +108,7 @@ cdef class TcpHostIo:
     """See :class:`initiator.tcp_host_io.TcpHostIo`: the fields are C fields here, set by the
     subclass as there."""
 
-    cdef public object queue
+    cdef public HostQueue queue
     cdef public object reader
     cdef public object writer
     cdef public object out
@@ -123,7 +124,7 @@ cdef class TcpHostIo:
 
     # -- sending ------------------------------------------------------------------------------
 
-    def submit(self, cmd):
+    def submit(self, HostCommand cmd):
         """Send ``cmd`` (see the reference)."""
         cdef Py_ssize_t length
         cdef int sgl_id = _TRANSPORT
@@ -132,7 +133,7 @@ cdef class TcpHostIo:
         cdef bytes capsule
         if self.closed:
             raise QueueLost("connection closed")
-        self.queue.start(cmd)
+        self.queue._start(cmd)
         cdef bytearray sqe = cmd.sqe
         out = cmd.data_out
         if out is None:
@@ -199,7 +200,7 @@ cdef class TcpHostIo:
                 bad_data = exc.header
                 nbytes = 0
 
-    def _response(self, header):
+    cdef _response(self, header):
         cdef Py_buffer view
         cdef const uint8_t* p
         cdef uint32_t dw0, dw1
@@ -215,10 +216,12 @@ cdef class TcpHostIo:
             wire = le16(p + _O_STATUS)
         finally:
             PyBuffer_Release(&view)
-        cmd = self.queue.finish(cid)
+        cdef HostCommand cmd = self.queue._finish(cid)
         if cmd is None:
             raise FramingError(_INVALID_FIELD, FEI_RESP_CID, f"completion for unknown command id {cid}", bytes(header))
-        status = from_wire(wire) or cmd.status  # a read's data digest error stands
+        status = from_wire(wire) if wire else 0
+        if not status:
+            status = cmd.status  # a read's data digest error stands
         if status == 0:
             data_in = cmd.data_in
             if data_in is not None and cmd.transferred != len(data_in):
@@ -226,7 +229,7 @@ cdef class TcpHostIo:
         cmd.status = status
         cmd.dw0 = dw0
         cmd.dw1 = dw1
-        cmd.complete()
+        cmd._done(None)
 
     def _place(self, int ptype, header, Py_ssize_t length):
         """C2HData lands in the command's own buffer, at the offset it must come next."""
@@ -235,7 +238,7 @@ cdef class TcpHostIo:
         if ptype != _C2H_DATA:
             return None
         _data_header(header, &h)
-        cmd = self.queue.pending.get(h.cid)
+        cdef HostCommand cmd = self.queue._get(h.cid)
         dest = None if cmd is None else cmd.data_in
         if dest is None:
             raise FramingError(_INVALID_FIELD, FEI_CCCID, f"C2HData for unknown command id {h.cid}", bytes(header))
@@ -244,30 +247,32 @@ cdef class TcpHostIo:
             raise FramingError(_OUT_OF_RANGE, FEI_DATAO, "C2HData outside the command's buffer", bytes(header))
         return dest if h.datal == size else dest[h.datao:h.datao + h.datal]  # one PDU: no new view
 
-    def _c2h_data(self, header, int status=0):
+    cdef _c2h_data(self, header, int status=0):
         """C2HData whose data ``_place`` already put in the command's buffer (see the reference)."""
         cdef DataHeader h
         _data_header(header, &h)
-        queue = self.queue
-        cmd = queue.pending[h.cid]
+        cdef HostQueue queue = self.queue
+        cdef HostCommand cmd = queue._get(h.cid)
+        if cmd is None:  # as the reference
+            raise KeyError(h.cid)
         cmd.transferred += h.datal
         if status:
             cmd.status = status
         if h.flags & _SUCCESS:
             if not h.flags & _LAST_PDU:
                 raise FramingError(_INVALID_FIELD, FEI_FLAGS, "SUCCESS without LAST_PDU", bytes(header))
-            queue.finish(h.cid)
+            queue._finish(h.cid)
             if cmd.transferred != len(cmd.data_in):
                 cmd.status = _DATA_TRANSFER_ERROR
-            cmd.complete()
+            cmd._done(None)
 
-    def _r2t(self, header):
+    cdef _r2t(self, header):
         """Send the data an R2T asks for, each byte at most once (see the reference)."""
         cdef DataHeader h
         cdef Py_ssize_t offset, end, n, chunk
         cdef int last
         _data_header(header, &h)
-        cmd = self.queue.pending.get(h.cid)
+        cdef HostCommand cmd = self.queue._get(h.cid)
         out = None if cmd is None else cmd.data_out
         if out is None or len(out) <= self.inline_limit:  # a read, or its data went in the capsule
             raise FramingError(_INVALID_FIELD, FEI_CCCID, f"R2T for command id {h.cid}, which has no data to ask for",

@@ -26,11 +26,11 @@ from typing import Any, Awaitable, Callable, Protocol
 
 import structlog
 
+from blockd.dataplane import COMPILED
 from blockd.iostats import KIND_BY_OPCODE, IoCounters
 from initiator.auth import AuthFailed, HostAuth
 from initiator.errors import ConnectError, NvmeError, QueueLost
 from initiator.params import ConnectParams
-from initiator.queue import HostCommand, HostQueue
 from protocol.commands import (
     async_event_request_command, auth_receive_command, auth_send_command, connect_command, connect_data, describe_command, dsm_command,
     flush_command, get_log_page_command, identify_command, keep_alive_command, property_get_command,
@@ -54,6 +54,18 @@ __all__ = ["ConnectError", "ConnectParams", "Controller", "IoDone", "NamespaceIn
            "discover"]
 
 log = structlog.get_logger("blockd.initiator")
+
+if COMPILED:
+    try:
+        from initiator._queue import HostCommand, HostQueue
+    except ImportError as exc:  # built with blockd's other extensions; a half-built tree runs Python here
+        log.warning("compiled host queue not built; the Python one runs", error=str(exc))
+        from initiator.queue import HostCommand, HostQueue
+else:
+    from initiator.queue import HostCommand, HostQueue
+"""The command and queue every connection of this controller uses: the compiled pair
+(``initiator/_queue.pyx``) or its Python reference (:mod:`initiator.queue`), never a mix."""
+
 _OPCODE = field_offset(SQE, "opcode")
 
 ADMIN_DEPTH = 32

@@ -3,6 +3,10 @@
 Command ids, the commands in flight and their completion are tracked here; transports only
 turn :class:`HostCommand` objects into wire units and feed completions back. Waiting for a
 free command id is the controller's business (it parks commands until one completes).
+
+This is the Python reference; ``initiator/_queue.pyx`` is its compiled twin, which
+:mod:`initiator.controller` uses when the data plane is compiled
+(``tests/core/test_host_queue_differential.py`` drives both the same way).
 """
 
 from __future__ import annotations
@@ -102,6 +106,10 @@ class HostQueue:
         cmd.transferred = 0
         cmd.status = 0  # a transport may mark a failure (a read's bad data digest) before the completion
         self.pending[cid] = cmd
+
+    def get(self, cid: int) -> HostCommand | None:
+        """The command in flight under ``cid``, None for a free or unknown id."""
+        return self.pending.get(cid)
 
     def finish(self, cid: int) -> HostCommand | None:
         """Forget ``cid``; returns its command, or None for an unknown/stale id."""

@@ -370,7 +370,7 @@ class RdmaHostConnection:
         dw0, dw1, _, _, cid, status = _unpack_cqe(rslot.view)
         self.qp.post_recvs([((_RECV << _KIND_SHIFT) | idx, *rslot.sge())])
         st = self.slots[cid] if cid < len(self.slots) else None
-        if st is None or st.cmd is None or st.resp is not None or self.queue.pending.get(cid) is not st.cmd:
+        if st is None or st.cmd is None or st.resp is not None or self.queue.get(cid) is not st.cmd:
             raise ConnectionError(f"completion for unknown command id {cid}")
         st.resp = (from_wire(status), dw0, dw1)
         if wc.wc_flags & _WITH_INV:

@@ -136,7 +136,7 @@ class TcpHostIo:
         if ptype != _C2H_DATA:
             return None
         _, _, _, _, _, cid, _, datao, datal = _unpack_data_header(header)
-        cmd = self.queue.pending.get(cid)
+        cmd = self.queue.get(cid)
         dest = None if cmd is None else cmd.data_in
         if dest is None:
             raise FramingError(_INVALID_FIELD, FEI_CCCID, f"C2HData for unknown command id {cid}", bytes(header))
@@ -151,7 +151,9 @@ class TcpHostIo:
         it still land where they belong)."""
         _, flags, _, _, _, cid, _, _, datal = _unpack_data_header(header)
         queue = self.queue
-        cmd = queue.pending[cid]
+        cmd = queue.get(cid)
+        if cmd is None:  # its data was placed, so only a command failed meanwhile (timed out)
+            raise KeyError(cid)
         cmd.transferred += datal
         if status:
             cmd.status = status
@@ -168,7 +170,7 @@ class TcpHostIo:
         leaves at most once (as the Linux host checks), so a target repeating R2Ts cannot make
         us send, or buffer in the transport, more than the command's own data."""
         _, _, _, _, _, cid, ttag, offset, length = _unpack_data_header(header)
-        cmd = self.queue.pending.get(cid)
+        cmd = self.queue.get(cid)
         out = None if cmd is None else cmd.data_out
         if out is None or len(out) <= self.inline_limit:  # a read, or its data went in the capsule
             raise FramingError(_INVALID_FIELD, FEI_CCCID, f"R2T for command id {cid}, which has no data to ask for",

@@ -29,10 +29,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from blockd.dataplane import DATA_PLANE  # noqa: E402
 from blockd.tcp_pdu import PduWriter  # noqa: E402
-from initiator.controller import ConnectParams, Controller, NamespaceInfo  # noqa: E402
+from initiator.controller import ConnectParams, Controller, HostQueue, NamespaceInfo  # noqa: E402
 from initiator.fuse.abi import IN_HEADER, READ, RW_IN, WRITE  # noqa: E402
 from initiator.fuse.session import FuseSession  # noqa: E402
-from initiator.queue import HostQueue  # noqa: E402
 from initiator.tcp import TcpHostConnection  # noqa: E402
 from protocol.nvme import CQE_FAST  # noqa: E402
 from protocol.tcp import PduFlags, PduType  # noqa: E402

@@ -112,7 +112,7 @@ class FakeTarget:
         return [c for c in self.conns if c.queue.qid][-1]
 
     def answer_admin(self, conn: FakeConnection, cmd: HostCommand) -> None:
-        if conn.closed or conn.queue.pending.get(cmd.cid) is not cmd:
+        if conn.closed or conn.queue.get(cmd.cid) is not cmd:
             return
         opcode = SQE_FAST.as_dict(cmd.sqe)["opcode"]
         dw0 = 0

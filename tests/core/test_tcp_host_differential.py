@@ -14,8 +14,7 @@ import pytest
 
 from blockd.tcp_asyncio import PduProtocol
 from blockd.tcp_pdu import PduWriter
-from initiator import tcp_host_io
-from initiator.queue import HostCommand, HostQueue
+from initiator import queue as py_queue, tcp_host_io
 from initiator.tcp import TcpHostConnection
 from protocol.commands import read_command, write_command
 from protocol.nvme import CQE_FAST
@@ -24,6 +23,7 @@ from protocol.layout import field_offset
 from protocol.tcp import DATA_PDU_HEADER, PduFlags, PduType
 
 _compiled = pytest.importorskip("initiator._tcp_host_io", reason="compiled data plane not built")
+_compiled_queue = pytest.importorskip("initiator._queue", reason="compiled data plane not built")
 
 _OWN = {k: v for k, v in TcpHostConnection.__dict__.items() if k not in ("__dict__", "__weakref__", "__doc__")}
 """The connection's own methods, put on each twin below (whichever base the module picked)."""
@@ -31,6 +31,8 @@ CONNECTIONS = {
     "python": type("PythonConnection", (tcp_host_io.TcpHostIo, PduProtocol), dict(_OWN)),
     "compiled": type("CompiledConnection", (_compiled.TcpHostIo, PduProtocol), dict(_OWN)),
 }
+QUEUES = {"python": py_queue, "compiled": _compiled_queue}
+"""Each twin with its own command and queue classes, as the controller pairs them."""
 BS = 512
 _DATAL = field_offset(DATA_PDU_HEADER, "datal")
 
@@ -105,6 +107,7 @@ def _run(kind: str, seed: int) -> dict[str, Any]:
     digests = rng.random() < 0.3
     cmds = _commands(rng)
     ended: list[str] = []
+    HostCommand, HostQueue = QUEUES[kind].HostCommand, QUEUES[kind].HostQueue
     conn = CONNECTIONS[kind](HostQueue(1, 16), lambda _, exc: ended.append(str(exc)))
     conn.out = _Out()
     conn.maxh2cdata = rng.choice([4096, 8192])
