@@ -171,7 +171,21 @@ cdef class TcpHostIo:
 
     # -- receiving ------------------------------------------------------------------------------
 
-    def _receive(self, Py_ssize_t nbytes):
+    def get_buffer(self, Py_ssize_t sizehint):
+        """``PduProtocol.get_buffer``, without a Python frame per receive."""
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, Py_ssize_t nbytes):
+        """``PduProtocol.buffer_updated`` (the reference's receive step; this class comes first
+        in the connection's bases): what handling ``nbytes`` sends leaves in one send."""
+        out = self.out
+        out.hold()
+        try:
+            self._receive(nbytes)
+        finally:
+            out.release()
+
+    cdef int _receive(self, Py_ssize_t nbytes) except -1:
         cdef object bad_data = None
         cdef object pdu
         cdef int ptype
@@ -189,12 +203,12 @@ cdef class TcpHostIo:
                     elif ptype == _R2T:
                         self._r2t(pdu[2])
                     elif self._control(pdu):
-                        return
-                return
+                        return 0
+                return 0
             except FramingError as exc:
                 self.out.send([term_req(_H2C_TERM_REQ, exc.fes, exc.fei, exc.header)])
                 self._fail(ConnectionError(f"protocol error from target: {exc}"))
-                return
+                return 0
             except DataDigestError as exc:
                 # As the Linux host (see the reference).
                 bad_data = exc.header
