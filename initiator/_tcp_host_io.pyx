@@ -7,7 +7,9 @@ sent as the Python reference, which ``tests/core/test_tcp_host_differential.py``
 with; the hostile-target suite runs against whichever is in use. What changes is the cost per
 PDU: header fields are read through a pointer rather than unpacked into a tuple, the SGL is
 written into the SQE in place, and without digests the capsule's common header and SQE are built
-as one ``bytes`` (the writer's general path stays for digests).
+as one ``bytes`` (the writer's general path stays for digests). The connection's queue and
+commands are the compiled ones (``initiator/_queue.pxd``): ids are taken, looked up and freed,
+and a completion's status, DW0/DW1 and callback set and run, with C calls.
 
 Offsets, types, flags and statuses come from ``protocol/`` at import (bound to C variables below).
 """
