@@ -13,7 +13,9 @@ flight a preallocated slot list indexed by id (no deque, no dict insert and pop)
 stored into the SQE through a pointer, and ``complete``/``fail`` are C methods. ``pending`` is
 built on demand for the rare readers (metrics, tests); the per-I/O lookup is ``get``.
 
-The id's offset in the SQE comes from ``protocol.commands`` at import.
+The id's and the opcode's offsets in the SQE come from ``protocol/`` at import, the opcode ->
+kind table from ``blockd.iostats`` (``count``: the completion's counters, the last Python
+block of the controller's steady-state completion).
 """
 
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
@@ -24,10 +26,21 @@ from blockd._le cimport st16
 
 import math
 
+from blockd.iostats import KIND_BY_OPCODE
 from protocol.commands import SQE_CID_OFFSET
-from protocol.nvme import SQE_FAST
+from protocol.layout import field_offset
+from protocol.nvme import SQE, SQE_FAST
 
 cdef Py_ssize_t _O_CID = SQE_CID_OFFSET
+cdef Py_ssize_t _O_OPCODE = field_offset(SQE, "opcode")
+cdef uint8_t _KIND[256]
+for _op, _kind in enumerate(KIND_BY_OPCODE):
+    _KIND[_op] = _kind
+if len(KIND_BY_OPCODE) != 256:
+    raise ImportError("blockd.iostats.KIND_BY_OPCODE is not one kind per opcode byte")
+cdef double _MAX_C_SECONDS = 9e9
+"""Latencies below this (in seconds) are counted in C integers; longer ones (never in practice)
+as Python integers, as the reference does, rather than overflow."""
 
 
 cdef class HostCommand:
@@ -60,6 +73,38 @@ cdef class HostCommand:
     @property
     def finished(self):
         return self.on_done is None
+
+    def count(self, counters, double now, double timeout):
+        """See the reference: the same adds into ``counters``' lists, done from C."""
+        cdef double elapsed = now + timeout - self.deadline
+        cdef long long ns = 0
+        cdef long long v
+        cdef int bucket = 0
+        cdef int kind
+        cdef bytearray sqe = self.sqe
+        if PyByteArray_GET_SIZE(sqe) <= _O_OPCODE:
+            raise IndexError("bytearray index out of range")  # as the reference's sqe[offset]
+        kind = _KIND[<uint8_t>PyByteArray_AS_STRING(sqe)[_O_OPCODE]]
+        data = self.data_in if self.data_in is not None else self.data_out
+        ops = counters.ops
+        ops[kind] += 1
+        if data is not None:
+            nbytes = counters.bytes
+            nbytes[kind] += len(data)
+        if elapsed >= _MAX_C_SECONDS:
+            big = int(elapsed * 1e9)
+            counters.latency_ns += big
+            counters.buckets[(big >> 10).bit_length()] += 1
+            return
+        if elapsed > 0:
+            ns = <long long>(elapsed * 1e9)
+        v = ns >> 10
+        while v:
+            bucket += 1
+            v >>= 1
+        counters.latency_ns += ns
+        buckets = counters.buckets
+        buckets[bucket] += 1
 
     def complete(self):
         """The target answered (with any status); runs ``on_done`` once."""

@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Protocol
 import structlog
 
 from blockd.dataplane import COMPILED
-from blockd.iostats import KIND_BY_OPCODE, IoCounters
+from blockd.iostats import IoCounters
 from initiator.auth import AuthFailed, HostAuth
 from initiator.errors import ConnectError, NvmeError, QueueLost
 from initiator.params import ConnectParams
@@ -46,8 +46,7 @@ from protocol.identify import (
     ACTIVE_NS_LIST, IDENTIFY_CONTROLLER, IDENTIFY_NAMESPACE, IDENTIFY_SIZE,
 )
 from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_ENTRY_SIZE, DISCOVERY_HEADER, DISCOVERY_HEADER_SIZE
-from protocol.layout import field_offset
-from protocol.nvme import DSM_ATTR_DEALLOCATE, DSM_RANGE_FAST, SQE
+from protocol.nvme import DSM_ATTR_DEALLOCATE, DSM_RANGE_FAST
 from protocol.status import Status
 
 __all__ = ["ConnectError", "ConnectParams", "Controller", "IoDone", "NamespaceInfo", "NvmeError", "QueueLost",
@@ -66,7 +65,6 @@ else:
 """The command and queue every connection of this controller uses: the compiled pair
 (``initiator/_queue.pyx``) or its Python reference (:mod:`initiator.queue`), never a mix."""
 
-_OPCODE = field_offset(SQE, "opcode")
 
 ADMIN_DEPTH = 32
 CC_ENABLE = CC_IOCQES_16 | CC_IOSQES_64 | CC_EN
@@ -528,19 +526,10 @@ class Controller:
             exc = NvmeError(cmd.status, describe_command(cmd.sqe, cmd.admin), cmd.dw0)
         if not cmd.admin:
             # The send time is the deadline less the timeout, so this is the one clock read
-            # added; a command failed before it was ever sent has an infinite deadline.
-            elapsed = self._loop.time() + cmd.timeout - cmd.deadline
-            elapsed_ns = int(elapsed * 1e9) if elapsed > 0 else 0
-            kind = KIND_BY_OPCODE[cmd.sqe[_OPCODE]]
-            data = cmd.data_in if cmd.data_in is not None else cmd.data_out
-            counters = self.counters
-            counters.ops[kind] += 1
-            if data is not None:
-                counters.bytes[kind] += len(data)
-            counters.latency_ns += elapsed_ns
-            counters.buckets[(elapsed_ns >> 10).bit_length()] += 1
+            # added (see HostCommand.count).
+            cmd.count(self.counters, self._loop.time(), cmd.timeout)
             if exc is not None:
-                counters.add_error(cmd.status or type(exc).__name__)
+                self.counters.add_error(cmd.status or type(exc).__name__)
         if self._parked_io or self._parked_admin:
             self._unpark()
         cmd.done(exc)

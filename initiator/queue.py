@@ -16,10 +16,13 @@ import math
 import struct
 from typing import Callable
 
+from blockd.iostats import KIND_BY_OPCODE, IoCounters
 from protocol.commands import SQE_CID_OFFSET
-from protocol.nvme import SQE_FAST
+from protocol.layout import field_offset
+from protocol.nvme import SQE, SQE_FAST
 
 _pack_cid_into = struct.Struct("<H").pack_into
+SQE_OPCODE_OFFSET = field_offset(SQE, "opcode")
 
 
 class HostCommand:
@@ -71,6 +74,22 @@ class HostCommand:
     @property
     def finished(self) -> bool:
         return self.on_done is None
+
+    def count(self, counters: IoCounters, now: float, timeout: float) -> None:
+        """Count this completed I/O command in ``counters`` (blockd.iostats): its kind, its
+        bytes, and its latency from the last send (``deadline`` less ``timeout``) to ``now``,
+        in event-loop time; a command that never went out (infinite deadline) counts 0 ns.
+        Here rather than in the controller so that the compiled twin does it in C: it was
+        ~5.6k of the ~50k instructions per 4 KiB FUSE read as Python."""
+        elapsed = now + timeout - self.deadline
+        elapsed_ns = int(elapsed * 1e9) if elapsed > 0 else 0
+        kind = KIND_BY_OPCODE[self.sqe[SQE_OPCODE_OFFSET]]
+        data = self.data_in if self.data_in is not None else self.data_out
+        counters.ops[kind] += 1
+        if data is not None:
+            counters.bytes[kind] += len(data)
+        counters.latency_ns += elapsed_ns
+        counters.buckets[(elapsed_ns >> 10).bit_length()] += 1
 
     def complete(self) -> None:
         """The target answered (with any status); runs ``on_done`` once."""

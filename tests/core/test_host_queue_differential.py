@@ -1,8 +1,9 @@
 """The compiled host command and queue (``initiator/_queue.pyx``) against their Python reference
 (``initiator/queue.py``): the same random sequences of start, finish (of ids in flight, already
-finished and never given), get, complete, fail, expire and take_all must hand out the same
-command ids, write the same SQE bytes, return the same commands, run the same callbacks once
-with the same fields, and leave the same commands in flight in the same order."""
+finished and never given), get, complete, fail, expire, take_all and count must hand out the
+same command ids, write the same SQE bytes, return the same commands, run the same callbacks once
+with the same fields, count the same I/O, and leave the same commands in flight in the same
+order."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from blockd.iostats import IoCounters
 from initiator import queue as py_queue
-from protocol.commands import read_command, write_command
+from protocol.commands import flush_command, read_command, write_command, write_zeroes_command
 
 _compiled = pytest.importorskip("initiator._queue", reason="compiled data plane not built")
 
@@ -26,6 +28,7 @@ def _run(mod: ModuleType, seed: int) -> list[Any]:
     cmds: list[Any] = []
     index: dict[int, int] = {}
     seen: list[Any] = []
+    counters = IoCounters()
     given: list[int] = []  # every id handed out, in order (finished ones stay: stale ids)
 
     def name(cmd: Any) -> int | None:
@@ -43,8 +46,12 @@ def _run(mod: ModuleType, seed: int) -> list[Any]:
     for _ in range(rng.randrange(1, 120)):
         op = rng.random()
         if op < 0.4:
-            sqe = (write_command if rng.random() < 0.5 else read_command)(1, rng.randrange(1 << 20), rng.randrange(8))
-            cmd = mod.HostCommand(sqe, None, None, on_done, deadline=rng.choice([1.0, 2.0, 3.0, float("inf")]))
+            sqe = rng.choice([write_command, read_command, write_zeroes_command])(1, rng.randrange(1 << 20), rng.randrange(8))
+            if rng.random() < 0.1:
+                sqe = flush_command(1)
+            data = rng.choice([None, b"", memoryview(bytearray(rng.choice([512, 4096, 131072])))])
+            out, into = (data, None) if rng.random() < 0.5 else (None, data)
+            cmd = mod.HostCommand(sqe, out, into, on_done, deadline=rng.choice([1.0, 2.0, 3.0, 1e12, float("inf")]))
             cmd.status, cmd.transferred = 0x4004, 512  # start resets both
             index[id(cmd)] = len(cmds)
             cmds.append(cmd)
@@ -75,6 +82,10 @@ def _run(mod: ModuleType, seed: int) -> list[Any]:
             seen.append(("expired", now, [name(c) for c in q.expired(now)]))
         elif op < 0.95:
             seen.append(("take_all", [name(c) for c in q.take_all()], q.has_room))
+        elif cmds:  # the completion's counters: latency from deadline less timeout to now
+            rng.choice(cmds).count(counters, rng.choice([0.0, 1.0, 2.9999, 3.0, 5e8, 9.1e9]),
+                                   rng.choice([0.0, 0.5, 1e-6, 2.0, 30.0]))
+            seen.append(("counters", counters.snapshot()))
         seen.append(("pending", [(cid, name(c)) for cid, c in q.pending.items()]))
     return seen
 
@@ -93,6 +104,9 @@ def test_the_sequences_reach_every_outcome() -> None:
     assert any(e[0] == "finish" and e[2] is not None for e in events)
     assert any(e[0] == "expired" and e[2] for e in events)
     assert any(e[0] == "take_all" and len(e[1]) > 1 for e in events)
+    last = [[e[1] for e in r if e[0] == "counters"][-1] for r in runs if any(e[0] == "counters" for e in r)]
+    assert all(any(c["ops"][k] for c in last) for k in ("read", "write", "flush", "other"))
+    assert any(c["latency_ns"] > 10 ** 18 for c in last) and any(c["bytes"]["read"] for c in last)
     reused = [r for r in runs if len([e for e in r if e[0] == "start"]) > len({e[1] for e in r if e[0] == "start"})]
     assert reused
 
