@@ -2,8 +2,8 @@
 """The compiled twin of :mod:`initiator.queue`: a host command and one queue's command ids.
 
 Same behaviour as the Python reference (``tests/core/test_host_queue_differential.py`` drives
-both with the same random start/finish/complete/fail/expire/take_all sequences and compares
-every id, SQE, returned command and callback): ids are handed out oldest-freed first (a FIFO,
+both with the same random start/finish/complete/fail/expire/take_all/count sequences and
+compares every id, SQE, returned command, callback and counter): ids are handed out oldest-freed first (a FIFO,
 so an id just finished is the last to be reused and a late answer for it finds nothing),
 ``take_all`` and ``expired`` list commands in the order they were started.
 
@@ -34,10 +34,10 @@ from protocol.nvme import SQE, SQE_FAST
 cdef Py_ssize_t _O_CID = SQE_CID_OFFSET
 cdef Py_ssize_t _O_OPCODE = field_offset(SQE, "opcode")
 cdef uint8_t _KIND[256]
-for _op, _kind in enumerate(KIND_BY_OPCODE):
-    _KIND[_op] = _kind
 if len(KIND_BY_OPCODE) != 256:
     raise ImportError("blockd.iostats.KIND_BY_OPCODE is not one kind per opcode byte")
+for _op, _kind in enumerate(KIND_BY_OPCODE):
+    _KIND[_op] = _kind
 cdef double _MAX_C_SECONDS = 9e9
 """Latencies below this (in seconds) are counted in C integers; longer ones (never in practice)
 as Python integers, as the reference does, rather than overflow."""
