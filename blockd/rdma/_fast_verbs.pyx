@@ -142,6 +142,9 @@ LAYOUT = {
 }
 """Sizes and offsets of the structures used here, as the C compiler laid them out."""
 
+cdef object _new_tuple = tuple.__new__  # looked up once: a Wc per completion without Wc.__new__
+
+
 cdef inline str _rc_text(int rc):
     return strerror(rc).decode() if rc > 0 else str(rc)
 
@@ -224,7 +227,7 @@ cdef class FastCQ:
                 raise OSError(-n, "ibv_poll_cq failed")
             for k in range(n):
                 w = &self.wc[k]
-                out.append(tuple.__new__(Wc, (
+                out.append(_new_tuple(Wc, (
                     w.wr_id, w.status, w.opcode, w.vendor_err, w.byte_len, w.imm_data, w.qp_num,
                     w.src_qp, w.wc_flags, w.pkey_index, w.slid, w.sl, w.dlid_path_bits)))
             if n < batch:

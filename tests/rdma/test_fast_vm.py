@@ -49,11 +49,18 @@ class Side:
         qp.post_recvs([(100 + s.index, *s.sge()) for s in self.recv.slots])
 
     async def wc(self, wr_id: int):
+        """The first completion of ``wr_id``, once it is there."""
         while True:
             for w in self.wcs:
                 if w.wr_id == wr_id:
                     assert w.status == 0, w
                     return w
+            self.arrived.clear()
+            await asyncio.wait_for(self.arrived.wait(), 20)
+
+    async def count(self, n: int) -> None:
+        """Until ``n`` completions arrived."""
+        while len(self.wcs) < n:
             self.arrived.clear()
             await asyncio.wait_for(self.arrived.wait(), 20)
 
@@ -111,14 +118,15 @@ async def _pair_run(impl, port: int) -> list:
     assert (await server.wc(4)).byte_len == PAYLOAD
     assert bytes(back.view[:PAYLOAD]) == pattern
 
-    # the receive chain reposted, then every receive used once more
-    server.post_recvs(server.qp)
+    # the used receive reposted (as the target does), then every posted receive used, in order
+    server.qp.post_recvs([(100, *server.recv.slots[0].sge())])
     for i in range(N_RECV):
         note.view[:4] = i.to_bytes(4, "little")
         client.qp.post_sends([(10 + i, WR_SEND, SEND_SIGNALED, *note.sge(4), 0, 0, 0)])
         await client.wc(10 + i)
-    for i in range(1, N_RECV):
-        await server.wc(100 + i)
+    await server.count(3 + N_RECV)
+    assert [bytes(server.recv.slots[(i + 1) % N_RECV].view[:4]) for i in range(N_RECV)] == \
+        [i.to_bytes(4, "little") for i in range(N_RECV)]
     # every batch came through the channel: events taken and, fewer than ACK_EVERY, not yet
     # acknowledged (the CQs' close acknowledges them; ibv_destroy_cq would hang otherwise)
     assert server.cq.fast.unacked > 0 and client.cq.fast.unacked > 0
@@ -144,7 +152,7 @@ def test_rc_pair_through_both_fast_paths(rxe_pair, monkeypatch):
         runs.append(asyncio.run(asyncio.wait_for(_pair_run(impl, PORT + k), 150)))
         verbs.close_devices()  # the CQs' close takes the last events and acknowledges them all
     server, client = runs[0]
-    assert [w[0] for w in server] == [1, 100, 4, *range(101, 100 + N_RECV)]
+    assert [w[0] for w in server] == [1, 100, 4, *range(101, 100 + N_RECV), 100]
     assert [w[0] for w in client] == [100, 3, *range(10, 10 + N_RECV)]
     assert runs[1] == runs[0]
 
