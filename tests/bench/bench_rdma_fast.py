@@ -10,6 +10,12 @@ system call) comes on top, the same for both. Not a test (pytest does not collec
 Run:
 
     .venv/bin/python tests/bench/bench_rdma_fast.py [--seconds 0.2]
+    valgrind --tool=callgrind --collect-atstart=no --callgrind-out-file=/tmp/cg.%p \
+        .venv/bin/python tests/bench/bench_rdma_fast.py --callgrind 2000
+
+``--callgrind N`` times nothing: it runs each case N times with callgrind's collection turned on
+around the loop only (a client request from the stubs) and prints instructions per call,
+which the machine's load does not change.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from tests.rdma.test_fast_path import FakeProvider  # noqa: E402
 STUBS = r"""
 #include <stdint.h>
 #include <string.h>
+#include <valgrind/callgrind.h>
+void stub_collect(int on) { if (on) CALLGRIND_ZERO_STATS; else CALLGRIND_DUMP_STATS; CALLGRIND_TOGGLE_COLLECT; }
 int stub_post(void *qp, void *wr, void **bad) { return 0; }
 int stub_notify(void *cq, int solicited) { return 0; }
 int stub_poll1(void *cq, int n, void *wc) {
@@ -80,14 +88,32 @@ def ns_per_call(impl, fake: FakeProvider, case: str, seconds: float) -> float:
     return min(timer.repeat(5, n)) / n * 1e9
 
 
+def collected(lib: ctypes.CDLL, impl, fake: FakeProvider, case: str, n: int) -> None:
+    """Run ``case`` ``n`` times with callgrind collecting (then a dump: one file per call)."""
+    qp, cq = fake.make_qp(impl, 16, 16), fake.make_cq(impl)
+    fn, arg = CASES[case](qp, cq)
+    fn(arg)  # warm
+    lib.stub_collect(1)
+    for _ in range(n):
+        fn(arg)
+    lib.stub_collect(0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=0.2, help="per measurement (best of 5)")
+    ap.add_argument("--callgrind", type=int, metavar="N", help="instructions, under callgrind")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-rdma-fast.") as tmp:
         lib = load_stubs(tmp)
         fake = FakeProvider()
         point_at_stubs(fake, lib)
+        if a.callgrind:
+            for case in CASES:
+                for impl in (_fast, _fast_verbs):
+                    print(f"callgrind dump: {impl.__name__} {case}", flush=True)
+                    collected(lib, impl, fake, case, a.callgrind)
+            return
         print(f"{'ns per call':28} {'ctypes':>9} {'compiled':>9}")
         for case in CASES:
             slow = ns_per_call(_fast, fake, case, a.seconds)

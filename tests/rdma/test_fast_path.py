@@ -32,10 +32,11 @@ try:
 except ImportError:  # not built (no <infiniband/verbs.h>): the compiled cases skip, and fail in CI
     _fast_verbs = None
 
+NOT_BUILT = "blockd.rdma._fast_verbs not built (libibverbs-dev missing?)"
 IMPLS = [pytest.param(_fast, id="ctypes"),
          pytest.param(_fast_verbs, id="compiled", marks=pytest.mark.skipif(
-             _fast_verbs is None, reason="blockd.rdma._fast_verbs not built (libibverbs-dev missing?)"))]
-needs_compiled = pytest.mark.skipif(_fast_verbs is None, reason="blockd.rdma._fast_verbs not built")
+             _fast_verbs is None, reason=NOT_BUILT))]
+needs_compiled = pytest.mark.skipif(_fast_verbs is None, reason=NOT_BUILT)
 
 _OPS_SLOTS = 32
 _SEND_WR, _RECV_WR, _SGE, _WC = 128, 32, 16, 48
