@@ -26,6 +26,9 @@ from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport strerror
 
+from cpython.object cimport PyObject, PyTypeObject
+from cpython.ref cimport Py_INCREF
+
 from blockd.rdma._fast import PostError, Wc
 from blockd.rdma._raw import LayoutError
 
@@ -142,7 +145,38 @@ LAYOUT = {
 }
 """Sizes and offsets of the structures used here, as the C compiler laid them out."""
 
-cdef object _new_tuple = tuple.__new__  # looked up once: a Wc per completion without Wc.__new__
+cdef extern from "Python.h":
+    object PyType_GenericAlloc(PyTypeObject *type, Py_ssize_t nitems)
+    void PyTuple_SET_ITEM(object p, Py_ssize_t pos, object o)
+
+cdef PyTypeObject *_WC_TYPE = <PyTypeObject *>Wc
+if (<type>Wc).__base__ is not tuple or (<type>Wc).__basicsize__ != tuple.__basicsize__:
+    raise ImportError("blockd.rdma._fast.Wc is not a plain tuple subclass")
+
+
+cdef inline void _put(object t, Py_ssize_t i, object v):
+    Py_INCREF(v)  # PyTuple_SET_ITEM steals a reference
+    PyTuple_SET_ITEM(t, i, v)
+
+
+cdef object _wc(ibv_wc *w):
+    """A Wc as ``tuple.__new__(Wc, ...)`` makes it (tp_alloc, then the items), without the
+    argument tuples and the call."""
+    t = PyType_GenericAlloc(_WC_TYPE, 13)
+    _put(t, 0, w.wr_id)
+    _put(t, 1, w.status)
+    _put(t, 2, w.opcode)
+    _put(t, 3, w.vendor_err)
+    _put(t, 4, w.byte_len)
+    _put(t, 5, w.imm_data)
+    _put(t, 6, w.qp_num)
+    _put(t, 7, w.src_qp)
+    _put(t, 8, w.wc_flags)
+    _put(t, 9, w.pkey_index)
+    _put(t, 10, w.slid)
+    _put(t, 11, w.sl)
+    _put(t, 12, w.dlid_path_bits)
+    return t
 
 
 cdef inline str _rc_text(int rc):
@@ -217,7 +251,6 @@ cdef class FastCQ:
     def poll(self, int batch=64) -> list:
         """Every completion now in the CQ, as :data:`~blockd.rdma._fast.Wc` tuples."""
         cdef int n, k
-        cdef ibv_wc *w
         cdef list out = []
         if batch > _BATCH:
             batch = _BATCH
@@ -226,10 +259,7 @@ cdef class FastCQ:
             if n < 0:
                 raise OSError(-n, "ibv_poll_cq failed")
             for k in range(n):
-                w = &self.wc[k]
-                out.append(_new_tuple(Wc, (
-                    w.wr_id, w.status, w.opcode, w.vendor_err, w.byte_len, w.imm_data, w.qp_num,
-                    w.src_qp, w.wc_flags, w.pkey_index, w.slid, w.sl, w.dlid_path_bits)))
+                out.append(_wc(&self.wc[k]))
             if n < batch:
                 return out
 
