@@ -26,7 +26,7 @@ from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport strerror
 
-from cpython.object cimport PyObject, PyTypeObject
+from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_INCREF
 
 from blockd.rdma._fast import PostError, Wc
