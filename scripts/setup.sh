@@ -7,8 +7,10 @@ cd "$(dirname "$0")/.."
 
 # gcc (build-essential) and python3-dev compile the data plane (setup.py, Cython); without them
 # pip still installs blockd, with a warning, and it runs its pure-Python data plane.
+# libibverbs-dev: <infiniband/verbs.h> for the compiled RDMA data path (blockd/rdma/_fast_verbs.pyx);
+# without it that one extension is skipped and RDMA runs its ctypes path.
 APT_PACKAGES=(
-  python3 python3-venv python3-dev python3-pyverbs build-essential
+  python3 python3-venv python3-dev python3-pyverbs build-essential libibverbs-dev
   rdma-core ibverbs-utils perftest librdmacm1
   fio nbdkit libnbd-bin nvme-cli fuse3
   qemu-system-x86 busybox-static cpio kmod iproute2
@@ -35,7 +37,7 @@ stamp=.venv/.blockd-installed
 # the extensions in place).
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
    || [ -n "$(find blockd target initiator -name '*.pyx' -newer "$stamp")" ] \
-   || ! ls blockd/_*.so target/_*.so initiator/_*.so initiator/fuse/_*.so >/dev/null 2>&1; then
+   || ! ls blockd/_*.so blockd/rdma/_*.so target/_*.so initiator/_*.so initiator/fuse/_*.so >/dev/null 2>&1; then
   .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
   touch "$stamp"
 fi
@@ -43,4 +45,8 @@ fi
 if ! env -u BLOCKD_PURE .venv/bin/blockd --version | grep -q 'data plane: compiled'; then
   echo "setup: WARNING: the compiled data plane did not build (no C compiler or Python headers?);" \
        "blockd runs its pure-Python data plane" >&2
+fi
+if ! env -u BLOCKD_PURE .venv/bin/python -c 'import blockd.rdma._fast_verbs' 2>/dev/null; then
+  echo "setup: WARNING: the compiled RDMA data path did not build (libibverbs-dev missing?);" \
+       "RDMA runs its ctypes path (blockd/rdma/_fast.py)" >&2
 fi

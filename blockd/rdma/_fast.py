@@ -17,8 +17,11 @@ directly with ctypes on preallocated buffers:
   16 (field offsets in the ``struct`` formats below).
 
 The C pointers of pyverbs objects come from :func:`blockd.rdma._raw.raw_ptr` (layout-checked);
-:class:`FastCQ` and :class:`FastQP` cross-check them against the fields they must agree with
-(the CQ's channel, the QP's number, both contexts) and refuse to run on a mismatch.
+:func:`cq_pointers` and :func:`qp_pointers` cross-check them against the fields they must agree
+with (the CQ's channel, the QP's number, both contexts) and refuse to run on a mismatch.
+:class:`FastCQ` and :class:`FastQP` take those raw pointers, as their compiled twins in
+``blockd/rdma/_fast_verbs.pyx`` do (the one :mod:`blockd.rdma.verbs` runs unless
+``BLOCKD_PURE=1`` or the extension is missing): this module is their reference and fallback.
 """
 
 from __future__ import annotations
@@ -86,19 +89,38 @@ def _u64(addr: int) -> int:
     return ctypes.c_uint64.from_address(addr).value
 
 
+def cq_pointers(cq, channel, ctx) -> tuple[int, int, int]:
+    """``(ibv_cq *, ibv_comp_channel *, ibv_context *)`` of pyverbs ``CQ``, ``CompChannel`` and
+    ``Context`` objects, checked against each other (for both implementations)."""
+    cq_ptr, cc_ptr, ctx_ptr = _raw.raw_ptr(cq), _raw.raw_ptr(channel), _raw.raw_ptr(ctx)
+    # ibv_cq: context @0, channel @8
+    if not cq_ptr or _u64(cq_ptr) != ctx_ptr or _u64(cq_ptr + 8) != cc_ptr:
+        raise _raw.LayoutError("ibv_cq does not point to its context/channel")
+    return cq_ptr, cc_ptr, ctx_ptr
+
+
+def qp_pointers(qp, ctx) -> tuple[int, int]:
+    """``(ibv_qp *, ibv_context *)`` of pyverbs ``QP`` and ``Context`` objects, checked against
+    the QP's number and context; also checks :mod:`blockd.rdma.abi` against pyverbs."""
+    qp_ptr, ctx_ptr = _raw.raw_ptr(qp), _raw.raw_ptr(ctx)
+    # ibv_qp: context @0, ..., handle @48, qp_num @52
+    if not qp_ptr or _u64(qp_ptr) != ctx_ptr or \
+            ctypes.c_uint32.from_address(qp_ptr + 52).value != qp.qp_num:
+        raise _raw.LayoutError("ibv_qp does not match its pyverbs QP")
+    abi.check_against_pyverbs()
+    return qp_ptr, ctx_ptr
+
+
 class FastCQ:
-    """Poll / arm / event handling of one pyverbs ``CQ`` with its ``CompChannel``."""
+    """Poll / arm / event handling of one CQ with its completion channel (raw pointers from
+    :func:`cq_pointers`)."""
 
     BATCH = 64
     ACK_EVERY = 64
 
-    def __init__(self, cq, channel, ctx) -> None:
-        self.cq_ptr = _raw.raw_ptr(cq)
-        self.cc_ptr = _raw.raw_ptr(channel)
-        ctx_ptr = _raw.raw_ptr(ctx)
-        # ibv_cq: context @0, channel @8
-        if _u64(self.cq_ptr) != ctx_ptr or _u64(self.cq_ptr + 8) != self.cc_ptr:
-            raise _raw.LayoutError("ibv_cq does not point to its context/channel")
+    def __init__(self, cq_ptr: int, cc_ptr: int, ctx_ptr: int) -> None:
+        self.cq_ptr = cq_ptr
+        self.cc_ptr = cc_ptr
         self._poll = _fn(ctx_ptr, _POLL_CQ, _POLL_FN)
         self._notify = _fn(ctx_ptr, _REQ_NOTIFY_CQ, _NOTIFY_FN)
         self._alloc()
@@ -163,16 +185,11 @@ class FastCQ:
 
 
 class FastQP:
-    """Chained posting of send and receive WRs on one pyverbs ``QP`` from preallocated memory."""
+    """Chained posting of send and receive WRs on one QP from preallocated memory (raw pointers
+    from :func:`qp_pointers`)."""
 
-    def __init__(self, qp, ctx, max_send: int, max_recv: int) -> None:
-        self.qp_ptr = _raw.raw_ptr(qp)
-        ctx_ptr = _raw.raw_ptr(ctx)
-        # ibv_qp: context @0, ..., handle @48, qp_num @52
-        if _u64(self.qp_ptr) != ctx_ptr or \
-                ctypes.c_uint32.from_address(self.qp_ptr + 52).value != qp.qp_num:
-            raise _raw.LayoutError("ibv_qp does not match its pyverbs QP")
-        abi.check_against_pyverbs()
+    def __init__(self, qp_ptr: int, ctx_ptr: int, max_send: int, max_recv: int) -> None:
+        self.qp_ptr = qp_ptr
         self._post_send = _fn(ctx_ptr, _POST_SEND, _POST_FN)
         self._post_recv = _fn(ctx_ptr, _POST_RECV, _POST_FN)
         self._alloc(max_send, max_recv)

@@ -1,7 +1,7 @@
 """libibverbs ABI values the fast data path posts with (``<infiniband/verbs.h>``).
 
 Plain constants, so the transports can name them without importing pyverbs or loading
-libibverbs; :class:`blockd.rdma._fast.FastQP` checks them against pyverbs before the first post.
+libibverbs; :func:`blockd.rdma._fast.qp_pointers` checks them against pyverbs before the first post.
 """
 
 from __future__ import annotations

@@ -13,9 +13,15 @@ Everything here is transport independent (no NVMe).  The NVMe-oF RDMA target and
 * :class:`QueuePair` -- an RC QP on a :class:`Device` with post helpers (RECV, SEND,
   SEND_WITH_INV, RDMA READ/WRITE, chains) that free pyverbs' leaked WR/SGE buffers after posting,
   and :meth:`QueuePair.post_sends` / :meth:`QueuePair.post_recvs`, which post whole chains from
-  preallocated C memory (:mod:`blockd.rdma._fast`) for the data path.
+  preallocated C memory for the data path.
 * :class:`BufferPool` -- one registered MR split into fixed-size :class:`Slot` s (address, lkey,
   rkey, zero-copy memoryview); registered once, reused for every I/O.
+
+The data path (events, arming, polling, chained posts) runs through :data:`FAST_PATH`: the
+compiled ``blockd/rdma/_fast_verbs.pyx`` (direct libibverbs calls), or its ctypes reference
+:mod:`blockd.rdma._fast` when ``BLOCKD_PURE=1`` (:mod:`blockd.dataplane`) or when the extension
+was not built (no ``<infiniband/verbs.h>``: a warning at import).  Both take the raw pointers
+:func:`blockd.rdma._fast.cq_pointers` / ``qp_pointers`` extract and check.
 
 pyverbs 44 gaps closed here: the completion channel fd (raw pointer, :mod:`blockd.rdma._raw`);
 ``SGE``/``RecvWR``/``SendWR`` never free their C buffers (``__dealloc`` typo) -- the post helpers
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import mmap
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -38,7 +45,23 @@ from pyverbs.pd import PD
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, RecvWR, SendWR
 
+from blockd import dataplane
+
 from . import _fast, _raw
+
+if dataplane.FORCED_PURE:
+    _impl = _fast
+    FAST_PATH = f"ctypes ({dataplane.PURE_ENV} is set)"
+else:
+    try:
+        from . import _fast_verbs as _impl  # type: ignore[no-redef]
+    except ImportError as _exc:
+        _impl = _fast
+        FAST_PATH = f"ctypes (compiled extension not built: {_exc})"
+        logging.getLogger("blockd.rdma.verbs").warning(
+            "RDMA data path: %s; install libibverbs-dev and rebuild (scripts/setup.sh)", FAST_PATH)
+    else:
+        FAST_PATH = "compiled"
 
 __all__ = [
     "ACCESS_LOCAL", "ACCESS_REMOTE", "BufferPool", "CompletionQueue", "Device", "QueuePair",
@@ -156,7 +179,7 @@ class CompletionQueue:
     (``ibv_get_cq_event``; there is one per arming; acked in batches and at close), re-arms
     (``req_notify``) and only then polls until the CQ is empty, so no completion that arrives in
     between is lost.  Events,
-    arming and polling go through :class:`blockd.rdma._fast.FastCQ` (libibverbs directly).
+    arming and polling go through ``FastCQ`` of :data:`FAST_PATH` (libibverbs directly).
     :meth:`attach` wires that to a loop with a callback taking the list of WCs.
     """
 
@@ -167,7 +190,7 @@ class CompletionQueue:
         self.cq = CQ(device.ctx, depth, None, self.channel, 0)
         self.fd = _raw.comp_channel_fd(self.channel)
         _raw.set_nonblocking(self.fd)
-        self.fast = _fast.FastCQ(self.cq, self.channel, device.ctx)
+        self.fast = _impl.FastCQ(*_fast.cq_pointers(self.cq, self.channel, device.ctx))
         self.fast.req_notify()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
@@ -238,7 +261,7 @@ class QueuePair:
                           sq_sig_all=0)
         self.qp = QP(device.pd, init)
         self.qp_num = self.qp.qp_num
-        self.fast = _fast.FastQP(self.qp, device.ctx, max_send_wr, max_recv_wr)
+        self.fast = _impl.FastQP(*_fast.qp_pointers(self.qp, device.ctx), max_send_wr, max_recv_wr)
         self.max_rd_atomic = 0  # set by the CM layer when it moves the QP to RTS
         self.closed = False
 

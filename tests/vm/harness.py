@@ -22,7 +22,8 @@ Other knobs: ``BLOCKD_VM_KERNEL_PKG`` (e.g. linux-image-6.1.0-57-amd64), ``BLOCK
 
 In the guest the command runs as root in the given directory (default: the repository
 root) with ``BLOCKD_VM=1``, ``BLOCKD_VM_GUEST=<repo>/tests/vm/guest`` (shell helpers),
-``<repo>/.venv/bin`` first on ``PATH`` and the repository on ``PYTHONPATH``.
+``<repo>/.venv/bin`` first on ``PATH`` and the repository on ``PYTHONPATH``, and the host's
+``BLOCKD_PURE`` if set (:data:`GUEST_ENV_FROM_HOST`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ GUEST_DIR = HERE / "guest"
 # modules the initramfs needs to reach the host root; dependencies are resolved by modprobe
 INITRD_MODULES = ("virtio_pci", "9pnet_virtio", "9p", "overlay")
 GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+GUEST_ENV_FROM_HOST = ("BLOCKD_PURE",)
+"""Host variables the guest command inherits: the guest boots with a clean environment, so
+without this a ``BLOCKD_PURE=1`` VM run silently tested the compiled data plane in the guest."""
 
 # every qemu we started and have not reaped yet; killed at interpreter exit at the latest
 _LIVE: set[subprocess.Popen] = set()
@@ -405,7 +409,7 @@ def _write_control(ctl: Path, cmd, *, cwd: Path, env: dict[str, str], rw: list[P
     ]
     if (venv_bin / "python").exists():
         lines.append(f"export VIRTUAL_ENV={shlex.quote(str(REPO / '.venv'))}")
-    for k, v in env.items():
+    for k, v in {**{k: os.environ[k] for k in GUEST_ENV_FROM_HOST if k in os.environ}, **env}.items():
         lines.append(f"export {k}={shlex.quote(v)}")
     lines.append(f"cd {shlex.quote(str(cwd))} 2>/dev/null || cd /")
     if isinstance(cmd, str):
