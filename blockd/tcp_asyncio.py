@@ -42,11 +42,6 @@ class OutputBatcher:
         if not self._held and self._bufs:
             self.flush()
 
-    def idle(self) -> bool:
-        """Nothing queued: bytes written to the socket directly now go out in order (the
-        target's compiled path sends a large read's data with ``sendfile``)."""
-        return not self._bufs
-
     def send(self, bufs: list[bytes | memoryview]) -> None:
         self._bufs.extend(bufs)
         if not self._held and not self._scheduled:

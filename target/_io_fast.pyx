@@ -42,7 +42,6 @@ Every offset comes from ``protocol/`` at import and is checked there against hea
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from libc.errno cimport EAGAIN, errno
 from libc.string cimport memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.types cimport off_t
@@ -63,31 +62,6 @@ from protocol.tcp import (
 
 cdef extern from *:
     int __builtin_clzll(unsigned long long) nogil
-
-cdef extern from "<sys/sendfile.h>" nogil:
-    Py_ssize_t sendfile(int out_fd, int in_fd, off_t* offset, size_t count)
-
-cdef extern from "<sys/socket.h>" nogil:
-    Py_ssize_t send(int fd, const void* buf, size_t n, int flags)
-    int setsockopt(int fd, int level, int name, const void* value, unsigned int size)
-
-cdef extern from "<netinet/in.h>" nogil:
-    int IPPROTO_TCP_ "IPPROTO_TCP"
-
-cdef extern from "<netinet/tcp.h>" nogil:
-    int TCP_CORK
-    int MSG_MORE
-    int MSG_DONTWAIT
-    int MSG_NOSIGNAL
-
-cdef Py_ssize_t _sendfile_min = 32768
-
-
-def set_sendfile_min(Py_ssize_t nbytes):
-    """Reads of at least ``nbytes`` go to the socket with ``sendfile`` (when they may: see
-    ``TcpFastPath._send_file``); for the tests and benchmarks that compare both ways."""
-    global _sendfile_min
-    _sendfile_min = nbytes
 
 # -- layouts, from protocol/ ---------------------------------------------------------------------
 
@@ -255,20 +229,13 @@ cdef class TcpFastPath:
     cdef Py_ssize_t max_transfer
     cdef Py_ssize_t flush_at
     cdef object unsent
-    cdef int sock
-    cdef object idle
-    cdef object get_write_buffer_size
     cdef public unsigned long long served
-    cdef public unsigned long long sent_files
-    """Reads whose data went out by ``sendfile`` (a test checks both ways ran)."""
     """Commands answered here (the tests check that the fast path ran)."""
 
     def __init__(self, conn, Py_ssize_t max_transfer):
         self.conn = conn
         self.max_transfer = max_transfer
         self.served = 0
-        self.sent_files = 0
-        self.sock = -1
         reader = conn.reader
         self.reader = reader if type(reader) is PduReader else None
         self.py_buffer_updated = type(conn).buffer_updated
@@ -366,10 +333,6 @@ cdef class TcpFastPath:
         self.transport = self.conn.transport
         self.flush_at = self.conn._flush_at
         self.unsent = self.conn._unsent
-        self.idle = self.out.idle
-        self.get_write_buffer_size = self.transport.get_write_buffer_size
-        sock = self.transport.get_extra_info("socket")
-        self.sock = sock.fileno() if sock is not None else -1
         # a write capsule is received whole into staging and written to the file from there
         # (placing it would copy what arrived with its header: docs/dataplane.md, large transfers)
         if self.reader is not None:  # only the compiled loop serves from staging
@@ -460,8 +423,6 @@ cdef class TcpFastPath:
 
     cdef bint _read(self, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
                     long long start) except -1:
-        if length >= _sendfile_min and self.sock >= 0 and self.idle() and not self.get_write_buffer_size():
-            return self._send_file(ns, fd, offset, length, cid, start)
         cdef Py_ssize_t total = _DATA_HLEN + length + (0 if self.sqhd_disabled else _RESP_LEN)
         cdef bytes reply = PyBytes_FromStringAndSize(NULL, total)
         cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(reply)
@@ -485,80 +446,6 @@ cdef class TcpFastPath:
         else:
             conn._batched = batched
         self.served += 1
-        return True
-
-    cdef bint _send_file(self, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
-                         long long start) except -1:
-        """The read's C2HData header, then its data by ``sendfile`` from the file straight to the
-        socket (no copy into a transfer buffer and none out of it), then the CapsuleResp.
-
-        Only called when nothing is queued before it (the output batch is empty and the
-        transport has nothing unsent), so bytes written to the socket here go out in order.
-        The socket is non-blocking: what the kernel does not take now (a partial or refused
-        send) goes to the transport after what was sent, read with ``pread`` as on the other
-        path, and the CapsuleResp after it, so the order holds. The header is sent with
-        MSG_MORE so that it leaves with the data. Once the header is out the command is
-        committed: a ``pread`` that then fails (an I/O error on a range inside the file) ends
-        the connection, where the other path would have let the Python queue answer with an
-        error status (it has not sent anything at that point)."""
-        cdef unsigned char header[64]
-        cdef unsigned char resp[64]
-        cdef Py_ssize_t n, got, sent = 0, hsent = 0
-        cdef int err = 0
-        cdef off_t pos = offset
-        cdef bint flags_success = self.sqhd_disabled
-        cdef int sock = self.sock
-        _c2h_header(header, cid, length, _LAST_SUCCESS if flags_success else _LAST)
-        cdef int on = 1, off = 0
-        with nogil:
-            setsockopt(sock, IPPROTO_TCP_, TCP_CORK, &on, sizeof(int))
-            hsent = send(sock, header, _DATA_HLEN, MSG_MORE | MSG_DONTWAIT | MSG_NOSIGNAL)
-            err = errno
-            if hsent == _DATA_HLEN:
-                while sent < length:
-                    n = sendfile(sock, fd, &pos, length - sent)
-                    if n <= 0:
-                        break
-                    sent += n
-        if hsent <= 0:
-            hsent = 0
-            if err != EAGAIN:  # (EWOULDBLOCK is EAGAIN on Linux)
-                return False  # nothing sent: the other path (and the transport) deal with the socket
-        cdef Py_ssize_t rest = (_DATA_HLEN - hsent) + (length - sent)
-        cdef bytes tail
-        cdef unsigned char* p
-        if rest:  # the rest of the PDU after what the socket took, through the transport
-            tail = PyBytes_FromStringAndSize(NULL, rest)
-            p = <unsigned char*>PyBytes_AS_STRING(tail)
-            memcpy(p, header + hsent, _DATA_HLEN - hsent)
-            p += _DATA_HLEN - hsent
-            n = 0
-            with nogil:
-                while n < length - sent:
-                    got = pread(fd, p + n, length - sent - n, offset + sent + n)
-                    if got <= 0:
-                        break
-                    n += got
-            if n != length - sent:
-                self.conn.close()  # the PDU was begun on the wire and cannot be finished
-                return True
-            self.send((tail,))
-        if not flags_success:
-            _capsule_resp(resp, self._next_sqhd(), self.qid, cid)
-            if rest:
-                self.send((PyBytes_FromStringAndSize(<char*>resp, _RESP_LEN),))
-            else:
-                with nogil:
-                    n = send(sock, resp, _RESP_LEN, MSG_DONTWAIT | MSG_NOSIGNAL)
-                    setsockopt(sock, IPPROTO_TCP_, TCP_CORK, &off, sizeof(int))
-                if n < _RESP_LEN:
-                    self.send((PyBytes_FromStringAndSize(<char*>resp + (n if n > 0 else 0),
-                                                         _RESP_LEN - (n if n > 0 else 0)),))
-        self._complete(ns, _KIND_READ, length, start)
-        if rest:
-            self.out.flush()  # to the transport now: what it keeps unsent shows at once
-        self.served += 1
-        self.sent_files += 1
         return True
 
     cdef bint _write(self, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
