@@ -14,7 +14,7 @@ import (bound below to C variables), so nothing is typed twice.
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from libc.string cimport memcpy, memmove, memset
 
 from blockd._le cimport le32
@@ -65,6 +65,13 @@ for _t in range(256):
 
 # Pdu(...) would run the named tuple's Python-level __new__; tuple.__new__ builds the same object in C.
 _new_tuple = tuple.__new__
+
+
+def data_buffer(Py_ssize_t size):
+    """:func:`blockd.pdu_reader.data_buffer` without the zero fill: ``size`` bytes left as
+    the allocator gave them, for a destination the reader fills completely before anyone
+    reads it (see the reference for why and the measurement)."""
+    return PyByteArray_FromStringAndSize(NULL, size)
 
 
 cdef void _fill_table(unsigned char* table, types) except *:

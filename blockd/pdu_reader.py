@@ -20,6 +20,20 @@ from protocol.tcp import COMMON_HEADER_FAST, DIGEST_SIZE, MAX_TERM_COPY, PduFlag
 _unpack_common = COMMON_HEADER_FAST.unpack_from
 
 
+def data_buffer(size: int) -> bytearray:
+    """A new buffer for ``size`` bytes of a data PDU's data (a ``place`` destination: a write's
+    in-capsule data, the buffer an R2T asks the host to fill).
+
+    The compiled twin (``blockd/_pdu_reader.pyx``) leaves the bytes uninitialised, which only a
+    C allocation can: ``bytearray(size)`` zero-fills, and for a 1 MiB R2T write that fill was
+    most of the target's user time per write (``tests/bench/bench_large_io.py``,
+    docs/dataplane.md). No byte of it is read before it is filled: the reader fills a
+    destination whole before it yields the PDU, and a write runs only once all of its H2CData
+    arrived (a connection lost or a bad digest before that fails the command without the
+    buffer being read)."""
+    return bytearray(size)
+
+
 class _Placement:
     """The data PDU whose data is being received straight into its destination buffer."""
 

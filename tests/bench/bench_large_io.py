@@ -5,7 +5,7 @@ loopback TCP.
 The target (a :class:`target.service.TargetService` on uvloop, one namespace on a file in
 /dev/shm, page cache) runs in a child process; this process is a blocking QD1 client speaking
 NVMe/TCP by hand. The target's CPU time comes from /proc/PID/stat around each workload
-(user + system, the client's own time is not in it). ``--strace`` runs the child under
+(user + system) and this process's own (the client's) process time. ``--strace`` runs the child under
 ``strace -c -f`` and prints its syscall table per workload instead of timing.
 
 At the end it prints the bytes each queue's PDU reader copied in user space (``reader.copied``:
@@ -41,6 +41,7 @@ from tests.core.conftest import (  # noqa: E402
 SIZE = 64 << 20
 WORKLOADS = {  # name: (opcode, bytes per I/O, in the capsule)
     "read-4k": (IoOpcode.READ, 4096, False),
+    "read-32k": (IoOpcode.READ, 32 << 10, False),
     "read-128k": (IoOpcode.READ, 128 << 10, False),
     "write-4k": (IoOpcode.WRITE, 4096, True),
     "write-128k": (IoOpcode.WRITE, 128 << 10, True),
@@ -49,9 +50,13 @@ WORKLOADS = {  # name: (opcode, bytes per I/O, in the capsule)
 _STATUS = CQE_FAST.index("status")
 
 
-def _target(path: str, port: int, counts_file: str, ready: multiprocessing.Event) -> None:
+def _target(path: str, port: int, counts_file: str, ready: multiprocessing.Event, zero_fill: bool) -> None:
     """The child: serve until SIGTERM, then write each queue's ``reader.copied``."""
     import signal
+
+    if zero_fill:
+        import target.tcp
+        target.tcp.data_buffer = bytearray  # type: ignore[assignment]
 
     from blockd import eventloop
     from target.service import TargetService
@@ -127,6 +132,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ios", type=int, default=2000)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--zero-fill", action="store_true",
+                    help="data buffers by bytearray(n), zero-filled (the pure plane's), to compare")
     ap.add_argument("--strace", action="store_true", help="syscall counts of the target (strace -c -f)")
     args = ap.parse_args()
     port = free_port()
@@ -137,7 +144,7 @@ def main() -> int:
         counts_file = str(Path(tmp) / "counts")
         ctx = multiprocessing.get_context("fork")
         ready = ctx.Event()
-        child = ctx.Process(target=_target, args=(str(path), port, counts_file, ready))
+        child = ctx.Process(target=_target, args=(str(path), port, counts_file, ready, args.zero_fill))
         child.start()
         ready.wait(30)
         admin = Client(port)
@@ -151,20 +158,21 @@ def main() -> int:
             strace = subprocess.Popen(["strace", "-c", "-f", "-p", str(child.pid), "-o", str(Path(tmp) / "strace")])
             time.sleep(1)
         print(f"target per I/O, QD1 over loopback, {args.ios} I/Os each (load {os.getloadavg()[0]:.1f})")
-        print("| workload | CPU µs/IO (user + system) | IOPS |\n|---|---|---|")
+        print("| workload | target CPU µs/IO (user + system) | client CPU µs/IO | IOPS |\n|---|---|---|---|")
         for name in args.workloads.split(","):
             opcode, length, in_capsule = WORKLOADS[name]
             blocks = length // 512
             sgl = incapsule_sgl(length) if in_capsule else transport_sgl(length)
             data = Client.payload[:length] if in_capsule else b""
-            cpu0, t0 = _cpu(child.pid), time.perf_counter()
+            cpu0, t0, c0 = _cpu(child.pid), time.perf_counter(), time.process_time()
             for i in range(args.ios):
                 slba = (i * blocks) % (SIZE // 512 - blocks)
                 sqe = build_sqe(int(opcode), i & 0xFFFF, nsid=1, dptr=sgl, cdw10=slba, cdw12=blocks - 1)
                 assert io.command(sqe, data)[0] == 0
-            cpu1, wall = _cpu(child.pid), time.perf_counter() - t0
+            cpu1, wall, client = _cpu(child.pid), time.perf_counter() - t0, time.process_time() - c0
             user, system = ((b - a) / args.ios * 1e6 for a, b in zip(cpu0, cpu1))
-            print(f"| {name} | {user + system:.0f} = {user:.0f} + {system:.0f} | {args.ios / wall:.0f} |")
+            print(f"| {name} | {user + system:.0f} = {user:.0f} + {system:.0f} | {client / args.ios * 1e6:.0f} "
+                  f"| {args.ios / wall:.0f} |")
         if strace is not None:
             strace.terminate()
             strace.wait()

@@ -205,3 +205,14 @@ def test_staging_growth_and_placement_across_chunks() -> None:
             outs.append([(p.pdu_type, bytes(p.data), p.placed)
                          for chunk in (stream[:cut], stream[cut:]) for p in reader.feed(chunk)])
         assert outs[0] == outs[1] == [(PduType.C2H_DATA, bytes(range(256)) * 20, True)], cut
+
+
+def test_data_buffers_have_the_size_asked_for() -> None:
+    """``data_buffer`` (a ``place`` destination; the compiled one is not zero-filled): a writable
+    bytearray of exactly the size asked, from either reader module."""
+    from blockd import pdu_reader
+    for module in (pdu_reader, _pdu_reader):
+        for size in (0, 1, 4096, 1 << 20):
+            buf = module.data_buffer(size)
+            assert type(buf) is bytearray and len(buf) == size, (module, size)
+            memoryview(buf)[size // 2:] = bytes(size - size // 2)
