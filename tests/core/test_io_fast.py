@@ -237,13 +237,14 @@ def test_compiled_path_answers_exactly_as_the_python_queue(tmp_path: Path, monke
 
 
 @contextlib.asynccontextmanager
-async def _small_target(tmp_path: Path) -> AsyncIterator[tuple[TargetService, RawConn, int]]:
-    """A target with one 64 KiB namespace, our raw admin queue on it, and a raw I/O connection
-    past ICReq (not yet connected); yields the service, that connection and the controller id."""
+async def _small_target(tmp_path: Path, size: int = 64 << 10) -> AsyncIterator[tuple[TargetService, RawConn, int]]:
+    """A target with one namespace of ``size`` bytes, our raw admin queue on it, and a raw I/O
+    connection past ICReq (not yet connected); yields the service, that connection and the
+    controller id."""
     path = tmp_path / "vol.img"
-    fill_file(path, 64 << 10)
+    fill_file(path, size)
     port = free_port()
-    async with serving(config([port], [sub(namespaces=[ns(path, size=64 << 10)])])) as service:
+    async with serving(config([port], [sub(namespaces=[ns(path, size=size)])])) as service:
         admin, cntlid = await raw_admin(port)
         io = await RawConn.open(port)
         await io.initialize()
@@ -353,13 +354,7 @@ def test_a_large_write_capsule_is_written_from_staging(tmp_path: Path) -> None:
     from there: after the first one (which grows staging, moving what had arrived), the reader
     copies none of their bytes (it used to copy what arrived with the header, ~64 KiB a write)."""
     async def main() -> None:
-        path = tmp_path / "vol.img"
-        fill_file(path, 1 << 20)
-        port = free_port()
-        async with serving(config([port], [sub(namespaces=[ns(path, size=1 << 20)])])) as service:
-            admin, cntlid = await raw_admin(port)
-            io = await RawConn.open(port)
-            await io.initialize()
+        async with _small_target(tmp_path, 1 << 20) as (service, io, cntlid):
             await io.connect_io(cntlid)
             conn = service.target.controllers[cntlid].queues[1].transport
             length = target.tcp.TCP_IO_INLINE
@@ -373,8 +368,7 @@ def test_a_large_write_capsule_is_written_from_staging(tmp_path: Path) -> None:
                 copied.append(conn.reader.copied)
             assert conn.fast.served == 4
             assert copied[-1] == copied[0], copied
-            assert path.read_bytes()[:4 * length] == b"".join(bytes([i + 1]) * length for i in range(4))
-            await io.close()
-            await admin.close()
+            written = (tmp_path / "vol.img").read_bytes()[:4 * length]
+            assert written == b"".join(bytes([i + 1]) * length for i in range(4))
 
     run(main(), timeout=30)
