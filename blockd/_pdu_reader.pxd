@@ -12,8 +12,11 @@ cdef class PduReader:
     cdef public object place
     cdef public Py_ssize_t max_data
     cdef public Py_ssize_t completed
+    cdef public Py_ssize_t copied
     cdef public bint hdgst
     cdef public bint ddgst
+    cdef public int stage_type
+    cdef public Py_ssize_t stage_limit
     cdef object _accepted
     cdef object _allowed
     cdef unsigned char _accepted_t[256]
@@ -44,6 +47,7 @@ cdef class PduReader:
     cdef void skip(self, Py_ssize_t plen) noexcept
     cdef object _finish_placement(self)
     cdef object _next(self)
+    cdef bint _stages(self, int ptype, Py_ssize_t pos, Py_ssize_t plen, Py_ssize_t data_len) noexcept
     cdef object _refused(self, int fes, int fei, str message)
     cdef object _place(self, int ptype, int flags, header, Py_ssize_t header_end, Py_ssize_t data_len,
                        int dd, dest)

@@ -14,7 +14,7 @@ import (bound below to C variables), so nothing is typed twice.
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from libc.string cimport memcpy, memmove, memset
 
 from blockd._le cimport le32
@@ -67,6 +67,13 @@ for _t in range(256):
 _new_tuple = tuple.__new__
 
 
+def data_buffer(Py_ssize_t size):
+    """:func:`blockd.pdu_reader.data_buffer` without the zero fill: ``size`` bytes left as
+    the allocator gave them, for a destination the reader fills completely before anyone
+    reads it (see the reference for why and the measurement)."""
+    return PyByteArray_FromStringAndSize(NULL, size)
+
+
 cdef void _fill_table(unsigned char* table, types) except *:
     memset(table, 0, 256)
     for t in types:
@@ -82,9 +89,12 @@ cdef class PduReader:
         self.allowed = accepted
         self.max_data = max_data
         self.completed = 0
+        self.copied = 0
         self.place = place
         self.hdgst = False
         self.ddgst = False
+        self.stage_type = -1
+        self.stage_limit = 0
         self._set_buffer(bytearray(staging))
         self._min_free = min(_MIN_FREE, staging)
         self._start = 0
@@ -119,6 +129,8 @@ cdef class PduReader:
     cpdef object get_buffer(self, Py_ssize_t sizehint=-1):
         if self._pl_dest is not None and self._pl_filled < self._pl_len:
             return self._pl_dest[self._pl_filled:]
+        if self._start == self._end:  # nothing pending: the next PDU starts at the front, no move
+            self._start = self._end = 0
         if self._size - self._end < self._min_free or self._size - self._start < self._need:
             self._make_room()
         return self._view[self._end:]
@@ -134,6 +146,7 @@ cdef class PduReader:
             self._set_buffer(buf)
         elif pending:
             memmove(self._p, self._p + self._start, pending)
+        self.copied += pending
         self._start = 0
         self._end = pending
 
@@ -146,6 +159,7 @@ cdef class PduReader:
             buf = bytearray(size)
             memcpy(PyByteArray_AS_STRING(buf), self._p + self._start, pending)
             self._set_buffer(buf)
+            self.copied += pending
             self._start = 0
             self._end = pending
 
@@ -297,7 +311,8 @@ cdef class PduReader:
         header = self._view[pos:pos + hlen]
         if hd and le32(h + hlen) != crc32c(header):
             raise FramingError(_FES_HDGST, 0, "header digest mismatch", bytes(header))
-        if data_len and self.place is not None and digests:
+        if (data_len and self.place is not None and digests
+                and (avail >= plen or not self._stages(ptype, pos, plen, data_len))):
             dest = self.place(ptype, header, data_len)
             if dest is not None:
                 return self._place(ptype, flags, header, header_end, data_len, dd, dest)
@@ -316,6 +331,12 @@ cdef class PduReader:
         self._need = _HDR
         return _new_tuple(Pdu, (ptype, flags, header, data, False))
 
+    cdef bint _stages(self, int ptype, Py_ssize_t pos, Py_ssize_t plen, Py_ssize_t data_len) noexcept:
+        """Keep this PDU's data in staging until it is whole (``place`` called only then): see
+        the reference's ``_stages`` for the rule and why."""
+        return (ptype == self.stage_type and data_len <= self.stage_limit
+                and (pos + plen <= self._size or self._size < plen + self._min_free))
+
     cdef object _refused(self, int fes, int fei, str message):
         """The error for the PDU at ``_start``, quoting its common header."""
         return FramingError(fes, fei, message, self._p[self._start:self._start + _HDR])
@@ -333,10 +354,12 @@ cdef class PduReader:
                 raise ValueError(f"place gave {target.len} bytes for {data_len} bytes of data")
             if have >= data_len + dd:  # all of it is here (the usual small PDU): no placement state
                 memcpy(target.buf, self._p + start, data_len)
+                self.copied += data_len
             else:
                 if have > data_len:
                     have = data_len
                 memcpy(target.buf, self._p + start, have)
+                self.copied += have
         finally:
             PyBuffer_Release(&target)
         if have >= data_len + dd:

@@ -20,6 +20,20 @@ from protocol.tcp import COMMON_HEADER_FAST, DIGEST_SIZE, MAX_TERM_COPY, PduFlag
 _unpack_common = COMMON_HEADER_FAST.unpack_from
 
 
+def data_buffer(size: int) -> bytearray:
+    """A new buffer for ``size`` bytes of a data PDU's data (a ``place`` destination: a write's
+    in-capsule data, the buffer an R2T asks the host to fill).
+
+    The compiled twin (``blockd/_pdu_reader.pyx``) leaves the bytes uninitialised, which only a
+    C allocation can: ``bytearray(size)`` zero-fills, and for a 1 MiB R2T write that fill was
+    most of the target's user time per write (``tests/bench/bench_large_io.py``,
+    docs/dataplane.md). No byte of it is read before it is filled: the reader fills a
+    destination whole before it yields the PDU, and a write runs only once all of its H2CData
+    arrived (a connection lost or a bad digest before that fails the command without the
+    buffer being read)."""
+    return bytearray(size)
+
+
 class _Placement:
     """The data PDU whose data is being received straight into its destination buffer."""
 
@@ -55,9 +69,17 @@ class PduReader:
         self.max_data = max_data
         self.completed = 0
         """PDUs yielded so far: a caller watching for a peer stuck mid-PDU compares it over time."""
+        self.copied = 0
+        """Bytes copied in user space so far: received bytes moved within staging or into a new
+        staging buffer, and data copied from staging into a ``place`` destination (the
+        benchmarks' and tests' measure of copies per I/O)."""
         self.place = place
         self.hdgst = False
         self.ddgst = False
+        self.stage_type = -1
+        self.stage_limit = 0
+        """PDUs of ``stage_type`` with up to ``stage_limit`` bytes of data that fit in staging
+        are received whole into staging and ``place`` is called only then (see ``_stages``)."""
         self._buf = bytearray(staging)
         self._view = memoryview(self._buf)
         self._min_free = min(MIN_FREE, staging)
@@ -74,6 +96,8 @@ class PduReader:
         placing = self._placing
         if placing is not None and placing.filled < len(placing.dest):
             return placing.dest[placing.filled:]
+        if self._start == self._end:  # nothing pending: the next PDU starts at the front, no move
+            self._start = self._end = 0
         free = len(self._buf) - self._end
         if free < self._min_free or len(self._buf) - self._start < self._need:
             self._make_room()
@@ -89,6 +113,7 @@ class PduReader:
             self._buf, self._view = buf, memoryview(buf)
         elif pending:
             self._buf[:pending] = bytes(self._view[self._start:self._end])
+        self.copied += pending
         self._start, self._end = 0, pending
 
     def grow_staging(self, size: int = STAGING) -> None:
@@ -100,6 +125,7 @@ class PduReader:
             buf = bytearray(size)
             buf[:pending] = self._view[self._start:self._end]
             self._buf, self._view = buf, memoryview(buf)
+            self.copied += pending
             self._start, self._end = 0, pending
 
     def buffer_updated(self, nbytes: int) -> Iterator[Pdu]:
@@ -201,7 +227,8 @@ class PduReader:
             got = int.from_bytes(view[pos + hlen:pos + header_end], "little")
             if got != crc32c(header):
                 raise FramingError(TermReqFes.HEADER_DIGEST_ERROR, 0, "header digest mismatch", bytes(header))
-        if data_len and self.place is not None and ptype not in NO_DIGEST:
+        if (data_len and self.place is not None and digests
+                and (avail >= plen or not self._stages(ptype, pos, plen, data_len))):
             dest = self.place(ptype, header, data_len)
             if dest is not None:
                 return self._place(ptype, flags, header, header_end, data_len, dd, dest)
@@ -222,6 +249,22 @@ class PduReader:
         self._need = 8
         return Pdu(ptype, flags, header, data)
 
+    def _stages(self, ptype: int, pos: int, plen: int, data_len: int) -> bool:
+        """Keep this PDU's data in staging until the PDU is whole (``place`` is called then),
+        rather than placing it as soon as its header is in: a ``stage_type`` PDU with no more
+        than ``stage_limit`` bytes of data that fits behind its position in staging (or for which
+        staging must grow anyway).
+
+        Why: placing copies into the destination whatever of the data arrived in staging with
+        the header, and a socket read fills all of staging's free room, so a 128 KiB write
+        capsule had ~64 KiB copied in user space (``tests/bench/bench_large_io.py
+        --count-copies``: 65.4 MB for 1,000 writes; ``_make_room`` moved nothing). Kept whole in
+        staging, the target's compiled path writes it to the file from there with no copy. A
+        PDU that does not fit behind its position is placed as before: moving the part that
+        arrived to the front would copy as much as placing does."""
+        return (ptype == self.stage_type and data_len <= self.stage_limit
+                and (pos + plen <= len(self._buf) or len(self._buf) < plen + self._min_free))
+
     def _refused(self, fes: int, fei: int, message: str) -> FramingError:
         """The error for the PDU at ``_start``, quoting its common header."""
         return FramingError(fes, fei, message, bytes(self._view[self._start:self._start + 8]))
@@ -234,6 +277,7 @@ class PduReader:
         if have >= data_len + dd:  # all of it is here (the usual small PDU): no placement state
             end = start + data_len
             dest[:] = self._view[start:end]
+            self.copied += data_len
             bad = dd and int.from_bytes(self._view[end:end + DIGEST_SIZE], "little") != crc32c(dest)
             self._start = end + dd  # the stream goes on after it, even after a bad digest
             self._need = 8
@@ -242,6 +286,7 @@ class PduReader:
             return Pdu(ptype, flags, header, dest, True)
         have = min(have, data_len)
         dest[:have] = self._view[start:start + have]
+        self.copied += have
         self._placing = _Placement(ptype, flags, bytes(header), dest, have, dd)
         self._start = start + have
         if have < data_len:

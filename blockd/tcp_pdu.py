@@ -17,11 +17,11 @@ from protocol.tcp import (
 )
 
 if COMPILED:
-    from blockd._pdu_reader import PduReader
+    from blockd._pdu_reader import PduReader, data_buffer
 else:
-    from blockd.pdu_reader import PduReader
+    from blockd.pdu_reader import PduReader, data_buffer
 
-__all__ = ["DataDigestError", "FramingError", "PduReader", "PduWriter", "term_req"]
+__all__ = ["DataDigestError", "FramingError", "PduReader", "PduWriter", "data_buffer", "term_req"]
 
 _pack_common = COMMON_HEADER_FAST.pack
 _pack_data_header = DATA_PDU_HEADER_FAST.pack

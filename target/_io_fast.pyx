@@ -333,6 +333,11 @@ cdef class TcpFastPath:
         self.transport = self.conn.transport
         self.flush_at = self.conn._flush_at
         self.unsent = self.conn._unsent
+        # a write capsule is received whole into staging and written to the file from there
+        # (placing it would copy what arrived with its header: docs/dataplane.md, large transfers)
+        if self.reader is not None:  # only the compiled loop serves from staging
+            self.reader.stage_type = _CAPSULE_CMD
+            self.reader.stage_limit = self.inline_size
         return True
 
     def submit(self, header, data):

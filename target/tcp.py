@@ -17,7 +17,7 @@ import structlog
 from blockd.tcp_asyncio import OutputBatcher, PduProtocol
 from blockd.tcp_frames import Pdu
 from blockd.tcp_pdu import (
-    DataDigestError, FramingError, PduReader, PduWriter, term_req,
+    DataDigestError, FramingError, PduReader, PduWriter, data_buffer, term_req,
 )
 from protocol.constants import SglId, TransportType
 from protocol.nvme import SQE_SIZE
@@ -349,7 +349,7 @@ class TcpTargetConnection(PduProtocol):
             ttag = self._next_ttag
             self._next_ttag = (ttag + 1) & 0xFFFF
             self.r2t_pending[ttag] = (req, 0)
-            req.data = bytearray(length)
+            req.data = data_buffer(length)
             self.out.send(self.writer.r2t(req.cid, ttag, 0, length))
 
     def _place(self, ptype: int, header: memoryview, length: int) -> memoryview:
@@ -362,7 +362,7 @@ class TcpTargetConnection(PduProtocol):
                 raise FramingError(TermReqFes.DATA_OUT_OF_RANGE, _FEI_PLEN,
                                    f"{length} bytes of in-capsule data, more than {self.queue.inline_size}",
                                    bytes(header))
-            return memoryview(bytearray(length))
+            return memoryview(data_buffer(length))
         _, _, _, _, _, cccid, ttag, datao, datal = _unpack_data_header(header)
         entry = self.r2t_pending.get(ttag)
         if entry is None or entry[0].cid != cccid:

@@ -96,7 +96,8 @@ def feed(conn: target.tcp.TcpTargetConnection, raw: bytes) -> None:
         conn.buffer_updated(n)
 
 
-async def measure(path: Path, ios: int, repeat: int = 1) -> dict[str, float]:
+async def measure(path: Path, ios: int, repeat: int = 1, size: int = IO,
+                  kinds: tuple[str, ...] = ("read", "write")) -> dict[str, float]:
     cfg = parse({"port": [], "subsystem": [{"nqn": NQN, "namespace": [
         {"nsid": 1, "path": str(path), "size": SIZE, "block_size": 512}]}], "control": {"socket": ""}}, "bench")
     service = TargetService(cfg)
@@ -118,13 +119,18 @@ async def measure(path: Path, ios: int, repeat: int = 1) -> dict[str, float]:
     feed(io, icreq + connect_capsule(1, cntlid))
     await asyncio.sleep(0)
     blocks = SIZE // 512
-    sgl_read = build_sgl_data_block(SglId.TRANSPORT_DATA_BLOCK, 0, IO)
-    sgl_write = build_sgl_data_block(SglId.DATA_BLOCK_OFFSET, 0, IO)
-    payload = os.urandom(IO)
+    sgl_read = build_sgl_data_block(SglId.TRANSPORT_DATA_BLOCK, 0, size)
+    sgl_write = build_sgl_data_block(SglId.DATA_BLOCK_OFFSET, 0, size)
+    payload = os.urandom(size)
+    nlb = size // 512
     out: dict[str, float] = {}
     for name, opcode, sgl, data in (("read", IoOpcode.READ, sgl_read, b""),
                                     ("write", IoOpcode.WRITE, sgl_write, payload)):
-        streams = [capsule(build_sqe(opcode, i & 0xFFFF, nsid=1, dptr=sgl, cdw10=(i * 8) % blocks, cdw12=7), data)
+        if name not in kinds:
+            out[name] = 0.0
+            continue
+        streams = [capsule(build_sqe(opcode, i & 0xFFFF, nsid=1, dptr=sgl, cdw10=(i * nlb) % (blocks - nlb),
+                                     cdw12=nlb - 1), data)
                    for i in range(ios)]
         before = io.transport.sent
         t0 = time.process_time()
@@ -148,6 +154,8 @@ def main() -> int:
                     help="one mode only: for valgrind's instruction counts, taken at two --repeat values")
     ap.add_argument("--repeat", type=int, default=1,
                     help="feed the same capsules this many times (building them costs more than serving)")
+    ap.add_argument("--size", type=int, default=IO, help="bytes per I/O (up to the 128 KiB in-capsule size)")
+    ap.add_argument("--kinds", default="read,write", help="read, write or both (instruction counts per kind)")
     args = ap.parse_args()
     if target.tcp.TcpFastPath is None:
         sys.exit("the compiled data plane is not in use (BLOCKD_PURE=1 or not built)")
@@ -162,11 +170,12 @@ def main() -> int:
                 if args.mode not in ("both", mode):
                     continue
                 target.tcp.TcpFastPath = fast
-                got = asyncio.run(measure(path, args.ios, args.repeat))
+                got = asyncio.run(measure(path, args.ios, args.repeat, args.size,
+                                               tuple(args.kinds.split(","))))
                 for k in ("read", "write"):
                     best.setdefault(mode, {})[k] = min(best.get(mode, {}).get(k, 1e9), got[k])
                 best[mode]["served"] = got["served"]
-    print(f"target CPU per 4 KiB QD1 I/O (µs, process time, best of {args.rounds} x {args.ios} I/Os)")
+    print(f"target CPU per {args.size >> 10} KiB QD1 I/O (µs, process time, best of {args.rounds} x {args.ios} I/Os)")
     if args.mode != "both":
         print(", ".join(f"{k} {best[args.mode][k]:.2f}" for k in ("read", "write")))
         return 0

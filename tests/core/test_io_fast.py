@@ -44,6 +44,7 @@ RO_SIZE = 256 << 10  # nsid 2: read-only, 4096-byte blocks (3 does not exist)
 RW4K_SIZE = 512 << 10  # nsid 4: 4096-byte blocks
 SIZES = {1: (RW_SIZE, 512), 2: (RO_SIZE, 4096), 4: (RW4K_SIZE, 4096)}
 MAX_BLOCKS = 64
+LARGE_BLOCKS = 256  # 128 KiB of 512-byte blocks: the TCP in-capsule size (some R2T writes: 1 MiB)
 _CQE_STATUS = CQE_FAST.index("status")
 
 
@@ -53,7 +54,8 @@ def _command(rng: random.Random, cid: int) -> tuple[bytes, bytes, bool]:
     nsid = rng.choice([1] * 6 + [2] * 3 + [4] * 3 + [3, 0, 0xFFFFFFFF])
     size, block = SIZES.get(nsid, (RW_SIZE, 512))
     blocks = size // block
-    nlb = rng.randrange(1, MAX_BLOCKS // (block // 512) + 1)
+    large = rng.random() < 0.15  # up to the in-capsule size (and beyond for R2T writes, below)
+    nlb = rng.randrange(1, (LARGE_BLOCKS if large else MAX_BLOCKS) // (block // 512) + 1)
     slba = rng.choice([rng.randrange(0, max(1, blocks - nlb + 1))] * 6
                       + [blocks - nlb + 1, blocks, (1 << 64) - 1, (1 << 64) - nlb])
     length = nlb * block
@@ -72,9 +74,14 @@ def _command(rng: random.Random, cid: int) -> tuple[bytes, bytes, bool]:
         if rng.random() < 0.1:  # data by R2T
             sgl_id = SglId.TRANSPORT_DATA_BLOCK
             late = True
+            if large and rng.random() < 0.5:  # up to 1 MiB, the largest transfer
+                nlb = rng.randrange(nlb, LARGE_BLOCKS * 8 // (block // 512) + 1)
+                length = nlb * block
+                slba = rng.choice([rng.randrange(0, max(1, blocks - nlb + 1)), blocks - nlb + 1])
         else:
             sgl_id = SglId.DATA_BLOCK_OFFSET
-            data = rng.randbytes(max(1, length + rng.choice([0] * 12 + [-1, 7])))
+            # more than the queue takes in a capsule would end the connection (a framing error)
+            data = rng.randbytes(min(target.tcp.TCP_IO_INLINE, max(1, length + rng.choice([0] * 12 + [-1, 7]))))
     elif roll < 0.92:
         opcode, sgl_id, length, late = IoOpcode.FLUSH, SglId.TRANSPORT_DATA_BLOCK, 0, True
     else:
@@ -230,13 +237,14 @@ def test_compiled_path_answers_exactly_as_the_python_queue(tmp_path: Path, monke
 
 
 @contextlib.asynccontextmanager
-async def _small_target(tmp_path: Path) -> AsyncIterator[tuple[TargetService, RawConn, int]]:
-    """A target with one 64 KiB namespace, our raw admin queue on it, and a raw I/O connection
-    past ICReq (not yet connected); yields the service, that connection and the controller id."""
+async def _small_target(tmp_path: Path, size: int = 64 << 10) -> AsyncIterator[tuple[TargetService, RawConn, int]]:
+    """A target with one namespace of ``size`` bytes, our raw admin queue on it, and a raw I/O
+    connection past ICReq (not yet connected); yields the service, that connection and the
+    controller id."""
     path = tmp_path / "vol.img"
-    fill_file(path, 64 << 10)
+    fill_file(path, size)
     port = free_port()
-    async with serving(config([port], [sub(namespaces=[ns(path, size=64 << 10)])])) as service:
+    async with serving(config([port], [sub(namespaces=[ns(path, size=size)])])) as service:
         admin, cntlid = await raw_admin(port)
         io = await RawConn.open(port)
         await io.initialize()
@@ -336,5 +344,31 @@ def test_in_capsule_data_beyond_the_queue_size_is_a_framing_error(tmp_path: Path
             assert await io.closed()
             assert (tmp_path / "vol.img").read_bytes() == before
             assert service.target.rejections.counts["incapsule_too_large"] == 1
+
+    run(main(), timeout=30)
+
+
+@compiled_only
+def test_a_large_write_capsule_is_written_from_staging(tmp_path: Path) -> None:
+    """A 128 KiB write capsule is received whole into the reader's staging and written to the file
+    from there: after the first one (which grows staging, moving what had arrived), the reader
+    copies none of their bytes (it used to copy what arrived with the header, ~64 KiB a write)."""
+    async def main() -> None:
+        async with _small_target(tmp_path, 1 << 20) as (service, io, cntlid):
+            await io.connect_io(cntlid)
+            conn = service.target.controllers[cntlid].queues[1].transport
+            length = target.tcp.TCP_IO_INLINE
+            copied = []
+            for i in range(4):
+                data = bytes([i + 1]) * length
+                write = build_sqe(IoOpcode.WRITE, i, nsid=1, dptr=build_sgl_data_block(
+                    SglId.DATA_BLOCK_OFFSET, 0, length), cdw10=i * length // 512, cdw12=length // 512 - 1)
+                status, *_ = await io.command(write, data)
+                assert status == 0
+                copied.append(conn.reader.copied)
+            assert conn.fast.served == 4
+            assert copied[-1] == copied[0], copied
+            written = (tmp_path / "vol.img").read_bytes()[:4 * length]
+            assert written == b"".join(bytes([i + 1]) * length for i in range(4))
 
     run(main(), timeout=30)

@@ -6,7 +6,8 @@ target's 128-byte pre-ICReq staging and grows it after the first PDU, as the tar
 ICReq) are cut into random chunks and fed to both
 readers through ``get_buffer``/``buffer_updated``, as the asyncio protocols feed them. Every PDU
 (type, flags, header, data, placed), every ``place`` call, every error (FES, FEI, message, quoted
-header) and ``completed``/``in_pdu`` after each chunk must agree.
+header) and ``completed``/``in_pdu``, the staging size and the bytes ``copied`` after each chunk
+must agree; some streams keep one data PDU type whole in staging (``stage_type``).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class Driver:
     """Feeds one reader the way ``PduProtocol`` does and records everything it shows."""
 
     def __init__(self, cls: type, types: frozenset[int], allowed: frozenset[int], hdgst: bool, ddgst: bool,
-                 place_every: int, staging: int = STAGING) -> None:
+                 place_every: int, staging: int = STAGING, stage: tuple[int, int] = (-1, 0)) -> None:
         self.events: list[Any] = []
         self.place_count = 0
         self.place_every = place_every
@@ -79,6 +80,7 @@ class Driver:
         self.reader.allowed = allowed
         self.reader.hdgst = hdgst
         self.reader.ddgst = ddgst
+        self.reader.stage_type, self.reader.stage_limit = stage
         self.dead = False
 
     def place(self, ptype: int, header: memoryview, length: int) -> memoryview | None:
@@ -98,7 +100,8 @@ class Driver:
             room[:n] = data[pos:pos + n]
             pos += n
             self._drain(n)
-        self.events.append(("state", self.reader.completed, self.reader.in_pdu()))
+        self.events.append(("state", self.reader.completed, self.reader.in_pdu(), len(self.reader._buf),
+                            self.reader.copied))
 
     def _drain(self, n: int) -> None:
         while not self.dead:
@@ -135,8 +138,12 @@ def run_stream(seed: int) -> tuple[list[Any], list[Any]]:
         del stream[rng.randrange(len(stream)):]
     allowed = types if rng.random() < 0.8 else frozenset(rng.sample(sorted(types), rng.randint(1, len(types))))
     place_every = rng.choice((0, 1, 2, 5, 1000))
-    staging = random.Random(~seed).choice((STAGING, STAGING, 128))  # the other draws stay as they were
-    drivers = [Driver(cls, types, allowed, hdgst, ddgst, place_every, staging) for cls in (PyReader, CReader)]
+    other = random.Random(~seed)  # draws added later: the ones above stay as they were
+    staging = other.choice((STAGING, STAGING, 128))
+    # data PDUs of one type kept whole in staging up to a limit (the target's write capsules)
+    stage = other.choice(((-1, 0), (PduType.CAPSULE_CMD, MAX_DATA), (PduType.CAPSULE_CMD, 4096),
+                          (PduType.H2C_DATA, MAX_DATA), (PduType.C2H_DATA, 5000)))
+    drivers = [Driver(cls, types, allowed, hdgst, ddgst, place_every, staging, stage) for cls in (PyReader, CReader)]
     pos = 0
     while pos < len(stream):
         n = rng.choice((1, 3, 8, 50, 700, 4100, 70000, len(stream)))
@@ -198,3 +205,14 @@ def test_staging_growth_and_placement_across_chunks() -> None:
             outs.append([(p.pdu_type, bytes(p.data), p.placed)
                          for chunk in (stream[:cut], stream[cut:]) for p in reader.feed(chunk)])
         assert outs[0] == outs[1] == [(PduType.C2H_DATA, bytes(range(256)) * 20, True)], cut
+
+
+def test_data_buffers_have_the_size_asked_for() -> None:
+    """``data_buffer`` (a ``place`` destination; the compiled one is not zero-filled): a writable
+    bytearray of exactly the size asked, from either reader module."""
+    from blockd import pdu_reader
+    for module in (pdu_reader, _pdu_reader):
+        for size in (0, 1, 4096, 1 << 20):
+            buf = module.data_buffer(size)
+            assert type(buf) is bytearray and len(buf) == size, (module, size)
+            memoryview(buf)[size // 2:] = bytes(size - size // 2)
