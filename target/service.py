@@ -163,11 +163,12 @@ class TargetService:
 
     def _add_standby(self, sc: SubsystemConfig, nc: NamespaceConfig, ns: Namespace) -> None:
         """A failover pair's namespace: its standby subsystem (target.replication.standby), on
-        the same ports, with the same controller id range, in the standby ANA group."""
+        the same ports, in the standby ANA group (controller ids: the default range, as only
+        the primary connects to it)."""
         if nc.standby_nqn is None or not isinstance(ns.backend, ReplicatedBackend):
             return
         standby = Subsystem(nc.standby_nqn, sc.serial, "blockd standby", not nc.standby_hosts, set(nc.standby_hosts),
-                            port_ids=set(sc.ports) if sc.ports is not None else None, cntlid_range=sc.cntlid_range)
+                            port_ids=set(sc.ports) if sc.ports is not None else None)
         standby.add_namespace(Namespace(nc.nsid, StandbyExport(ns.backend), nc.block_size, nc.standby_nqn,
                                         nc.path, STANDBY_ANA_GROUP))
         self.target.add_subsystem(standby)
