@@ -107,6 +107,9 @@ class ReplicatedBackend(BackendFilter):
         super().__init__(inner)
         self.primary = primary
         """The role: False while this copy is a failover pair's standby."""
+        self.demoting = False
+        """A demotion is draining: this copy still writes its own metadata, so its standby
+        subsystem takes nothing from the new primary yet."""
         self.block_size = block_size
         """The namespace's block: a replica must take writes of one such block."""
         self.md = md
@@ -644,8 +647,11 @@ class ReplicatedBackend(BackendFilter):
         the replicas are hung up; the copy then waits for its new primary's writes."""
         if not self.primary:
             return
-        self.primary = False
-        await self._quiesce()
+        self.primary, self.demoting = False, True
+        try:
+            await self._quiesce()
+        finally:
+            self.demoting = False
         log.info("demoted to secondary", namespace=self.name)
 
     async def stop(self) -> None:

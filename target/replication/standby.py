@@ -41,9 +41,9 @@ class StandbyExport(BackendFilter):
         self.copy = copy
 
     def _check(self) -> None:
-        if self.copy.primary:
-            raise ReplicationError(Status.NS_NOT_READY, f"{self.copy.name}: this copy is the primary; "
-                                   "its standby subsystem takes no I/O")
+        if self.copy.primary or self.copy.demoting:
+            raise ReplicationError(Status.NS_NOT_READY, f"{self.copy.name}: this copy is the primary "
+                                   "(or being demoted); its standby subsystem takes no I/O")
 
     async def read_into(self, offset: int, buf: memoryview) -> None:
         self._check()
