@@ -19,6 +19,11 @@ from protocol.status import Status
 MAX_ANA_GROUPS = 128
 """ANAGRPMAX and NANAGRPID (nvmet's NVMET_MAX_ANAGRPS); group ids are 1..this."""
 DEFAULT_ANA_GROUP = 1
+STANDBY_ANA_GROUP = MAX_ANA_GROUPS
+"""The group of every standby subsystem's namespace (a failover pair's replication path,
+target.replication.standby): never set, so optimized on every port whatever the host-facing
+groups' states; its namespace serves I/O by the copy's role instead. A group of its own rather
+than an exemption from ANA: the ANA check stays one rule for every namespace."""
 ANATT_SECONDS = 10
 """ANA Transition Time (nvmet's value): the Linux host resets a controller whose group stays in
 ``change`` for twice this long."""

@@ -70,6 +70,10 @@ Example::
     region_size = "64KiB"     # one write-intent bitmap bit
     min_in_sync = 1           # copies (this one included) a write needs, else it fails
     resync_rate = "100MiB"    # per second, per replica
+    standby_nqn = "nqn.2026-11.io.blockd:vol1-standby"  # optional: a failover pair (docs/replication.md):
+                              # while this copy is the standby (its ANA group inaccessible), its
+                              # primary writes it through this subsystem, in ANA group 128
+    standby_hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]  # who may (default: any host)
 
     [[subsystem.namespace.replica]]   # one table per copy: an NVMe-oF namespace
     transport = "tcp"         # or "rdma"
@@ -99,7 +103,7 @@ from blockd.config import (
 from blockd.dhchap_secret import Secret, SecretError, parse_secret
 from protocol.auth import DhGroup, HashId
 from protocol.constants import ANA_STATE_NAMES, DEFAULT_IO_PORT, DISCOVERY_NQN, AnaState
-from target.ana import DEFAULT_ANA_GROUP, MAX_ANA_GROUPS
+from target.ana import DEFAULT_ANA_GROUP, MAX_ANA_GROUPS, STANDBY_ANA_GROUP
 from target.transport import DEFAULT_MAX_TRANSFER
 
 DEFAULT_CONTROL_SOCKET = "/run/blockd/target.sock"
@@ -156,6 +160,11 @@ class NamespaceConfig:
     min_in_sync: int = 1
     resync_rate: int = DEFAULT_RESYNC_RATE
     """Bytes per second one resync copies at most."""
+    standby_nqn: str | None = None
+    """A failover pair's copy: the subsystem through which the primary writes this copy while
+    this node is the standby (target.replication.standby)."""
+    standby_hosts: frozenset[str] = frozenset()
+    """Host NQNs allowed on the standby subsystem; empty: any host."""
 
 
 MAX_CNTLID = 0xFFEF
@@ -387,18 +396,21 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
         subsystems.append(SubsystemConfig(nqn, serial, model, allow_any, frozenset(hosts),
                                           frozenset(sub_ports) if sub_ports is not None else None,
                                           tuple(namespaces), host_auth, _cntlid_range(s, where)))
-    nqns = [s.nqn for s in subsystems]
+    nqns = [s.nqn for s in subsystems] + [n.standby_nqn for s in subsystems for n in s.namespaces if n.standby_nqn]
     if len(set(nqns)) != len(nqns):
-        raise ConfigError(f"{source}: subsystem NQNs must be unique")
+        raise ConfigError(f"{source}: subsystem NQNs (standby_nqn included) must be unique")
+    ana = _ana_entries(take(raw, "ana", list, source, []), set(ids), source)
+    if len(nqns) > len(subsystems) and any(a.group == STANDBY_ANA_GROUP for a in ana):
+        raise ConfigError(f"{source}: ANA group {STANDBY_ANA_GROUP} holds the standby subsystems: "
+                          "its state is not configurable")
     return TargetConfig(tuple(ports), tuple(subsystems), log_format,
                         take(logging_t, "level", str, f"{source} [logging]", "info"), max_io_queues,
-                        limits, control_socket, metrics,
-                        _ana_entries(take(raw, "ana", list, source, []), set(ids), source))
+                        limits, control_socket, metrics, ana)
 
 
 def _namespace(n: dict[str, Any], where: str, default_nsid: int) -> NamespaceConfig:
     unknown(n, {"nsid", "path", "size", "block_size", "read_only", "ana_group", "nguid", "uuid", "eui64",
-                "replica", "region_size", "min_in_sync", "resync_rate"}, where)
+                "replica", "region_size", "min_in_sync", "resync_rate", "standby_nqn", "standby_hosts"}, where)
     nsid = take(n, "nsid", int, where, default_nsid)
     size = n.get("size")
     block_size = take(n, "block_size", int, where, 512)
@@ -413,7 +425,7 @@ def _namespace(n: dict[str, Any], where: str, default_nsid: int) -> NamespaceCon
     replicas = tuple(_replica(r, f"{where} replica #{k + 1}")
                      for k, r in enumerate(take(n, "replica", list, where, [])))
     if not replicas:
-        extra = {"region_size", "min_in_sync", "resync_rate"} & n.keys()
+        extra = {"region_size", "min_in_sync", "resync_rate", "standby_nqn", "standby_hosts"} & n.keys()
         if extra:
             raise ConfigError(f"{where}: {', '.join(sorted(extra))} apply only to a namespace with replicas")
         return NamespaceConfig(nsid, path, size_b, block_size, read_only, **ana)
@@ -432,8 +444,20 @@ def _namespace(n: dict[str, Any], where: str, default_nsid: int) -> NamespaceCon
     resync_rate = parse_size(n.get("resync_rate", DEFAULT_RESYNC_RATE), f"{where} resync_rate")
     if resync_rate < region_size:
         raise ConfigError(f"{where}: resync_rate must be at least one region ({region_size} bytes) per second")
+    standby_nqn = take(n, "standby_nqn", str, where, None)
+    if standby_nqn is not None and (not _NQN.match(standby_nqn) or standby_nqn == DISCOVERY_NQN):
+        raise ConfigError(f"{where}: standby_nqn {standby_nqn!r} is not a valid subsystem NQN")
+    standby_hosts = take(n, "standby_hosts", list, where, [])
+    if standby_nqn is None and standby_hosts:
+        raise ConfigError(f"{where}: standby_hosts applies only with standby_nqn")
+    for host in standby_hosts:
+        if not isinstance(host, str) or not _NQN.match(host):
+            raise ConfigError(f"{where}: standby_hosts: {host!r} is not a valid host NQN")
+    if standby_nqn is not None and ana["ana_group"] == STANDBY_ANA_GROUP:
+        raise ConfigError(f"{where}: ANA group {STANDBY_ANA_GROUP} holds the standby subsystems")
     return NamespaceConfig(nsid, path, size_b, block_size, False, replicas=replicas, region_size=region_size,
-                           min_in_sync=min_in_sync, resync_rate=resync_rate, **ana)
+                           min_in_sync=min_in_sync, resync_rate=resync_rate, standby_nqn=standby_nqn,
+                           standby_hosts=frozenset(standby_hosts), **ana)
 
 
 def _replica(r: dict[str, Any], where: str) -> ReplicaConfig:

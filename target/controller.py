@@ -555,7 +555,7 @@ class Controller:
             await ns.backend.read_into(offset, memoryview(buf))
         except OSError as exc:
             log.error("read failed", nsid=ns.nsid, offset=offset, error=str(exc))
-            req.status = Status.UNRECOVERED_READ_ERROR
+            req.status = getattr(exc, "status", Status.UNRECOVERED_READ_ERROR)  # a backend may say why
             return
         req.reply = buf
 

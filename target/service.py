@@ -16,7 +16,7 @@ import structlog
 from target.config import MAX_REPLICAS, NamespaceConfig, PortConfig, SubsystemConfig, TargetConfig
 from blockd.control_socket import RequestError
 from protocol.constants import ANA_STATE_NAMES, AnaState
-from target.ana import MAX_ANA_GROUPS
+from target.ana import MAX_ANA_GROUPS, STANDBY_ANA_GROUP
 from target.backend import Backend, FileBackend
 from target.control import ControlServer
 from blockd.prometheus import MetricsServer
@@ -24,6 +24,7 @@ from target.metrics import target_metrics_server
 from target.replication.control import ReplicationControl
 from target.replication.link import ReplicaIO
 from target.replication.mirror import ReplicatedBackend
+from target.replication.standby import StandbyExport
 from target.subsystem import Namespace, Subsystem
 from target.target import PortInfo, Target
 from target.transport import Listener, listen
@@ -54,7 +55,10 @@ ReplicaOpener = Callable[..., Awaitable[ReplicaIO]]
 the host library)."""
 
 
-async def _open_namespace(sub: Subsystem, nc: NamespaceConfig, open_replica: ReplicaOpener | None) -> Namespace:
+async def _open_namespace(sub: Subsystem, nc: NamespaceConfig, open_replica: ReplicaOpener | None,
+                          primary: bool) -> Namespace:
+    """Open ``nc``; a replicated namespace opens in the role ``primary`` says (its group's ANA
+    state: see :meth:`TargetService._role_changes`)."""
     where = f"{sub.nqn} namespace {nc.nsid}"
     try:
         backend: Backend = FileBackend(nc.path, nc.size, read_only=nc.read_only)
@@ -71,7 +75,7 @@ async def _open_namespace(sub: Subsystem, nc: NamespaceConfig, open_replica: Rep
         try:
             backend = await ReplicatedBackend.open(backend, openers, nc.region_size, nc.min_in_sync,
                                                    nc.resync_rate, MAX_REPLICAS, name=where,
-                                                   block_size=nc.block_size)
+                                                   block_size=nc.block_size, primary=primary)
         except (OSError, ValueError) as exc:
             backend.close()
             raise RuntimeError(f"{where}: {exc}") from None
@@ -91,6 +95,8 @@ class TargetService:
         self.open_replica = open_replica
         self.target = Target(max_io_queues=config.max_io_queues, limits=config.limits)
         self.listeners: dict[int, Listener] = {}
+        self.standby: dict[tuple[str, int], str] = {}
+        """(subsystem NQN, nsid) of each failover pair's namespace -> its standby subsystem's NQN."""
         self.control: ControlServer | None = (
             ControlServer(self, config.control_socket) if config.control_socket else None)
         """The control socket (``blockctl target ...``); its path is not reloadable."""
@@ -111,10 +117,10 @@ class TargetService:
             await self.control.start()
         if self.metrics is not None:
             await self.metrics.start()
-        for sc in self.config.subsystems:
-            await self._add_subsystem(sc)
-        for (port_id, group), state in _ana_map(self.config).items():
+        for (port_id, group), state in _ana_map(self.config).items():  # first: they set the roles
             self.target.set_ana_state([port_id], group, state)
+        for sc in self.config.subsystems:
+            await self._add_subsystem(sc, self.config)
         for pc in self.config.ports:
             await self._add_port(pc)
 
@@ -136,18 +142,42 @@ class TargetService:
         await self.listeners.pop(port_id).stop()
         self.target.remove_port(port_id)
 
-    async def _add_subsystem(self, sc: SubsystemConfig) -> None:
+    async def _add_subsystem(self, sc: SubsystemConfig, config: TargetConfig) -> None:
         sub = Subsystem(sc.nqn, sc.serial, sc.model, sc.allow_any_host, set(sc.hosts),
                         port_ids=set(sc.ports) if sc.ports is not None else None,
                         auth=dict(sc.host_auth), cntlid_range=sc.cntlid_range)
         try:
             for nc in sc.namespaces:
-                sub.add_namespace(await _open_namespace(sub, nc, self.open_replica))
+                sub.add_namespace(await self._open(sub, sc, nc, config))
         except BaseException:
             for ns in sub.namespaces.values():
                 ns.backend.close()
             raise
         self.target.add_subsystem(sub)
+        for nc in sc.namespaces:
+            self._add_standby(sc, nc, sub.namespaces[nc.nsid])
+
+    async def _open(self, sub: Subsystem, sc: SubsystemConfig, nc: NamespaceConfig, config: TargetConfig) -> Namespace:
+        primary = _serves(_ports(config, sc), nc.ana_group, self.target.ana.state)
+        return await _open_namespace(sub, nc, self.open_replica, primary)
+
+    def _add_standby(self, sc: SubsystemConfig, nc: NamespaceConfig, ns: Namespace) -> None:
+        """A failover pair's namespace: its standby subsystem (target.replication.standby), on
+        the same ports, in the standby ANA group (controller ids: the default range, as only
+        the primary connects to it)."""
+        if nc.standby_nqn is None or not isinstance(ns.backend, ReplicatedBackend):
+            return
+        standby = Subsystem(nc.standby_nqn, sc.serial, "blockd standby", not nc.standby_hosts, set(nc.standby_hosts),
+                            port_ids=set(sc.ports) if sc.ports is not None else None)
+        standby.add_namespace(Namespace(nc.nsid, StandbyExport(ns.backend), nc.block_size, nc.standby_nqn,
+                                        nc.path, STANDBY_ANA_GROUP))
+        self.target.add_subsystem(standby)
+        self.standby[sc.nqn, nc.nsid] = nc.standby_nqn
+
+    def _remove_standby(self, nqn: str, nsid: int) -> None:
+        standby = self.standby.pop((nqn, nsid), None)
+        if standby is not None:
+            self.target.remove_subsystem(standby)
 
     async def reload(self, new: TargetConfig) -> None:
         """Apply ``new``: only what changed is touched. A namespace whose size alone changed
@@ -162,14 +192,14 @@ class TargetService:
             except ValueError as exc:
                 raise RuntimeError(str(exc)) from None
         ana_changes = _ana_changes(old, new)
-        for (port_id, group), state in ana_changes.items():
-            why = self.promotion_blocker(port_id, group, state)
+        moves = {(sub.nqn, nc.nsid): nc.ana_group for sub, _, nc in self._kept(old, new, _moved)}
+
+        def after(port_id: int, group: int) -> AnaState:
+            return ana_changes.get((port_id, group), self.target.ana.state(port_id, group))
+        for where, backend in self._role_changes(new, after, moves)[0]:
+            why = await backend.promotion_blocker()
             if why:
-                raise RuntimeError(f"ANA group {group} on port {port_id} not made {state.name.lower()}: {why}")
-        for sub, was, nc in self._kept(old, new, _moved):
-            why = self._move_blocker(sub.namespaces[nc.nsid], was.ana_group, nc.ana_group, ana_changes)
-            if why:
-                raise RuntimeError(f"{sub.nqn} namespace {nc.nsid} not moved to ANA group {nc.ana_group}: {why}")
+                raise RuntimeError(f"{where} not made primary (its ANA group would serve I/O): {why}")
         old_ports = {p.port_id: p for p in old.ports}
         new_ports = {p.port_id: p for p in new.ports}
         for pid, pc in old_ports.items():
@@ -178,20 +208,26 @@ class TargetService:
         old_subs = {s.nqn: s for s in old.subsystems}
         new_subs = {s.nqn: s for s in new.subsystems}
         for nqn in old_subs.keys() - new_subs.keys():
+            for nc in old_subs[nqn].namespaces:
+                self._remove_standby(nqn, nc.nsid)
             self.target.remove_subsystem(nqn)
             log.info("subsystem removed", nqn=nqn)
         for nqn, sc in new_subs.items():
             before = old_subs.get(nqn)
             if before is None:
-                await self._add_subsystem(sc)
+                await self._add_subsystem(sc, new)
                 log.info("subsystem added", nqn=nqn)
             elif before != sc:
-                await self._update_subsystem(before, sc)
+                await self._update_subsystem(before, sc, new)
         self._apply_resizes(old, new)
+        for _, backend in self._role_changes(new, after, moves)[0]:  # (namespaces re-opened meanwhile too)
+            await backend.promote()
         for sub, _, nc in self._kept(old, new, _moved):  # no await from here to the ANA states:
             self.target.move_namespace(sub, nc.nsid, nc.ana_group)  # hosts see one change
         for (port_id, group), state in ana_changes.items():
             self.target.set_ana_state([port_id], group, state)
+        for _, backend in self._role_changes(new, self.target.ana.state, {})[1]:
+            await backend.demote()
         for pid, pc in new_ports.items():
             if old_ports.get(pid) != pc:
                 await self._add_port(pc)
@@ -216,7 +252,7 @@ class TargetService:
                 if was is not None and _kept(was, nc) and which(was, nc):
                     yield self.target.subsystems[sc.nqn], was, nc
 
-    async def _update_subsystem(self, before: SubsystemConfig, after: SubsystemConfig) -> None:
+    async def _update_subsystem(self, before: SubsystemConfig, after: SubsystemConfig, config: TargetConfig) -> None:
         sub = self.target.subsystems[after.nqn]
         sub.serial, sub.model = after.serial, after.model
         sub.port_ids = set(after.ports) if after.ports is not None else None
@@ -228,11 +264,13 @@ class TargetService:
         new_ns = {n.nsid: n for n in after.namespaces}
         for nsid, nc in old_ns.items():
             if not _kept(nc, new_ns.get(nsid)):
+                self._remove_standby(sub.nqn, nsid)
                 self.target.remove_namespace(sub, nsid)
                 log.info("namespace removed", nqn=sub.nqn, nsid=nsid)
         for nsid, nc in new_ns.items():
             if old_ns.get(nsid) is None or not _kept(old_ns[nsid], nc):
-                self.target.add_namespace(sub, await _open_namespace(sub, nc, self.open_replica))
+                self.target.add_namespace(sub, await self._open(sub, after, nc, config))
+                self._add_standby(after, nc, sub.namespaces[nsid])
                 log.info("namespace added", nqn=sub.nqn, nsid=nsid, path=nc.path)
 
     def _apply_resizes(self, old: TargetConfig, new: TargetConfig) -> None:
@@ -257,30 +295,25 @@ class TargetService:
 
     # -- ANA: promotion and demotion ----------------------------------------------------------------
 
-    def promotion_blocker(self, port_id: int, group: int, state: AnaState) -> str | None:
-        """Why ``group`` may not become ``state`` on ``port_id`` now, or None. Only making a
-        path accessible (optimized, non-optimized) where it was not can lose data: a namespace
-        whose backend keeps a copy in sync with another (the replication layer) says, through
-        its ``promotion_blocker()``, whether this copy has every acknowledged write; a backend
-        without one (a plain file, storage both targets share) may always be promoted."""
-        if state not in _ACCESSIBLE or self.target.ana.state(port_id, group) in _ACCESSIBLE:
-            return None
-        for ns in self._group_namespaces(group):
-            why = _namespace_blocker(ns)
-            if why:
-                return f"{ns.subsystem_nqn} namespace {ns.nsid}: {why}"
-        return None
-
-    def _move_blocker(self, ns: Namespace, before: int, after: int,
-                      ana_changes: dict[tuple[int, int], AnaState]) -> str | None:
-        """Why ``ns`` may not move from group ``before`` to ``after`` in this reload, or None:
-        the move promotes it on every port where the old group was not accessible and the new
-        one is (after the reload's ANA changes), so the same rule as for a promotion applies."""
-        ana = self.target.ana
-        promoted = [p for p in self.target.ports if ana.state(p, before) not in _ACCESSIBLE
-                    and ana_changes.get((p, after), ana.state(p, after)) in _ACCESSIBLE]
-        why = _namespace_blocker(ns) if promoted else None
-        return f"it would become accessible on port {promoted[0]}, but {why}" if why else None
+    def _role_changes(self, config: TargetConfig, state: Callable[[int, int], AnaState],
+                      moves: dict[tuple[str, int], int]) -> tuple[list[tuple[str, ReplicatedBackend]],
+                                                                   list[tuple[str, ReplicatedBackend]]]:
+        """The replicated namespaces to promote and to demote under the ANA states ``state``
+        (and the group ``moves``, by (NQN, nsid)): roles follow ANA. A copy is the primary while
+        its namespace's group serves I/O (optimized or non-optimized) on any port of its
+        subsystem, and the secondary (a failover pair's standby) while it serves none."""
+        promote, demote = [], []
+        for sc in config.subsystems:
+            sub = self.target.subsystems.get(sc.nqn)
+            if sub is None:
+                continue
+            for ns in sub.namespaces.values():
+                if not isinstance(ns.backend, ReplicatedBackend):
+                    continue
+                primary = _serves(_ports(config, sc), moves.get((sc.nqn, ns.nsid), ns.ana_group), state)
+                if primary != ns.backend.primary:
+                    (promote if primary else demote).append((f"{sc.nqn} namespace {ns.nsid}", ns.backend))
+        return promote, demote
 
     def _group_namespaces(self, group: int) -> list[Namespace]:
         return [ns for sub in self.target.subsystems.values() for ns in sub.namespaces.values()
@@ -299,31 +332,42 @@ class TargetService:
     async def op_ana_set(self, state: str, group: int = 1, port: int | None = None,
                          force: bool = False) -> dict[str, Any]:
         """Control verb ``ana-set`` (``blockctl target ana promote|demote|set``): ``group``'s
-        state on ``port`` (None: every port), sending the ANA change event. Making it
-        accessible is refused while a namespace's copy may lack acknowledged writes
-        (:meth:`promotion_blocker`) unless ``force``, which then asks each such backend to start
-        a new generation (``force_new_generation()``), so that the replication layer sees the
-        other copy's later writes as diverged rather than resyncing over this one. Not written
-        to the configuration: a reload keeps it unless the file's ``[[ana]]`` entries change."""
+        state on ``port`` (None: every port), sending the ANA change event, with the role
+        changes it implies (:meth:`_role_changes`). A replicated namespace made primary is
+        promoted first (hosts must not reach a copy that is not yet the primary), one made
+        secondary is demoted after its hosts were told. A promotion is refused while the copy
+        may lack acknowledged writes (the backend's ``promotion_blocker()``) unless ``force``;
+        every promotion starts a new generation, so the replication layer sees the other copy's
+        later writes as diverged rather than resyncing over this one. Not written to the
+        configuration: a reload keeps it unless the file's ``[[ana]]`` entries change."""
         try:
             new = ANA_STATE_NAMES[state]
         except KeyError:
             raise RequestError(f"ANA state must be one of {', '.join(ANA_STATE_NAMES)}, not {state!r}") from None
         if not 1 <= group <= MAX_ANA_GROUPS:
             raise RequestError(f"ANA group must be 1..{MAX_ANA_GROUPS}")
+        if group == STANDBY_ANA_GROUP and self.standby:
+            raise RequestError(f"ANA group {STANDBY_ANA_GROUP} holds the standby subsystems: its state is fixed")
         if port is not None and port not in self.target.ports:
             raise RequestError(f"no port {port}")
         ports = [port] if port is not None else sorted(self.target.ports)
-        blockers = [why for p in ports if (why := self.promotion_blocker(p, group, new))]
+
+        def after(port_id: int, g: int) -> AnaState:
+            return new if port_id in ports and g == group else self.target.ana.state(port_id, g)
+        promote, demote = self._role_changes(self.config, after, {})
+        blockers = [f"{where}: {why}" for where, backend in promote if (why := await backend.promotion_blocker())]
         if blockers and not force:
             raise RequestError(f"not promoted: {blockers[0]} (--force promotes anyway, starting a new generation)")
         if blockers:
-            for ns in self._group_namespaces(group):
-                fork = getattr(ns.backend, "force_new_generation", None)
-                if fork is not None:
-                    await fork()
             log.warning("forced promotion", group=group, blockers=blockers)
+        for where, backend in promote:
+            try:
+                await backend.promote(forced=bool(blockers))
+            except (OSError, ValueError) as exc:
+                raise RequestError(f"not promoted: {where}: {exc}") from None
         changed = self.target.set_ana_state(ports, group, new)
+        for _, backend in demote:
+            await backend.demote()
         return {"group": group, "state": state, "ports": ports, "changed": changed,
                 "chgcnt": self.target.ana.chgcnt}
 
@@ -343,6 +387,8 @@ class TargetService:
             for ns in sub.namespaces.values():
                 if isinstance(ns.backend, ReplicatedBackend):
                     await ns.backend.stop()
+        for nqn, nsid in list(self.standby):  # before the files they export close
+            self._remove_standby(nqn, nsid)
         await self.target.close()
         if self.metrics is not None:
             await self.metrics.stop()
@@ -358,11 +404,16 @@ def _moved(before: NamespaceConfig, after: NamespaceConfig) -> bool:
     return before.ana_group != after.ana_group
 
 
-def _namespace_blocker(ns: Namespace) -> str | None:
-    """The backend's reason this copy may not serve I/O yet (``promotion_blocker()``, the
-    replication layer's), or None; a backend without one may always be promoted."""
-    check = getattr(ns.backend, "promotion_blocker", None)
-    return check() if check is not None else None
+def _ports(config: TargetConfig, sc: SubsystemConfig) -> list[int]:
+    """The ports a subsystem is offered on."""
+    return sorted(sc.ports) if sc.ports is not None else [p.port_id for p in config.ports]
+
+
+def _serves(ports: list[int], group: int, state: Callable[[int, int], AnaState]) -> bool:
+    """Whether ``group`` serves I/O on any of ``ports``: its copy is then the primary."""
+    return any(state(p, group) in _ACCESSIBLE for p in ports)
+
+
 _STATE_NAMES = {state: name for name, state in ANA_STATE_NAMES.items()}
 
 

@@ -200,7 +200,13 @@ def _eta(seconds: float | None) -> str:
 def _replicas_text(namespaces: list[dict[str, Any]]) -> str:
     blocks = []
     for ns in namespaces:
-        head = (f"{ns['subsystem']} namespace {ns['nsid']}: {ns['copies_in_sync']} of {len(ns['replicas']) + 1} "
+        if ns["role"] == "secondary":  # the standby: its primary holds the links
+            blocks.append(f"{ns['subsystem']} namespace {ns['nsid']}: secondary (standby, written by its primary), "
+                          f"data {_size(ns['data_size'])}, region {_size(ns['region_size'])}, generation "
+                          f"{ns['generation']}" + (", inconsistent (a resync into it is unfinished)"
+                                                   if ns["inconsistent"] else ""))
+            continue
+        head = (f"{ns['subsystem']} namespace {ns['nsid']}: primary, {ns['copies_in_sync']} of {len(ns['replicas']) + 1} "
                 f"copies in sync (min_in_sync {ns['min_in_sync']}), data {_size(ns['data_size'])}, "
                 f"region {_size(ns['region_size'])}, generation {ns['generation']}")
         rows = []

@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from blockd.control_socket import RequestError
 from target.replication.link import IN_SYNC
+from target.replication.metadata import MetadataError
 from target.replication.mirror import LINK_ERRORS, ReplicatedBackend
 from target.replication.resolve import discard_local, discard_replica
 from target.replication.verify import verify
@@ -40,10 +42,16 @@ class ReplicationControl:
     def _one(self, nqn: str, nsid: int) -> ReplicatedBackend:
         for sub_nqn, ns_id, backend in self._replicated():
             if (sub_nqn, ns_id) == (nqn, nsid):
+                if not backend.primary:
+                    raise RequestError(f"{nqn} namespace {nsid} is the standby (secondary): run this on its primary")
                 return backend
         raise RequestError(f"{nqn} has no replicated namespace {nsid}")
 
     async def op_replicas(self) -> dict[str, Any]:
+        for _, _, backend in self._replicated():
+            if not backend.primary:  # its primary writes its metadata: show what is on disk now
+                with contextlib.suppress(OSError, MetadataError):
+                    await backend.reread_metadata()
         return {"namespaces": [{"subsystem": nqn, "nsid": nsid, **backend.view()}
                                for nqn, nsid, backend in self._replicated()]}
 

@@ -32,9 +32,9 @@ from target.backend import Backend
 from target.filter import BackendFilter
 from target.replication import resync
 from target.replication.blockio import BackendBlockIO
-from target.replication.generations import SyncPlan, decide, discard_plan
+from target.replication.generations import BLANK, SyncPlan, decide, discard_plan
 from target.replication.link import (
-    DEGRADED, IN_SYNC, RECONNECT_DELAY, REFUSED, RESYNCING, SPLIT_BRAIN, Opener, ReplicaLink,
+    CONNECTING, DEGRADED, IN_SYNC, RECONNECT_DELAY, REFUSED, RESYNCING, SPLIT_BRAIN, Opener, ReplicaLink,
 )
 from target.replication.metadata import Metadata, MetadataError
 
@@ -93,11 +93,23 @@ class ReplicatedBackend(BackendFilter):
 
     Built by :meth:`open` (which reads or formats the metadata); :meth:`start` then runs one
     task per replica that connects, compares generations and resyncs, plus the lazy bit sweeper.
+
+    Roles (a failover pair, :mod:`target.replication.standby`): the *primary* takes host writes
+    and mirrors them; the *secondary* (``primary`` False) is the standby's copy, written only by
+    its primary through the standby subsystem: it runs no link and no sweeper, never writes its
+    metadata (the primary keeps it), and refuses host writes. The target service sets the role
+    from the ANA state of the namespace's group (:meth:`promote`, :meth:`demote`).
     """
 
     def __init__(self, inner: Backend, md: Metadata, openers: list[tuple[str, Opener]],
-                 min_in_sync: int, resync_rate: int, name: str = "", block_size: int = 512) -> None:
+                 min_in_sync: int, resync_rate: int, name: str = "", block_size: int = 512,
+                 primary: bool = True) -> None:
         super().__init__(inner)
+        self.primary = primary
+        """The role: False while this copy is a failover pair's standby."""
+        self.demoting = False
+        """A demotion is draining: this copy still writes its own metadata, so its standby
+        subsystem takes nothing from the new primary yet."""
         self.block_size = block_size
         """The namespace's block: a replica must take writes of one such block."""
         self.md = md
@@ -131,28 +143,34 @@ class ReplicatedBackend(BackendFilter):
     @classmethod
     async def open(cls, inner: Backend, openers: list[tuple[str, Opener]], region_size: int,
                    min_in_sync: int, resync_rate: int, max_peers: int, name: str = "",
-                   block_size: int = 512) -> ReplicatedBackend:
+                   block_size: int = 512, primary: bool = True) -> ReplicatedBackend:
         """Read this copy's metadata, or format it on a device that has none (a new primary:
-        every replica then gets a full sync, as its slot knows no peer yet)."""
+        every replica then gets a full sync, as its slot knows no peer yet; a new secondary:
+        blank, no generation, as a primary formats a new replica, so it is never promoted
+        before a first full sync or a forced promotion)."""
         io = BackendBlockIO(inner)
         try:
             md = await Metadata.open(io)
         except MetadataError as exc:
             if not await _blank_metadata(io):
                 raise ValueError(f"{name}: replication metadata unreadable: {exc}") from None
-            md = await Metadata.format(io, region_size, max_peers)
+            md = await Metadata.format(io, region_size, max_peers, blank=not primary)
             log.info("replication metadata formatted", namespace=name, data_size=md.data_size,
-                     region_size=region_size)
+                     region_size=region_size, primary=primary)
         if md.region_size != region_size:
             raise ValueError(f"{name}: the metadata has region_size {md.region_size}, the configuration "
                              f"{region_size} (the region size is fixed when the metadata is formatted)")
         if len(openers) > md.max_peers:
             raise ValueError(f"{name}: {len(openers)} replicas configured, the metadata has {md.max_peers} slots")
-        return cls(inner, md, openers, min_in_sync, resync_rate, name, block_size)
+        return cls(inner, md, openers, min_in_sync, resync_rate, name, block_size, primary)
 
     def start(self) -> None:
+        """Run the links and the sweeper (a primary; a secondary runs nothing)."""
         loop = asyncio.get_running_loop()
         self._loop = loop
+        if not self.primary:
+            return
+        self._closed = False
         self._tasks = [loop.create_task(self._run_link(link)) for link in self.links]
         self._tasks.append(loop.create_task(self._sweeper()))
 
@@ -200,6 +218,7 @@ class ReplicatedBackend(BackendFilter):
         """What every command that changes data does first: wait for a copy of its regions in
         progress, count it in flight there, set the bits on disk (before the data is issued
         anywhere), and pick the replicas it goes to. Undone by :meth:`_end`."""
+        self._serving()
         if self.copying:
             await self._wait_copies(regions)
         inflight = self.inflight
@@ -240,6 +259,14 @@ class ReplicatedBackend(BackendFilter):
                 link.missing.update(regions)
         return targets
 
+    def _serving(self) -> None:
+        """Refuse a host's write to a secondary. Its ANA group is inaccessible, so hosts get 0x302
+        before the backend; this holds while a role changes (promotion makes the copy primary
+        before the group is accessible, demotion the reverse)."""
+        if not self.primary:
+            raise ReplicationError(Status.ANA_INACCESSIBLE, f"{self.name}: this copy is the standby: "
+                                   "it takes writes from its primary only")
+
     def _enough(self, replicas: int) -> None:
         """Refuse, before anything is written, a command fewer than ``min_in_sync`` copies would
         take: the namespace is not ready for writes until a replica returns."""
@@ -261,6 +288,9 @@ class ReplicatedBackend(BackendFilter):
                 await asyncio.shield(self.copying[r])
 
     async def flush(self) -> None:
+        if not self.primary:  # the local file only (a shutdown's or a close's flush): hosts' come through
+            await self.inner.flush()  # an inaccessible path and get 0x302 before the backend
+            return
         links = [link for link in self.links if link.sendable]
         self._enough(len(links))
         await self._each_copy(lambda io: io.flush(), self.inner.flush, links)
@@ -340,6 +370,9 @@ class ReplicatedBackend(BackendFilter):
         metadata, written through the fabric), and this copy's slot for it records no older one."""
         assert link.peer_md is not None and link.slot is not None
         await link.peer_md.adopt(self.md.ids())
+        back = link.peer_md.slot_of(self.md.node_id)
+        if back is not None and link.peer_md.peers[back].bitmap_generation:
+            await link.peer_md.peer_in_sync(back)  # it holds this copy's generation: this copy lacks nothing of it
         await self.md.peer_in_sync(link.slot)
 
     async def _run_link(self, link: ReplicaLink) -> None:
@@ -377,6 +410,10 @@ class ReplicatedBackend(BackendFilter):
             link.hang_up()
             return
         assert link.bitmap is not None
+        if peer.slot_of(self.md.node_id) is None:
+            # the replica records, from now on, what this copy lacks once it is promoted in a
+            # failover pair: this copy's return is then a bitmap resync, not a full one
+            await peer.assign_slot(self.md.node_id)
         if plan == SyncPlan.FULL:
             await link.bitmap.set_all()
             link.missing = set(range(link.bitmap.regions))
@@ -514,7 +551,9 @@ class ReplicatedBackend(BackendFilter):
 
     def view(self) -> dict[str, Any]:
         in_sync = 1 + sum(link.state == IN_SYNC for link in self.links)
-        return {"namespace": self.name, "data_size": self.data_size, "region_size": self.region_size,
+        return {"namespace": self.name, "role": "primary" if self.primary else "secondary",
+                "inconsistent": self.md.inconsistent,
+                "data_size": self.data_size, "region_size": self.region_size,
                 "min_in_sync": self.min_in_sync, "copies_in_sync": in_sync,
                 "generation": f"{self.md.current:016x}", "node_id": f"{self.md.node_id:016x}",
                 "replicas": [link.view() for link in self.links]}
@@ -526,31 +565,109 @@ class ReplicatedBackend(BackendFilter):
                 return link
         raise ValueError(f"no replica {which!r}; replicas: " + ", ".join(f"{k.slot} ({k.name})" for k in self.links))
 
-    def promotion_blocker(self) -> str | None:
-        """None when this copy may serve as the optimized path (every replica is in sync, so
-        this copy holds every acknowledged write and no other copy holds newer ones); else why not."""
-        if self.md.inconsistent:
-            return "this copy is the target of an unfinished sync: its data mixes generations"
-        for link in self.links:
-            if link.state == SPLIT_BRAIN or link.state == REFUSED:
-                return f"replica {link.name}: {link.state}: {link.reason}"
-        if all(link.state == IN_SYNC for link in self.links):
-            return None
-        away = [f"{link.name} ({link.state})" for link in self.links if link.state != IN_SYNC]
-        return "replicas not in sync: " + ", ".join(away)
+    # -- roles (a failover pair) ------------------------------------------------------------------
 
-    async def force_new_generation(self) -> None:
-        """A forced promotion: this copy starts a new generation even though replicas are away,
-        so their later return is a bitmap resync or a split brain, never a silent merge."""
+    async def reread_metadata(self) -> None:
+        """A secondary's metadata is written by its primary, through the standby subsystem:
+        read it again (what ``blockctl target replicas`` and a promotion look at)."""
+        md = await Metadata.open(BackendBlockIO(self.inner))
+        if md.region_size != self.region_size or md.data_size != self.data_size:
+            raise MetadataError(f"the metadata now has region size {md.region_size} and data size "
+                                f"{md.data_size}, this namespace {self.region_size} and {self.data_size}")
+        self.md = md
+
+    async def promotion_blocker(self) -> str | None:
+        """None when this copy may become the primary; else why not (the promotion is then
+        refused, unless forced). A primary has every acknowledged write. A secondary must hold a
+        generation (a first full sync ended), no unfinished resync (INCONSISTENT), and no peer
+        that can be asked may hold writes it lacks: each replica (the other copy of the pair) is
+        reached and its metadata compared, as the primary does when a replica connects. A peer
+        that cannot be reached at all is presumed down (a failover); one that answers but whose
+        copy cannot be read is still the primary (its standby subsystem refuses I/O)."""
+        if self.primary:
+            return None
+        try:
+            await self.reread_metadata()
+        except (OSError, MetadataError) as exc:
+            return f"this copy's metadata is unreadable: {exc}"
+        if self.md.current == BLANK:
+            return "this copy never completed a first sync from a primary: it holds no generation"
+        if self.md.inconsistent:
+            return "a resync into this copy is unfinished: its data mixes generations"
+        for link in self.links:
+            why = await self._peer_blocker(link)
+            if why:
+                return f"replica {link.name}: {why}"
+        return None
+
+    async def _peer_blocker(self, link: ReplicaLink) -> str | None:
+        try:
+            io = await link.opener()
+        except LINK_ERRORS as exc:
+            log.info("peer not reachable at promotion: presumed down", namespace=self.name,
+                     replica=link.name, error=str(exc) or type(exc).__name__)
+            return None
+        try:
+            peer = await Metadata.open(io)
+        except LINK_ERRORS as exc:
+            return (f"it answers but its copy cannot be read ({exc or type(exc).__name__}): "
+                    "it is still the primary? demote it first")
+        finally:
+            with contextlib.suppress(*LINK_ERRORS):
+                await io.close()
+        slot, back = self.md.slot_of(peer.node_id), peer.slot_of(self.md.node_id)
+        plan = decide(self.md.ids(slot), peer.ids(back))
+        if plan in _REFUSALS:
+            return (f"{plan.value} (its generation {peer.current:016x}, this copy's {self.md.current:016x})")
+        return None
+
+    async def promote(self, forced: bool = False) -> None:
+        """Secondary to primary: the metadata as the old primary left it, a new generation (so
+        that an old primary that took writes this copy lacks shows as split brain when it
+        returns, never as behind), then the links to the replicas (the old primary among them:
+        a bitmap resync when it returns as the standby) and the sweeper."""
+        if self.primary:
+            return
+        self.primary = True  # first: the standby subsystem refuses the old primary from now on
+        try:
+            await self.reread_metadata()
+        except BaseException:
+            self.primary = False
+            raise
+        self._bitmaps = [self.md.bitmap(slot) for slot, peer in enumerate(self.md.peers) if peer.node_id]
+        self.links = [ReplicaLink(link.name, link.opener) for link in self.links]
         self._generation_bumped = False
-        await self._new_generation("forced promotion")
+        await self._new_generation("forced promotion" if forced else "promoted")
+        self.start()
+        log.info("promoted to primary", namespace=self.name, forced=forced)
+
+    async def demote(self) -> None:
+        """Primary to secondary: host writes are refused from now on, those in flight finish,
+        the links and the sweeper stop (with the final clear of bits, as at a clean stop), and
+        the replicas are hung up; the copy then waits for its new primary's writes."""
+        if not self.primary:
+            return
+        self.primary, self.demoting = False, True
+        try:
+            await self._quiesce()
+        finally:
+            self.demoting = False
+        log.info("demoted to secondary", namespace=self.name)
 
     async def stop(self) -> None:
         """Stop the links and the sweeper, persist what can be cleared, hang up."""
         self._closed = True
+        if self.primary:
+            await self._quiesce()
+
+    async def _quiesce(self) -> None:
+        self._closed = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        while self.inflight:  # host writes already past the role check
+            await asyncio.sleep(0.001)
         try:  # the writes have drained: after a flush, no bit is needed for the copies in sync
             await self._sweep(everything=True)
         except LINK_ERRORS as exc:
@@ -558,6 +675,8 @@ class ReplicatedBackend(BackendFilter):
         closes = [link.io.close() for link in self.links if link.io is not None]
         for link in self.links:
             link.io = None
+            if link.sendable:  # nothing goes to it any more (a close's flush included)
+                link.state, link.reason = CONNECTING, "not mirroring: this copy stopped or was demoted"
         await asyncio.gather(*closes, return_exceptions=True)
 
     def close(self) -> None:

@@ -71,8 +71,9 @@ def config(ports: list[int], subsystems: list[dict[str, Any]], control: str = ""
 
 
 @contextlib.asynccontextmanager
-async def serving(cfg: Any) -> AsyncIterator[TargetService]:
-    service = TargetService(cfg)
+async def serving(cfg: Any, open_replica: Any = None) -> AsyncIterator[TargetService]:
+    """A started target service; ``open_replica`` reaches replicas (``initiator.replica.open_remote``)."""
+    service = TargetService(cfg, open_replica)
     await service.start()
     try:
         yield service

@@ -229,31 +229,21 @@ def test_no_event_for_a_host_that_did_not_enable_it(tmp_path: Path) -> None:
     run(main())
 
 
-def test_promotion_refused_unless_forced(tmp_path: Path) -> None:
+def test_ana_set_refuses_bad_requests(tmp_path: Path) -> None:
+    """(Promotion of a replicated copy, refused or forced: tests/replication/test_roles.py.)"""
     port = free_port()
     cfg = ana_config([port], [sub(namespaces=[ns(tmp_path / "a.img", 1, SIZE)])], ana=[{"state": "inaccessible"}])
-    forced: list[bool] = []
-
-    async def new_generation() -> None:
-        forced.append(True)
 
     async def main() -> None:
         async with serving(cfg) as service:
-            backend = service.target.subsystems[NQN].namespaces[1].backend
-            backend.promotion_blocker = lambda: "copy is 12 regions behind"
-            backend.force_new_generation = new_generation
-            with pytest.raises(RequestError, match="12 regions behind"):
-                await service.op_ana_set("optimized")
-            assert service.target.ana.state(1, 1) == AnaState.INACCESSIBLE and not forced
-            # demotion and states that serve no I/O are never refused
-            await service.op_ana_set("change")
-            reply = await service.op_ana_set("optimized", force=True)
-            assert reply["changed"] and forced == [True]
-            assert service.target.ana.state(1, 1) == AnaState.OPTIMIZED
+            reply = await service.op_ana_set("optimized")  # a plain file: always promotable
+            assert reply["changed"] and service.target.ana.state(1, 1) == AnaState.OPTIMIZED
             with pytest.raises(RequestError, match="ANA state must be one of"):
                 await service.op_ana_set("fast")
             with pytest.raises(RequestError, match="no port 9"):
                 await service.op_ana_set("optimized", port=9)
+            with pytest.raises(RequestError, match="ANA group must be 1..128"):
+                await service.op_ana_set("optimized", group=129)
     run(main())
 
 
@@ -281,12 +271,6 @@ def test_reload_applies_changed_ana_entries(tmp_path: Path) -> None:
                 await service.op_ana_set("non-optimized")  # a run-time change...
                 await service.reload(ana_config([port], subs, ana=[]))  # ...survives an unchanged file
                 assert service.target.ana.state(1, 1) == AnaState.NON_OPTIMIZED
-                backend = service.target.subsystems[NQN].namespaces[1].backend
-                await service.op_ana_set("inaccessible")
-                backend.promotion_blocker = lambda: "resyncing"
-                with pytest.raises(RuntimeError, match="resyncing"):
-                    await service.reload(ana_config([port], subs, ana=[{"state": "optimized"}]))
-                assert service.target.ana.state(1, 1) == AnaState.INACCESSIBLE
             finally:
                 await ctrl.close()
     run(main())
@@ -374,8 +358,8 @@ def test_reload_moves_a_namespace_to_another_group_in_place(tmp_path: Path) -> N
     Namespace Attribute Changed, the host's namespace list untouched): the host gets the ANA
     change event, finds the namespace in its new group in the log and in Identify Namespace,
     and I/O goes on through the move; into an inaccessible group it gets 0x302, and back the
-    data written before is there. A move that would make a lagging copy accessible is refused
-    like a promotion."""
+    data written before is there. (A move that would make a standby's copy accessible is a
+    promotion: tests/replication/test_roles.py.)"""
     port = free_port()
     ana = [{"group": 2, "state": "inaccessible"}]
 
@@ -429,11 +413,6 @@ def test_reload_moves_a_namespace_to_another_group_in_place(tmp_path: Path) -> N
                 assert [(g.grpid, g.state, list(g.nsids)) for g in parsed.groups if g.nsids] == [
                     (2, AnaState.INACCESSIBLE, [1])]
 
-                backend.promotion_blocker = lambda: "copy is 3 regions behind"
-                with pytest.raises(RuntimeError, match="not moved to ANA group 1: .*3 regions behind"):
-                    await service.reload(cfg(1))
-                assert service.target.subsystems[NQN].namespaces[1].ana_group == 2
-                del backend.promotion_blocker
                 await service.reload(cfg(1))
                 await asyncio.wait_for(events.get(), 5)
                 assert await ctrl.read(1, 0, 1) == b"before" * 85 + b"xx"

@@ -3,7 +3,9 @@ defaulted, and every mistake one ConfigError naming the entry."""
 
 from __future__ import annotations
 
+import re
 import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,3 +78,41 @@ def test_the_same_replica_twice_is_refused() -> None:
     ns["replica"].append(dict(ns["replica"][0]))
     with pytest.raises(ConfigError, match="a replica appears twice"):
         parse(raw)
+
+
+@pytest.mark.parametrize("ns_extra, needle", [
+    ('standby_nqn = "standby"', "standby_nqn 'standby' is not a valid subsystem NQN"),
+    ('standby_hosts = ["nqn.2014-08.org.nvmexpress:uuid:abc"]', "standby_hosts applies only with standby_nqn"),
+    ('standby_nqn = "nqn.2026-11.io.blockd:s"\nstandby_hosts = ["me"]', "standby_hosts: 'me' is not a valid host NQN"),
+    ('standby_nqn = "nqn.2026-11.io.blockd:s"\nana_group = 128', "ANA group 128 holds the standby subsystems"),
+])
+def test_standby_key_mistakes(ns_extra: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse(config(ns_extra))
+    assert needle in str(err.value) and "namespace #1" in str(err.value)
+
+
+def test_a_standby_nqn_must_not_clash_and_group_128_is_not_configurable() -> None:
+    raw = config('standby_nqn = "nqn.2026-11.io.blockd:vol1"')
+    with pytest.raises(ConfigError, match="subsystem NQNs \\(standby_nqn included\\) must be unique"):
+        parse(raw)
+    raw = config('standby_nqn = "nqn.2026-11.io.blockd:s"')
+    raw["ana"] = [{"group": 128, "state": "inaccessible"}]
+    with pytest.raises(ConfigError, match="ANA group 128 holds the standby subsystems"):
+        parse(raw)
+    del raw["ana"]
+    (ns,) = parse(raw).subsystems[0].namespaces
+    assert (ns.standby_nqn, ns.standby_hosts) == ("nqn.2026-11.io.blockd:s", frozenset())
+
+
+def test_the_pair_files_in_the_docs_parse_as_a_standby_and_a_primary() -> None:
+    """docs/replication.md's two files of a replicated pair, as a user copies them."""
+    docs = (Path(__file__).parents[2] / "docs" / "replication.md").read_text()
+    section = docs[docs.index("### A replicated pair"):docs.index("### Failing over")]
+    files = re.findall(r"```toml\n(.*?)```", section, re.S)
+    assert len(files) == 2
+    a, b = (parse(tomllib.loads(text)) for text in files)
+    for cfg, peer in ((a, "192.0.2.2"), (b, "192.0.2.1")):
+        (ns,) = cfg.subsystems[0].namespaces
+        assert ns.standby_nqn == ns.replicas[0].nqn and ns.replicas[0].address == peer
+    assert not a.ana and [x.state.name for x in b.ana] == ["INACCESSIBLE"]

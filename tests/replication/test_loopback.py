@@ -39,7 +39,7 @@ def test_write_and_read_back_through_blockctl_and_the_fuse_mount(nodes: tuple[No
     primary, r1, r2 = nodes
     primary.wait_states(all_in_sync())
     text = primary.ctl("replicas").stdout.decode()
-    assert "3 of 3 copies in sync" in text and text.count(" in_sync ") == 2
+    assert "primary, 3 of 3 copies in sync" in text and text.count(" in_sync ") == 2
     sock = tmp_path / "ctl" / "initiator.sock"
     ini = subprocess.Popen([str(BIN / "blockd"), "initiator", "--socket", str(sock)],
                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "initiator.log", "wb"))

@@ -311,7 +311,6 @@ def test_a_replica_ahead_of_this_copy_is_refused() -> None:
         await b.stop()
         a2 = await bed.primary()
         await until(lambda: a2.links[0].state == REFUSED)
-        assert a2.promotion_blocker() is not None
         await a2.stop()
     run(main())
 
@@ -389,22 +388,6 @@ def test_a_replica_with_larger_blocks_than_the_namespace_is_refused_with_the_rea
         m.links[0].opener = big_blocks
         await until(lambda: "could not take a write of one block" in m.links[0].reason)
         assert m.links[0].state == "connecting"
-        await m.stop()
-    run(main())
-
-
-def test_promotion_hooks_for_failover() -> None:
-    async def main() -> None:
-        bed = Bed(1)
-        m = await bed.primary()
-        await until(lambda: m.links[0].state == IN_SYNC)
-        assert m.promotion_blocker() is None
-        bed.kill(0)
-        await m.write(0, bytes(4096))
-        assert "r0 (degraded)" in (m.promotion_blocker() or "")
-        before = m.md.current
-        await m.force_new_generation()
-        assert m.md.current != before and before in m.md.history
         await m.stop()
     run(main())
 

@@ -1,8 +1,10 @@
 """Failover with ANA, the Linux kernel's native multipath as judge (one boot for all).
 
 Twins of tests/vm/guest_tests/test_failover.py: two ``blockd target`` processes present one
-subsystem on the same file; the kernel host connects to both; the primary is killed under fio
-with verify, then under ext4, and the standby promoted with ``blockctl target ana promote``.
+subsystem, a replicated pair (each its own file, each the other's replica); the kernel host
+connects to both; the primary is killed under fio with verify, then under ext4, and the
+standby promoted with ``blockctl target ana promote``; the old primary returns as the standby
+and gets a bitmap resync.
 """
 
 import pytest
@@ -27,5 +29,5 @@ def test_khost_fio_verify_survives_primary_kill(guest_case):
 
 
 def test_khost_ext4_survives_standby_takeover(guest_case):
-    """The old primary back as standby; ext4 under writes; kill -9 the new primary, promote the
+    """The old primary back as standby, resynced from the bitmaps; ext4 under writes; kill -9 the new primary, promote the
     old one: no write error, files intact, e2fsck clean."""

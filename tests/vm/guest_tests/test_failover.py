@@ -1,15 +1,18 @@
 """Failover with ANA, the Linux kernel's native multipath as judge (issue 14).
 
 Inside the VM; run from the host by tests/vm/test_failover.py (one boot for the file). Two
-``blockd target`` processes on 192.0.2.1 (ports 4420 and 4421) export the same file as one
-subsystem and namespace (same NQN, so the same derived NGUID/UUID; disjoint controller id
-ranges): A optimized, B inaccessible. The kernel host connects to both: one subsystem, two
+``blockd target`` processes on 192.0.2.1 (ports 4420 and 4421) export one subsystem and
+namespace (same NQN, so the same derived NGUID/UUID; disjoint controller id ranges), each from
+its own file: a replicated pair (docs/replication.md), each naming the other's standby
+subsystem as its replica. A is optimized (the primary, mirroring every write to B), B
+inaccessible (the standby). The kernel host connects to both: one subsystem, two
 paths, one multipath block device. Both targets then move the namespace to ANA group 2 and
 back on a reload: the kernel follows without losing the device. Under load, the primary is
 killed with SIGKILL and the standby promoted with ``blockctl target ana promote``; the load
 must end without an error.
-First fio with verify on the raw device (A dies, B takes over), then, with A back as the
-standby, ext4 (B dies, A takes over) and fsck.
+First fio with verify on the raw device (A dies, B takes over), then A comes back as the
+standby and B resyncs it from the bitmaps (less than the volume), then ext4 (B dies, A takes
+over) and fsck.
 
 The tests share the module's setup and run in file order.
 """
@@ -17,6 +20,7 @@ The tests share the module's setup and run in file order.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shlex
@@ -30,14 +34,17 @@ import pytest
 from .util import ADDR0, RESULTS, Daemon, sh, start_target, tool
 
 NQN = "nqn.2026-11.io.blockd:failover"
-VOL = "/tmp/failover.img"
+STANDBY = "nqn.2026-11.io.blockd:failover-standby"
+VOLS = {"a": "/tmp/failover-a.img", "b": "/tmp/failover-b.img"}
 SIZE = 64 << 20
 PORTS = {"a": 4420, "b": 4421}
 CNTLIDS = {"a": (1, 99), "b": (100, 199)}
 
 
 def _config(name: str, state: str, group: int = 1) -> Path:
-    """Target ``name``'s file: groups 1 and 2 in ``state``, the namespace in ``group``."""
+    """Target ``name``'s file: groups 1 and 2 in ``state``, the namespace in ``group``,
+    replicated to the other target's standby subsystem."""
+    peer = "b" if name == "a" else "a"
     cfg = RESULTS / f"failover-{name}.toml"
     cfg.write_text(f"""\
 [control]
@@ -63,9 +70,17 @@ cntlid_max = {CNTLIDS[name][1]}
 
 [[subsystem.namespace]]
 nsid = 1
-path = "{VOL}"
+path = "{VOLS[name]}"
 size = {SIZE}
 ana_group = {group}
+standby_nqn = "{STANDBY}"
+resync_rate = "1GiB"
+
+[[subsystem.namespace.replica]]
+address = "{ADDR0}"
+port = {PORTS[peer]}
+nqn = "{STANDBY}"
+timeout = 2.0
 """)
     return cfg
 
@@ -75,9 +90,25 @@ def _start(name: str, state: str) -> Daemon:
     return start_target(f"failover-{name}", _config(name, state), port=PORTS[name])
 
 
+def _targetctl(name: str, *args: str) -> str:
+    return sh(shlex.join([tool("blockctl"), "target", "--target-socket", f"/run/blockd/{name}.sock", *args]))
+
+
 def _promote(name: str) -> str:
-    return sh(shlex.join([tool("blockctl"), "target", "--target-socket", f"/run/blockd/{name}.sock",
-                          "ana", "promote"]))
+    return _targetctl(name, "ana", "promote")
+
+
+def _replicated(name: str) -> dict:
+    """Target ``name``'s replicated namespace (``blockctl target replicas --json``)."""
+    return json.loads(_targetctl(name, "replicas", "--json"))["namespaces"][0]
+
+
+def _wait_in_sync(primary: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while (ns := _replicated(primary))["replicas"][0]["state"] != "in_sync":
+        assert time.monotonic() < deadline, ns
+        time.sleep(0.5)
+    return ns
 
 
 def _kill(d: Daemon) -> None:
@@ -116,11 +147,14 @@ def _wait_state(port: int, state: str, timeout: float = 60, attr: str = "ana_sta
 
 @pytest.fixture(scope="module")
 def pair(rxe):
-    Path(VOL).unlink(missing_ok=True)
-    sh(f"truncate -s {SIZE} {VOL}")
+    for vol in VOLS.values():
+        Path(vol).unlink(missing_ok=True)
+        sh(f"truncate -s {SIZE} {vol}")
     daemons = {"a": _start("a", "optimized"), "b": _start("b", "inaccessible")}
     dev = ""
     try:
+        _wait_in_sync("a")  # B's first full sync: only then may it be promoted
+        assert _replicated("b")["role"] == "secondary"
         for name in ("a", "b"):
             # a short reconnect delay, so the restarted target is a path again soon
             dev = sh(f"nvmeh_connect tcp {ADDR0} {PORTS[name]} {NQN} --reconnect-delay=1 "
@@ -200,11 +234,16 @@ def test_khost_fio_verify_survives_primary_kill(pair):
 
 
 def test_khost_ext4_survives_standby_takeover(pair):
-    """A comes back as the standby (inaccessible), the kernel reconnects to it; ext4 on the
+    """A comes back as the standby (inaccessible), the kernel reconnects to it, B resyncs it from
+    the bitmaps (the regions fio wrote, not the volume); ext4 on the
     multipath device under a writing loop; B is killed, A promoted; the loop goes on without
     an error, and after unmount e2fsck is clean and every file written reads back."""
     pair["daemons"]["a"] = _start("a", "inaccessible")
     _wait_state(PORTS["a"], "inaccessible", timeout=120)
+    ns = _wait_in_sync("b")  # A resynced from the bitmaps: the regions written around the failover
+    copied = ns["replicas"][0]["resynced_bytes"]
+    assert 0 < copied <= (8 << 20) + (1 << 20) < ns["data_size"], ns  # fio's 8 MiB (+ a region each end)
+    assert _replicated("a")["role"] == "secondary"
     dev, mnt = pair["dev"], "/mnt/failover"
     os.makedirs(mnt, exist_ok=True)
     sh(f"mkfs.ext4 -q -F {dev} && mount {dev} {mnt}", timeout=300)
