@@ -307,7 +307,7 @@ def _kernel_io() -> None:
 
 async def _raw(conn, sqe: bytes, payload: bytes = b"", timeout: float = 15):
     """Post a hand-made capsule on a blockd host queue; the response's status (or raise)."""
-    from initiator.queue import HostCommand
+    from initiator.controller import HostCommand  # the twin the controller chose
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
 
@@ -497,7 +497,7 @@ def test_hostile_host_limits(rxe, record_property):
     host keeps doing verified I/O throughout and never loses a queue."""
     from initiator.controller import Controller
     from initiator.errors import ConnectError
-    from initiator.queue import HostQueue
+    from initiator.controller import HostQueue  # the twin the controller chose
     from initiator.rdma import open_queue
     from target.config import Limits
     from target.controller import MQES
