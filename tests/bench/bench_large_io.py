@@ -34,7 +34,7 @@ from protocol.constants import IoOpcode  # noqa: E402
 from protocol.nvme import CQE_FAST, build_sqe  # noqa: E402
 from protocol.tcp import PduType  # noqa: E402
 from tests.core.conftest import (  # noqa: E402
-    NQN, capsule, config, connect_data, connect_sqe, free_port, h2c_data, icreq, incapsule_sgl, ns, prop_sqe, sub,
+    capsule, config, connect_data, connect_sqe, free_port, h2c_data, icreq, incapsule_sgl, ns, prop_sqe, sub,
     transport_sgl,
 )
 

@@ -58,7 +58,7 @@ def test_expired_and_take_all(mod: ModuleType) -> None:
 
 
 def test_completion_runs_on_done_once(mod: ModuleType) -> None:
-    HostCommand, HostQueue = mod.HostCommand, mod.HostQueue
+    HostCommand = mod.HostCommand
     seen = []
     cmd = HostCommand(bytearray(64), on_done=lambda c, exc: seen.append(exc))
     cmd.complete()
