@@ -32,3 +32,8 @@ cdef inline void st32(uint8_t* p, uint32_t v) noexcept nogil:
     p[1] = (v >> 8) & 0xFF
     p[2] = (v >> 16) & 0xFF
     p[3] = v >> 24
+
+
+cdef inline void st64(uint8_t* p, uint64_t v) noexcept nogil:
+    st32(p, <uint32_t>v)
+    st32(p + 4, <uint32_t>(v >> 32))

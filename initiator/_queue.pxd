@@ -22,6 +22,11 @@ cdef class HostCommand:
     cdef int _done(self, exc) except -1
 
 
+cdef class Command(HostCommand):
+    cdef public object done
+    cdef public double timeout
+
+
 cdef class HostQueue:
     cdef readonly int qid
     cdef readonly int depth

@@ -122,6 +122,17 @@ cdef class HostCommand:
         return 0
 
 
+cdef class Command(HostCommand):
+    """See :class:`initiator.queue.Command`: ``done`` and ``timeout`` as C fields."""
+
+    admin = False
+    """Sent on the admin queue (a class attribute, as in the reference)."""
+
+
+cdef class AdminCommand(Command):
+    admin = True
+
+
 cdef class HostQueue:
     """See :class:`initiator.queue.HostQueue` (the reference)."""
 

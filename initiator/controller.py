@@ -54,16 +54,20 @@ __all__ = ["ConnectError", "ConnectParams", "Controller", "IoDone", "NamespaceIn
 
 log = structlog.get_logger("blockd.initiator")
 
+IoLane: Any = None
+"""The compiled steady-state ``transfer`` (``initiator/_lane.pyx``), None on the Python plane."""
 if COMPILED:
     try:
-        from initiator._queue import HostCommand, HostQueue
+        from initiator._lane import IoLane
+        from initiator._queue import AdminCommand, Command, HostCommand, HostQueue
     except ImportError as exc:  # built with blockd's other extensions; a half-built tree runs Python here
         log.warning("compiled host queue not built; the Python one runs", error=str(exc))
-        from initiator.queue import HostCommand, HostQueue
+        from initiator.queue import AdminCommand, Command, HostCommand, HostQueue
 else:
-    from initiator.queue import HostCommand, HostQueue
-"""The command and queue every connection of this controller uses: the compiled pair
-(``initiator/_queue.pyx``) or its Python reference (:mod:`initiator.queue`), never a mix."""
+    from initiator.queue import AdminCommand, Command, HostCommand, HostQueue
+"""The commands and queue every connection of this controller uses: the compiled set
+(``initiator/_queue.pyx``, with the lane) or its Python reference (:mod:`initiator.queue`),
+never a mix."""
 
 
 ADMIN_DEPTH = 32
@@ -167,23 +171,6 @@ def queue_opener(transport: str) -> QueueOpener:
     return opener
 
 
-class _Command(HostCommand):
-    """A command the controller sends: the caller's ``done`` (see :data:`IoDone`) and the
-    timeout it gets each time it goes out. Its ``on_done`` is the controller's one bound
-    ``_on_done``, not a partial made (and called through) per I/O."""
-
-    __slots__ = ("done", "timeout")
-    done: IoDone
-    timeout: float
-    admin = False
-    """Sent on the admin queue (a class attribute: no store per I/O)."""
-
-
-class _AdminCommand(_Command):
-    __slots__ = ()
-    admin = True
-
-
 class _Gather:
     """``done`` of a :meth:`Controller.transfer` that took several commands: the caller's
     ``done`` once, when the last piece completed, with the first error."""
@@ -220,7 +207,9 @@ RETRYABLE = (OSError, NvmeError, asyncio.TimeoutError, ConnectionError)
 class Controller:
     """A live association with one subsystem (see module docstring)."""
 
-    def __init__(self, params: ConnectParams) -> None:
+    def __init__(self, params: ConnectParams, lane: bool | None = None) -> None:
+        """``lane``: serve steady-state transfers through the compiled :data:`IoLane` (default:
+        when it is built; the differential test runs either)."""
         self.params = params
         self.cntlid = 0
         self.identity: Any = None
@@ -230,9 +219,11 @@ class Controller:
         self.io: list[QueueConnection] = []
         self._open = queue_opener(params.transport)
         self._live = asyncio.Event()
+        self.live = False
+        """``_live.is_set()`` as a plain attribute, for the compiled lane (set by :meth:`_set_live`)."""
         self._closing = False
-        self._parked_io: collections.deque[_Command] = collections.deque()
-        self._parked_admin: collections.deque[_Command] = collections.deque()
+        self._parked_io: collections.deque[Command] = collections.deque()
+        self._parked_admin: collections.deque[Command] = collections.deque()
         """Commands waiting for a live association or a free command id, oldest first; sent
         by :meth:`_unpark` when a command completes or the association comes back."""
         self._on_done = self._complete  # bound once: every command's on_done
@@ -269,6 +260,17 @@ class Controller:
         self._secret, self._ctrl_secret = params.secrets()
         self._transaction = 0
         """T_ID of the next DH-HMAC-CHAP transaction (one per queue and authentication)."""
+        if IoLane is not None if lane is None else lane:
+            # the lane's transfer shadows the method below (which it falls back to)
+            self.transfer = IoLane(self, Controller.transfer).transfer  # type: ignore[method-assign]
+
+    def _set_live(self, live: bool) -> None:
+        """The association is live (or, with ``failed`` set, finished: waiters wake to see it)."""
+        self.live = live
+        if live:
+            self._live.set()
+        else:
+            self._live.clear()
 
     # -- association ------------------------------------------------------------------------------
 
@@ -327,7 +329,7 @@ class Controller:
             raise
         finally:
             self._establishing.clear()
-        self._live.set()
+        self._set_live(True)
         self.was_live = True
         if kato_ms and self._keep_alive_task is None:
             self._keep_alive_task = asyncio.get_running_loop().create_task(self._keep_alive())
@@ -466,12 +468,12 @@ class Controller:
         Live with a queue that has room, the command goes out now and ``done`` runs from the
         transport's receive callback (no Task, no Future); else it waits for the association
         or room, and after a lost queue it is sent again while the reconnect policy allows."""
-        cmd = _Command(sqe, data_out, data_in, self._on_done)
+        cmd = Command(sqe, data_out, data_in, self._on_done)
         cmd.done = done
         cmd.timeout = self._io_timeout
         self._submit(cmd)
 
-    def _submit(self, cmd: _Command) -> None:
+    def _submit(self, cmd: Command) -> None:
         """Send ``cmd`` now if the association is live and its queue has room, else park it."""
         if self.failed is None and self._live.is_set():
             if cmd.admin:
@@ -485,7 +487,7 @@ class Controller:
                 return
         self._park(cmd)
 
-    def _send(self, conn: QueueConnection, cmd: _Command) -> None:
+    def _send(self, conn: QueueConnection, cmd: Command) -> None:
         cmd.deadline = self._loop.time() + cmd.timeout
         conn.hold()  # out now, not at the end of the loop iteration (unless held further up)
         try:
@@ -493,7 +495,7 @@ class Controller:
         finally:
             conn.release()
 
-    def _park(self, cmd: _Command) -> None:
+    def _park(self, cmd: Command) -> None:
         if self.failed is not None:
             cmd.fail(QueueLost(f"connection to {self.params.subnqn} lost: {self.failed}"))
         elif self.failfast and not cmd.admin and not self._live.is_set():
@@ -519,7 +521,7 @@ class Controller:
             while parked:
                 parked.popleft().fail(exc)
 
-    def _complete(self, cmd: _Command, exc: BaseException | None) -> None:
+    def _complete(self, cmd: Command, exc: BaseException | None) -> None:
         """Every command's ``on_done``: a status becomes :class:`NvmeError` (here only), the
         freed command id goes to a parked command, then the caller's ``done`` runs."""
         if exc is None and cmd.status:
@@ -539,7 +541,7 @@ class Controller:
         """Send an admin (or fabrics) command and wait for it; raises :class:`NvmeError`. While
         an association is being set up its commands go straight out on its connection ``conn``
         (the admin queue by default)."""
-        cmd = _AdminCommand(sqe, data_out, data_in, self._on_done)
+        cmd = AdminCommand(sqe, data_out, data_in, self._on_done)
         cmd.timeout = timeout or self._io_timeout
         fut = self._loop.create_future()
         cmd.done = functools.partial(_settle, fut)
@@ -767,7 +769,7 @@ class Controller:
         if self._reconnect_task is None:
             log.warning("connection lost; reconnecting", subnqn=self.params.subnqn,
                         qid=conn.queue.qid, error=str(exc) if exc else "closed by peer")
-            self._live.clear()
+            self._set_live(False)
             self._close_connections()
             self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect())
         for cmd in orphans:
@@ -800,7 +802,7 @@ class Controller:
                 return
             self.failed = last or QueueLost("closed")
             self._fail_parked()
-            self._live.set()  # wake waiters so they see ``failed``
+            self._set_live(True)  # wake waiters so they see ``failed``
         finally:
             self._reconnect_task = None
 
@@ -846,7 +848,7 @@ class Controller:
         if self.failed is None:  # later or waiting commands fail instead of spinning or hanging
             self.failed = QueueLost("disconnected")
         self._fail_parked()
-        self._live.set()
+        self._set_live(True)
         if self._sweep is not None:
             self._sweep.cancel()
 

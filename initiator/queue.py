@@ -104,6 +104,23 @@ class HostCommand:
             done(self, exc)
 
 
+class Command(HostCommand):
+    """A command the controller sends: the caller's ``done`` (see ``initiator.controller.IoDone``)
+    and the timeout it gets each time it goes out. Its ``on_done`` is the controller's one bound
+    completion, not a partial made (and called through) per I/O."""
+
+    __slots__ = ("done", "timeout")
+    done: Callable[[BaseException | None], None]
+    timeout: float
+    admin = False
+    """Sent on the admin queue (a class attribute: no store per I/O)."""
+
+
+class AdminCommand(Command):
+    __slots__ = ()
+    admin = True
+
+
 class HostQueue:
     """Command ids and in-flight commands of one queue (depth = the negotiated queue size)."""
 

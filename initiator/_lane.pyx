@@ -1,0 +1,157 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The compiled I/O lane of a :class:`~initiator.controller.Controller`: its steady-state
+``transfer`` (one command, live association, a queue with room) and that command's successful
+completion, in C.
+
+Profiled before (cProfile of ``tests/bench/bench_fuse_path.py``), a 4 KiB FUSE read ran eleven
+Python frames in the controller between the compiled FUSE loop and the compiled transport:
+``transfer``, ``check_range``, ``read_command``, ``submit_io``, ``_submit``, ``_io_with_room``,
+``Event.is_set``, ``_send``, the queue's ``has_room`` and, on the way back, ``_complete``. Here
+they are one C call each way. The reference is the controller's own Python path, which stays
+the one place that splits transfers and the one primitive (``submit_io``): :meth:`IoLane.transfer`
+serves a range that needs exactly one command on a live association whose first I/O queue with
+room is open, and hands every other call, unchanged, to ``Controller.transfer`` (a multi-command
+range, an unaligned or outside one, no such namespace, a failed or reconnecting association, no
+room: each answered, raised or parked there exactly as before). A command it sent completes
+through :meth:`IoLane.io_done`, which counts it and runs the caller's ``done`` for a success
+with nothing parked, and gives every other completion (a status, an error, parked commands
+waiting for the freed id) to ``Controller._complete``. ``tests/core/test_lane_differential.py``
+drives a controller with the lane and one without through the same random calls and
+completions and compares every capsule sent, callback, exception and counter.
+
+The command is the controller's :class:`~initiator._queue.Command`, made without its Python
+``__init__`` (fields set in C); its SQE is built here from a template made by
+:func:`protocol.commands.read_command` / ``write_command`` at import, with NSID, SLBA, NLB and
+the FUA bit stored at the offsets :data:`protocol.nvme.RW_COMMAND` gives (checked against those
+builders at import, and for random values by the test).
+"""
+
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+
+from blockd._le cimport st16, st32, st64
+from initiator._queue cimport Command, HostQueue
+
+from protocol.commands import read_command, write_command
+from protocol.layout import field_offset
+from protocol.nvme import RW_COMMAND, RW_CONTROL_FUA, SQE_SIZE
+
+cdef Py_ssize_t _SQE = SQE_SIZE
+cdef Py_ssize_t _O_NSID = field_offset(RW_COMMAND, "nsid")
+cdef Py_ssize_t _O_SLBA = field_offset(RW_COMMAND, "slba")
+cdef Py_ssize_t _O_NLB = field_offset(RW_COMMAND, "nlb")
+cdef Py_ssize_t _O_CONTROL = field_offset(RW_COMMAND, "control")
+cdef uint32_t _FUA = RW_CONTROL_FUA
+cdef bytes _READ_SQE = bytes(read_command(0, 0, 0))
+cdef bytes _WRITE_SQE = bytes(write_command(0, 0, 0))
+cdef uint64_t _NLB_MAX = 0xFFFF
+
+
+cdef bytearray _rw_sqe(bint write, uint32_t nsid, uint64_t slba, uint32_t nlb0, bint fua):
+    """``write_command(nsid, slba, nlb0, fua)`` or ``read_command(nsid, slba, nlb0)``."""
+    cdef bytearray sqe = PyByteArray_FromStringAndSize(NULL, _SQE)
+    cdef uint8_t* s = <uint8_t*>PyByteArray_AS_STRING(sqe)
+    memcpy(s, <const char*>(_WRITE_SQE if write else _READ_SQE), _SQE)
+    st32(s + _O_NSID, nsid)
+    st64(s + _O_SLBA, slba)
+    st16(s + _O_NLB, nlb0)
+    if write and fua:  # a read has no FUA (read_command takes none)
+        st16(s + _O_CONTROL, _FUA)
+    return sqe
+
+
+def rw_sqe(bint write, uint32_t nsid, uint64_t slba, uint32_t nlb0, bint fua=False):
+    """The SQE the lane sends (for the test that ties it to :mod:`protocol.commands`)."""
+    return _rw_sqe(write, nsid, slba, nlb0, fua)
+
+
+if (rw_sqe(False, 0x01020304, 0x1112131415161718, 0x2122, False) != read_command(0x01020304, 0x1112131415161718, 0x2122)
+        or rw_sqe(True, 0xA1A2A3A4, 0xB1B2B3B4B5B6B7B8, 0xC1C2, True)
+        != write_command(0xA1A2A3A4, 0xB1B2B3B4B5B6B7B8, 0xC1C2, True)):
+    raise ImportError("protocol.commands' Read/Write SQEs are not the ones initiator/_lane.pyx builds")
+
+
+cdef class IoLane:
+    """The lane of one controller: ``transfer`` and ``io_done`` (see the module docstring).
+
+    The controller's state is read from it at each call (``failed``, ``live``, ``io``,
+    ``namespaces``, ``max_transfer``, the timeout and parked commands), never copied, so nothing
+    here has to be kept in step with reconnects, rescans or ``close``."""
+
+    cdef object ctrl
+    cdef object reference
+    cdef object on_done
+
+    def __init__(self, ctrl, reference):
+        """``reference``: the Python ``Controller.transfer``, called as ``reference(ctrl, ...)``."""
+        self.ctrl = ctrl
+        self.reference = reference
+        self.on_done = self.io_done  # bound once: every command this lane sends
+
+    def transfer(self, bint write, nsid, offset, buf, done, fua=False):
+        """``Controller.transfer`` (same arguments, same effects)."""
+        if not self._send(write, nsid, offset, buf, done, fua):
+            self.reference(self.ctrl, write, nsid, offset, buf, done, fua)
+
+    cdef bint _send(self, bint write, nsid, offset, buf, done, fua) except -1:
+        """Send the one command of a steady-state transfer; False, having done nothing, for
+        any other case."""
+        cdef uint64_t off, length, bs, size
+        cdef uint32_t ns
+        cdef Command cmd
+        if type(nsid) is not int or type(offset) is not int:
+            return False
+        try:  # a negative or too large value: the reference's error
+            ns = nsid
+            off = offset
+        except OverflowError:
+            return False
+        ctrl = self.ctrl
+        info = ctrl.namespaces.get(nsid)
+        if info is None:
+            return False
+        length = len(buf)
+        bs = info.block_size
+        size = info.size
+        if (not length or not bs or off % bs or length % bs or off > size or length > size - off
+                or length > <uint64_t>ctrl.max_transfer or length // bs - 1 > _NLB_MAX):
+            return False
+        if ctrl.failed is not None or not ctrl.live:
+            return False
+        conn = None
+        for c in ctrl.io:  # Controller._io_with_room
+            q = c.queue
+            if not isinstance(q, HostQueue):
+                return False
+            if (<HostQueue>q)._count > 0:
+                conn = c
+                break
+        if conn is None or conn.closed:
+            return False
+        cmd = Command.__new__(Command)
+        cmd.sqe = _rw_sqe(write, ns, off // bs, <uint32_t>(length // bs - 1), fua)
+        if write:
+            cmd.data_out = buf
+        else:
+            cmd.data_in = buf
+        cmd.cid = -1
+        cmd.on_done = self.on_done
+        cmd.done = done
+        cmd.timeout = ctrl._io_timeout
+        cmd.deadline = ctrl._loop.time() + cmd.timeout
+        conn.hold()  # out now (unless held further up), as Controller._send
+        try:
+            conn.submit(cmd)
+        finally:
+            conn.release()
+        return True
+
+    def io_done(self, Command cmd, exc):
+        """``on_done`` of the commands this lane sent: ``Controller._complete``'s common case."""
+        ctrl = self.ctrl
+        if exc is None and not cmd.status and not ctrl._parked_io and not ctrl._parked_admin:
+            cmd.count(ctrl.counters, ctrl._loop.time(), cmd.timeout)
+            cmd.done(None)
+        else:
+            ctrl._complete(cmd, exc)
