@@ -101,6 +101,7 @@ cdef class FuseLoop:
     cdef object files_read
     cdef object files_write
     cdef dict inflight
+    cdef dict tasks
     cdef dict stats
     cdef object fail
     cdef object range_lock
@@ -130,6 +131,7 @@ cdef class FuseLoop:
         self.files_read = self.session.files.read
         self.files_write = self.session.files.write
         self.inflight = self.session.inflight
+        self.tasks = self.session.tasks
         self.stats = self.session.stats
         self.fail = self.session.fail
         self.range_lock = self.session.files._range_lock
@@ -143,13 +145,17 @@ cdef class FuseLoop:
     # -- the request loop ---------------------------------------------------------------------------
 
     def on_readable(self):
-        """Serve what /dev/fuse has queued (see ``FuseSession.py_on_readable``)."""
+        """Serve what /dev/fuse has queued (see ``FuseSession.py_on_readable``: a request that
+        finds nothing else in flight is served alone)."""
+        cdef bint busy = len(self.inflight) > 0 or len(self.tasks) > 0
         cdef Py_ssize_t n = self._read_request()
         cdef int i
         if not n:
             return
         if n > 0:
             self._serve(n)
+            if not busy:
+                return
         ctrl = None
         try:
             for i in range(self.max_batch - 1):

@@ -152,12 +152,22 @@ class FuseSession:
         fio jobs the target gets them in one receive and answers in one send. A lone request
         costs one more read, which finds nothing; the sends are held only once a second request
         is there. Measured with 4 jobs, 4 KiB: ~20% less CPU per I/O; holding the first capsule
-        back too cost 15-25% IOPS (the target idled meanwhile), this did not."""
+        back too cost 15-25% IOPS (the target idled meanwhile), this did not.
+
+        A request that finds nothing else in flight is served alone: at QD1 (one fio job, psync)
+        the next read would find nothing, as the kernel sends no new request before this one is
+        answered; and where a burst did queue several, the event loop's readiness is
+        level-triggered, so the loop calls back at once and that call, with this request in
+        flight, reads the rest as a batch. Measured (``strace -c`` on the initiator, 4 KiB QD1
+        read): 3 reads, 1 write, 1 writev and 2 epoll waits per I/O before, one read fewer after."""
+        busy = bool(self.inflight or self.tasks)
         n = self._read_request()
         if not n:
             return
         if n > 0:
             self._serve(n)
+            if not busy:
+                return
         ctrl = None
         try:
             for _ in range(MAX_BATCH - 1):

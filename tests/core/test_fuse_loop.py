@@ -21,13 +21,16 @@ BS = 4096
 
 
 class _Ctrl:
-    """Just enough of a MountController: reads complete inside ``transfer``."""
+    """Just enough of a MountController: reads complete inside ``transfer``, but for the first
+    ``keep``, whose ``done`` waits in ``kept`` (a request in flight)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = 0) -> None:
         self.namespaces = {1: NamespaceInfo(1, 256, BS, False)}
         self.failed = None
         self.holds = 0
         self.held = False
+        self.keep = keep
+        self.kept: list[Any] = []
 
     def hold_sends(self) -> None:
         self.holds += 1
@@ -39,6 +42,9 @@ class _Ctrl:
     def transfer(self, write: bool, nsid: int, offset: int, buf: memoryview, done: Any, fua: bool = False) -> None:
         assert not write
         buf[:] = bytes([offset // BS & 0xFF]) * len(buf)
+        if len(self.kept) < self.keep:
+            self.kept.append(done)
+            return
         done(None)
 
 
@@ -94,26 +100,56 @@ def test_a_lone_request_is_served_without_holding_sends() -> None:
     run(main())
 
 
+def _one_in_flight(mount: FuseSession, kernel: socket.socket) -> None:
+    """A request the controller keeps (``_Ctrl(keep=1)``): the mount is busy from now on."""
+    kernel.send(_request(99, 9))
+    mount.on_readable()
+    assert list(mount.inflight) == [99]
+
+
 def test_queued_requests_are_served_in_one_callback_under_one_hold() -> None:
     async def main() -> None:
-        with _mount() as (mount, ctrl, kernel):
+        with _mount(_Ctrl(keep=1)) as (mount, ctrl, kernel):
+            _one_in_flight(mount, kernel)
             for i in range(3):
                 kernel.send(_request(i + 1, i))
             mount.on_readable()
             assert _replies(kernel, 3) == [(i + 1, 0, bytes([i]) * BS) for i in range(3)]
             assert ctrl.holds == 1 and not ctrl.held  # taken for the second, released
+            ctrl.kept.pop()(None)
+            assert _replies(kernel, 1) == [(99, 0, bytes([9]) * BS)]
     run(main())
 
 
 def test_more_queued_requests_than_one_batch_wait_for_the_next_callback() -> None:
     async def main() -> None:
-        with _mount() as (mount, _, kernel):
+        with _mount(_Ctrl(keep=1)) as (mount, _, kernel):
+            _one_in_flight(mount, kernel)
             for i in range(MAX_BATCH + 1):
                 kernel.send(_request(i + 1, i))
             mount.on_readable()
             assert len(_replies(kernel, MAX_BATCH)) == MAX_BATCH
             mount.on_readable()
             assert _replies(kernel, 1)[0][0] == MAX_BATCH + 1
+    run(main())
+
+
+def test_a_request_with_nothing_in_flight_is_served_alone() -> None:
+    """At QD1 the read after a lone request would find nothing: it is not made. A second request
+    queued meanwhile waits for the next callback (the loop's readiness is level-triggered)."""
+    async def main() -> None:
+        with _mount() as (mount, ctrl, kernel):
+            kernel.send(_request(1, 1))
+            kernel.send(_request(2, 2))
+            mount.on_readable()
+            assert _replies(kernel, 1) == [(1, 0, bytes([1]) * BS)]
+            kernel.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                kernel.recv(1 << 21)
+            kernel.setblocking(True)
+            mount.on_readable()
+            assert _replies(kernel, 1) == [(2, 0, bytes([2]) * BS)]
+            assert ctrl.holds == 0
     run(main())
 
 
@@ -209,6 +245,7 @@ def test_an_aligned_write_and_a_read_modify_write_of_the_same_block_do_not_inter
         with _mount(ctrl) as (mount, _, kernel):
             kernel.send(_write(1, 10, b"A" * 20))
             kernel.send(_write(2, 0, b"B" * BS))
+            mount.on_readable()  # the first, alone (nothing was in flight)
             mount.on_readable()
             replies = sorted(await _await_replies(kernel, 2))
             assert replies == [(1, 0, WRITE_OUT.pack(20, 0)), (2, 0, WRITE_OUT.pack(BS, 0))]
@@ -246,6 +283,7 @@ def test_an_interrupted_request_is_answered_eintr_at_once_and_only_once() -> Non
         with _mount(ctrl) as (mount, _, kernel):
             kernel.send(_read(1, 0, BS))
             kernel.send(_write(2, BS, b"W" * BS))
+            mount.on_readable()  # the read, alone (nothing was in flight)
             mount.on_readable()
             assert len(ctrl.held) == 2
             kernel.send(_interrupt(3, 1))
