@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 import structlog
 
-from blockd.dataplane import COMPILED
+from blockd.dataplane import twin
 from blockd.iostats import IoCounters
 from initiator.auth import AuthFailed, HostAuth
 from initiator.errors import ConnectError, NvmeError, QueueLost
@@ -54,14 +54,8 @@ __all__ = ["ConnectError", "ConnectParams", "Controller", "IoDone", "NamespaceIn
 
 log = structlog.get_logger("blockd.initiator")
 
-if COMPILED:
-    try:
-        from initiator._queue import HostCommand, HostQueue
-    except ImportError as exc:  # built with blockd's other extensions; a half-built tree runs Python here
-        log.warning("compiled host queue not built; the Python one runs", error=str(exc))
-        from initiator.queue import HostCommand, HostQueue
-else:
-    from initiator.queue import HostCommand, HostQueue
+_queue = twin("initiator._queue", "initiator.queue")
+HostCommand, HostQueue = _queue.HostCommand, _queue.HostQueue
 """The command and queue every connection of this controller uses: the compiled pair
 (``initiator/_queue.pyx``) or its Python reference (:mod:`initiator.queue`), never a mix."""
 
