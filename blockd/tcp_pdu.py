@@ -9,17 +9,16 @@ output batching live in :mod:`blockd.tcp_asyncio`.
 
 from __future__ import annotations
 
-from blockd.dataplane import COMPILED
+from blockd.dataplane import twin
 from blockd.tcp_frames import DataDigestError, FramingError
 from protocol.tcp import (
     COMMON_HEADER_FAST, DATA_HLEN, DATA_PDU_HEADER_FAST, DIGEST_SIZE, MAX_TERM_COPY, TERM_HLEN, PduFlags, PduType,
     crc32c,
 )
 
-if COMPILED:
-    from blockd._pdu_reader import PduReader, data_buffer
-else:
-    from blockd.pdu_reader import PduReader, data_buffer
+_reader = twin("blockd._pdu_reader", "blockd.pdu_reader")
+PduReader = _reader.PduReader
+data_buffer = _reader.data_buffer
 
 __all__ = ["DataDigestError", "FramingError", "PduReader", "PduWriter", "data_buffer", "term_req"]
 

@@ -9,11 +9,13 @@ PDU: header fields are read through a pointer rather than unpacked into a tuple,
 written into the SQE in place, and without digests the capsule's common header and SQE are built
 as one ``bytes`` (the writer's general path stays for digests). The connection's queue and
 commands are the compiled ones (``initiator/_queue.pxd``): ids are taken, looked up and freed,
-and a completion's status, DW0/DW1 and callback set and run, with C calls.
+and a completion's status, DW0/DW1 and callback set and run, with C calls; so is its output
+batcher (``blockd/_output.pxd``): hold, release and send are C calls too.
 
 Offsets, types, flags and statuses come from ``protocol/`` at import (bound to C variables below).
 """
 
+cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
@@ -21,6 +23,7 @@ from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
 from blockd._le cimport le16, le32, st32
+from blockd._output cimport OutputBatcher
 from initiator._queue cimport HostCommand, HostQueue
 
 from blockd.tcp_pdu import DataDigestError, FramingError, term_req
@@ -113,7 +116,7 @@ cdef class TcpHostIo:
     cdef public HostQueue queue
     cdef public object reader
     cdef public object writer
-    cdef public object out
+    cdef public OutputBatcher out
     cdef public Py_ssize_t inline_limit
     cdef public Py_ssize_t maxh2cdata
     cdef public bint closed
@@ -126,6 +129,7 @@ cdef class TcpHostIo:
 
     # -- sending ------------------------------------------------------------------------------
 
+    @cython.nonecheck(True)  # out is None until connected: an AttributeError, as in Python
     def submit(self, HostCommand cmd):
         """Send ``cmd`` (see the reference)."""
         cdef Py_ssize_t length
@@ -155,7 +159,7 @@ cdef class TcpHostIo:
         s[_O_SGL_ID] = sgl_id
         writer = self.writer
         if writer.hdgst or writer.ddgst:
-            self.out.send(writer.pdu(_CAPSULE_CMD, sqe, out))
+            self.out._send(writer.pdu(_CAPSULE_CMD, sqe, out))
             return
         capsule = PyBytes_FromStringAndSize(NULL, _CAPSULE)
         c = <uint8_t*>PyBytes_AS_STRING(capsule)
@@ -165,11 +169,11 @@ cdef class TcpHostIo:
         memcpy(c + _HDR, s, _SQE)
         if out is None or not length:
             st32(c + _O_PLEN, <uint32_t>_CAPSULE)
-            self.out.send([capsule])
+            self.out._send([capsule])
         else:
             c[_O_PDO] = <uint8_t>_CAPSULE
             st32(c + _O_PLEN, <uint32_t>(_CAPSULE + length))
-            self.out.send([capsule, out])
+            self.out._send([capsule, out])
 
     # -- receiving ------------------------------------------------------------------------------
 
@@ -177,15 +181,16 @@ cdef class TcpHostIo:
         """``PduProtocol.get_buffer``, without a Python frame per receive."""
         return self.reader.get_buffer(sizehint)
 
+    @cython.nonecheck(True)  # out is None until connected: an AttributeError, as in Python
     def buffer_updated(self, Py_ssize_t nbytes):
         """``PduProtocol.buffer_updated`` (the reference's receive step; this class comes first
         in the connection's bases): what handling ``nbytes`` sends leaves in one send."""
-        out = self.out
-        out.hold()
+        cdef OutputBatcher out = self.out
+        out._hold()
         try:
             self._receive(nbytes)
         finally:
-            out.release()
+            out._release()
 
     cdef int _receive(self, Py_ssize_t nbytes) except -1:
         cdef object bad_data = None
@@ -208,7 +213,7 @@ cdef class TcpHostIo:
                         return 0
                 return 0
             except FramingError as exc:
-                self.out.send([term_req(_H2C_TERM_REQ, exc.fes, exc.fei, exc.header)])
+                self.out._send([term_req(_H2C_TERM_REQ, exc.fes, exc.fei, exc.header)])
                 self._fail(ConnectionError(f"protocol error from target: {exc}"))
                 return 0
             except DataDigestError as exc:
@@ -302,9 +307,9 @@ cdef class TcpHostIo:
         view = memoryview(out)
         chunk = self.maxh2cdata
         writer = self.writer
-        send = self.out.send
+        cdef OutputBatcher batcher = self.out
         while offset < end:
             n = min(chunk, end - offset)
             last = _LAST_PDU if offset + n == end else 0
-            send(writer.data_pdu(_H2C_DATA, h.cid, h.ttag, offset, view[offset:offset + n], last))
+            batcher._send(writer.data_pdu(_H2C_DATA, h.cid, h.ttag, offset, view[offset:offset + n], last))
             offset += n

@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 import structlog
 
-from blockd.dataplane import COMPILED
+from blockd.dataplane import twin
 from blockd.iostats import IoCounters
 from initiator.auth import AuthFailed, HostAuth
 from initiator.errors import ConnectError, NvmeError, QueueLost
@@ -54,20 +54,14 @@ __all__ = ["ConnectError", "ConnectParams", "Controller", "IoDone", "NamespaceIn
 
 log = structlog.get_logger("blockd.initiator")
 
-IoLane: Any = None
-"""The compiled steady-state ``transfer`` (``initiator/_lane.pyx``), None on the Python plane."""
-if COMPILED:
-    try:
-        from initiator._lane import IoLane
-        from initiator._queue import AdminCommand, Command, HostCommand, HostQueue
-    except ImportError as exc:  # built with blockd's other extensions; a half-built tree runs Python here
-        log.warning("compiled host queue not built; the Python one runs", error=str(exc))
-        from initiator.queue import AdminCommand, Command, HostCommand, HostQueue
-else:
-    from initiator.queue import AdminCommand, Command, HostCommand, HostQueue
+_queue = twin("initiator._queue", "initiator.queue")
+HostCommand, HostQueue = _queue.HostCommand, _queue.HostQueue
+Command, AdminCommand = _queue.Command, _queue.AdminCommand
 """The commands and queue every connection of this controller uses: the compiled set
-(``initiator/_queue.pyx``, with the lane) or its Python reference (:mod:`initiator.queue`),
-never a mix."""
+(``initiator/_queue.pyx``) or its Python reference (:mod:`initiator.queue`), never a mix."""
+IoLane: Any = getattr(twin("initiator._lane", None), "IoLane", None)
+"""The compiled steady-state ``transfer`` (``initiator/_lane.pyx``, which cimports the compiled
+queue), None on the Python plane."""
 
 
 ADMIN_DEPTH = 32

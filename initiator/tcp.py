@@ -8,7 +8,7 @@ from typing import Callable
 
 import structlog
 
-from blockd.dataplane import COMPILED
+from blockd.dataplane import twin
 from blockd.tcp_asyncio import OutputBatcher, PduProtocol
 from blockd.tcp_frames import Pdu
 from blockd.tcp_pdu import FramingError, PduReader, PduWriter
@@ -21,14 +21,7 @@ from protocol.tcp import IC_REQ, IC_RESP, TERM_REQ_HEADER, PduType, TermReqFes
 
 log = structlog.get_logger("blockd.initiator")
 
-if COMPILED:
-    try:
-        from initiator._tcp_host_io import TcpHostIo
-    except ImportError as exc:  # built with blockd's other extensions; a half-built tree runs Python here
-        log.warning("compiled NVMe/TCP host I/O not built; the Python one runs", error=str(exc))
-        from initiator.tcp_host_io import TcpHostIo
-else:
-    from initiator.tcp_host_io import TcpHostIo
+TcpHostIo = twin("initiator._tcp_host_io", "initiator.tcp_host_io").TcpHostIo
 
 ADMIN_INLINE = 8192
 _C2H_TYPES = frozenset({PduType.IC_RESP, PduType.C2H_TERM_REQ, PduType.CAPSULE_RESP,

@@ -35,6 +35,9 @@ What :class:`target.queue.TargetQueue` keeps per command and this path does at t
   socket while the daemon-wide ``max_unsent_total`` is passed), so that a host not reading its
   replies is seen (pause_writing, or the daemon-wide count) as soon as on the Python path.
 
+Replies, and the receive loop's hold and release, go to the connection's compiled output batcher
+with C calls (``blockd/_output.pxd``).
+
 Every offset comes from ``protocol/`` at import and is checked there against headers built by
 ``protocol/`` (a changed layout is an ImportError, and the target runs the Python path).
 """
@@ -48,6 +51,7 @@ from posix.types cimport off_t
 from posix.unistd cimport pread, pwrite
 
 from blockd._le cimport le16, le32, le64, st16, st32
+from blockd._output cimport OutputBatcher
 from blockd._pdu_reader cimport PduReader
 
 from blockd.iostats import KIND_BY_OPCODE
@@ -215,8 +219,7 @@ cdef class TcpFastPath:
     cdef object py_buffer_updated
     cdef object queue
     cdef object ctrl
-    cdef object out
-    cdef object send
+    cdef OutputBatcher out
     cdef object transport
     cdef object counters
     cdef bint _bound
@@ -261,12 +264,14 @@ cdef class TcpFastPath:
         conn = self.conn
         if self.reader is None or conn.reader is not self.reader:
             return self.py_buffer_updated(conn, nbytes)  # terminated: the Python path discards
-        out = conn.out
-        out.hold()
+        cdef OutputBatcher out = conn.out  # the compiled one: the compiled twins run together
+        if out is None:  # a refused connection (never connected): what the Python path does with it
+            return self.py_buffer_updated(conn, nbytes)
+        out._hold()
         try:
             self._receive(nbytes)
         finally:
-            out.release()
+            out._release()
 
     cdef int _receive(self, Py_ssize_t nbytes) except -1:
         cdef PduReader reader = self.reader
@@ -329,7 +334,6 @@ cdef class TcpFastPath:
         self.sqhd_disabled = queue.sqhd_disabled
         self.inline_size = queue.inline_size
         self.out = self.conn.out
-        self.send = self.out.send
         self.transport = self.conn.transport
         self.flush_at = self.conn._flush_at
         self.unsent = self.conn._unsent
@@ -437,12 +441,12 @@ cdef class TcpFastPath:
             _c2h_header(p, cid, length, _LAST)
             _capsule_resp(p + _DATA_HLEN + length, self._next_sqhd(), self.qid, cid)
         self._complete(ns, _KIND_READ, length, start)
-        self.send((reply,))
+        self.out._send((reply,))
         conn = self.conn
         batched = conn._batched + length
         if batched > self.flush_at or self.unsent.over:
             conn._batched = 0
-            self.out.flush()
+            self.out._flush()
         else:
             conn._batched = batched
         self.served += 1
@@ -462,7 +466,7 @@ cdef class TcpFastPath:
         cdef bytes resp = PyBytes_FromStringAndSize(NULL, _RESP_LEN)
         _capsule_resp(<unsigned char*>PyBytes_AS_STRING(resp), self._next_sqhd(), self.qid, cid)
         self._complete(ns, _KIND_WRITE, length, start)
-        self.send((resp,))
+        self.out._send((resp,))
         self.served += 1
         return True
 

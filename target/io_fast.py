@@ -9,19 +9,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from blockd.dataplane import COMPILED
+from blockd.dataplane import twin
 
 if TYPE_CHECKING:
     from target.subsystem import Namespace
 
 __all__ = ["FastFile", "FastNamespace", "TcpFastPath", "fast_namespace"]
 
-FastFile = FastNamespace = TcpFastPath = None
-if COMPILED:
-    try:
-        from target._io_fast import FastFile, FastNamespace, TcpFastPath  # type: ignore[no-redef]
-    except ImportError:  # built without it (its compile failed alone): the Python path serves
-        pass
+_fast = twin("target._io_fast", None)
+FastFile = getattr(_fast, "FastFile", None)
+FastNamespace = getattr(_fast, "FastNamespace", None)
+TcpFastPath = getattr(_fast, "TcpFastPath", None)
 
 
 def fast_namespace(ns: Namespace) -> object | None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import logging
 import mmap
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -49,19 +48,11 @@ from blockd import dataplane
 
 from . import _fast, _raw
 
-if dataplane.FORCED_PURE:
-    _impl = _fast
-    FAST_PATH = f"ctypes ({dataplane.PURE_ENV} is set)"
-else:
-    try:
-        from . import _fast_verbs as _impl  # type: ignore[no-redef]
-    except ImportError as _exc:
-        _impl = _fast
-        FAST_PATH = f"ctypes (compiled extension not built: {_exc})"
-        logging.getLogger("blockd.rdma.verbs").warning(
-            "RDMA data path: %s; install libibverbs-dev and rebuild (scripts/setup.sh)", FAST_PATH)
-    else:
-        FAST_PATH = "compiled"
+_impl = dataplane.twin("blockd.rdma._fast_verbs", "blockd.rdma._fast",
+                       hint="install libibverbs-dev and rebuild (scripts/setup.sh)")
+FAST_PATH = "compiled" if _impl is not _fast else \
+    f"ctypes ({dataplane.NOT_BUILT.get('blockd.rdma._fast_verbs', dataplane.REASON)})"
+"""How the data path runs: "compiled", or "ctypes (why)"."""
 
 __all__ = [
     "ACCESS_LOCAL", "ACCESS_REMOTE", "BufferPool", "CompletionQueue", "Device", "QueuePair",

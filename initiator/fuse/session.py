@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Coroutine, Mapping
 
 import structlog
 
-from blockd.dataplane import COMPILED
+from blockd.dataplane import twin
 from initiator.fuse.abi import (
     BATCH_FORGET, DESTROY, FALLOCATE, FALLOCATE_IN, FORGET, FSYNC, FUSE_ASYNC_DIO, FUSE_ASYNC_READ,
     FUSE_ATOMIC_O_TRUNC, FUSE_BIG_WRITES, FUSE_KERNEL_MINOR, FUSE_KERNEL_VERSION, FUSE_MAX_PAGES,
@@ -35,13 +35,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("blockd.initiator.fuse")
 
-FuseLoop: Any = None
-"""The compiled request loop (``initiator/fuse/_loop.pyx``) when the data plane is compiled."""
-if COMPILED:
-    try:
-        from initiator.fuse._loop import FuseLoop
-    except ImportError as exc:  # built with blockd's other extensions; a half-built tree runs Python here
-        log.warning("compiled FUSE loop not built; mounts run the Python one", error=str(exc))
+FuseLoop: Any = getattr(twin("initiator.fuse._loop", None), "FuseLoop", None)
+"""The compiled request loop (``initiator/fuse/_loop.pyx``) when the data plane is compiled; its
+reference is this module's ``py_on_readable`` and replies, so there is no twin module to name."""
 
 WANTED_FLAGS = FUSE_ASYNC_READ | FUSE_ATOMIC_O_TRUNC | FUSE_BIG_WRITES | FUSE_ASYNC_DIO | \
     FUSE_PARALLEL_DIROPS | FUSE_MAX_PAGES

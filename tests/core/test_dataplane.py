@@ -46,6 +46,12 @@ def test_callers_get_the_chosen_reader(pure: bool) -> None:
 
 
 @pytest.mark.parametrize("pure", [False, True])
+def test_both_ends_get_the_chosen_batcher(pure: bool) -> None:
+    module = run("from blockd.tcp_asyncio import OutputBatcher; print(OutputBatcher.__module__)", pure=pure).stdout.strip()
+    assert module == ("blockd._output" if BUILT and not pure else "blockd.output")
+
+
+@pytest.mark.parametrize("pure", [False, True])
 def test_the_host_runs_the_chosen_fuse_loop_and_tcp_io(pure: bool) -> None:
     code = ("from initiator.tcp import TcpHostConnection, TcpHostIo\n"
             "from initiator.fuse.session import FuseSession\n"
