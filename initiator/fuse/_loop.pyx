@@ -227,7 +227,11 @@ cdef class FuseLoop:
             bs = info.block_size
             end = offset + size
             if offset < file_size and end <= file_size and size and bs and not offset % bs and not end % bs:
-                buf = bytearray(size)
+                # Not zero-filled (the reference's bytearray(size) is): the read's data fills it
+                # before it is answered, and a read that does not fill it (a short transfer is
+                # DATA_TRANSFER_ERROR) is answered with an error, never with the buffer. The fill
+                # was ~5k of the ~34k instructions per 4 KiB read (callgrind counts each store).
+                buf = PyByteArray_FromStringAndSize(NULL, size)
                 self.inflight[unique] = True
                 try:
                     ctrl.transfer(False, nsid, offset, memoryview(buf), _ReadDone(self, unique, buf))
