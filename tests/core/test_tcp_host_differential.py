@@ -162,7 +162,8 @@ def _run(kind: str, seed: int) -> dict[str, Any]:
         pos += n
     loop.run_ready()
     return {"sent": transport.sent, "done": done, "buffers": buffers, "error": repr(conn.error),
-            "closed": conn.closed, "pending": sorted(conn.queue.pending)}
+            "closed": conn.closed, "pending": sorted(conn.queue.pending),
+            "reader": (conn.reader.completed, conn.reader.copied)}
 
 
 @pytest.mark.parametrize("seed", range(300))
