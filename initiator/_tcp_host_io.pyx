@@ -185,10 +185,6 @@ cdef class TcpHostIo:
 
     # -- receiving ------------------------------------------------------------------------------
 
-    def get_buffer(self, Py_ssize_t sizehint):
-        """``PduProtocol.get_buffer``, without a Python frame per receive."""
-        return self.reader.get_buffer(sizehint)
-
     @cython.nonecheck(True)  # out is None until connected: an AttributeError, as in Python
     def buffer_updated(self, Py_ssize_t nbytes):
         """``PduProtocol.buffer_updated`` (the reference's receive step; this class comes first

@@ -47,6 +47,10 @@ class TcpHostConnection(TcpHostIo, PduProtocol):
         self.queue = queue
         self.on_lost = on_lost
         self.reader = PduReader(_C2H_TYPES, max_data=max_data, place=self._place)
+        self.get_buffer = self.reader.get_buffer  # type: ignore[method-assign]
+        """The event loop asks the reader itself where the next bytes go (no call of ours in
+        between: ~700 instructions per receive on the compiled plane); the reader is this
+        connection's for its whole life."""
         self.writer = PduWriter()
         self.transport: asyncio.Transport | None = None
         self.out: OutputBatcher | None = None
