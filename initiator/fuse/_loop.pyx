@@ -105,6 +105,7 @@ cdef class FuseLoop:
     cdef dict stats
     cdef object fail
     cdef object range_lock
+    cdef dict locks
     cdef object recycle
     cdef object connections
     cdef object name
@@ -135,6 +136,7 @@ cdef class FuseLoop:
         self.stats = self.session.stats
         self.fail = self.session.fail
         self.range_lock = self.session.files._range_lock
+        self.locks = self.session.files.locks
         self.recycle = self.session.recycle
         self.fd = fd
 
@@ -264,7 +266,9 @@ cdef class FuseLoop:
             bs = info.block_size
             end = offset + <uint64_t>length
             if offset < file_size and end <= file_size and length and bs and not offset % bs and not end % bs:
-                locks = self.range_lock(nsid)
+                locks = self.locks.get(nsid)  # BlockFiles._range_lock without its frame, once made
+                if locks is None:
+                    locks = self.range_lock(nsid)
                 token = locks.share_now(offset // bs, end // bs)
                 if token is not None:
                     self.inflight[unique] = True
