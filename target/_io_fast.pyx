@@ -4,8 +4,8 @@ command beyond the reply's bytes.
 
 :class:`TcpFastPath` takes a command capsule from the TCP connection before the
 :class:`target.queue.TargetQueue` does and serves it in C when it is the steady-state case: an I/O
-queue of a ready controller, no digests negotiated, PSDT SGL, Read with a Transport Data Block
-or Write with its data in the capsule, a namespace whose backend is a plain
+queue of a ready controller, no digests negotiated, PSDT SGL, Read with a Transport Data Block,
+Write with its data in the capsule or with a Transport Data Block (an R2T write, below), a namespace whose backend is a plain
 :class:`target.backend.FileBackend` (:class:`FastNamespace`, its C copy), the LBA range inside
 it, the transfer length the blocks say, a writable namespace for a write, no FUA, and a read or
 write that succeeds in full. Anything else returns False *before anything happened* and the
@@ -35,6 +35,19 @@ What :class:`target.queue.TargetQueue` keeps per command and this path does at t
   socket while the daemon-wide ``max_unsent_total`` is passed), so that a host not reading its
   replies is seen (pause_writing, or the daemon-wide count) as soon as on the Python path.
 
+An R2T write cannot complete inside the call: it holds its pool slot (``queue.in_flight``), its
+namespace (``ns.in_flight``) and its buffer's share of the per-queue and daemon-wide R2T budgets
+across the host's round trip, as the queue's own R2T writes do. Its R2T is sent here only while
+both budgets have room now and no earlier write waits for them (otherwise the queue makes it
+wait in line, and the wake-up stays the queue's); its :class:`R2tWrite` stands in
+``TcpTargetConnection.r2t_pending`` where the queue's request would, so the connection's checks
+and placement of the H2CData are unchanged, and :meth:`TcpFastPath.data_ready` writes and
+answers it once the last H2CData is in. The ends left to Python get the request the queue would
+have made (``TargetQueue.adopt_write``): a connection lost before the data (Data Transfer Error,
+as the queue's), a ``pwrite`` that fails or a namespace changed during the round trip (the queue
+writes it). Measured (docs/dataplane.md, "R2T writes in C"): target user time per 1 MiB write
+102–117 µs → 65–74 µs through FUSE; the rest is the kernel's copies.
+
 Replies, and the receive loop's hold and release, go to the connection's compiled output batcher
 with C calls (``blockd/_output.pxd``).
 
@@ -43,7 +56,7 @@ Every offset comes from ``protocol/`` at import and is checked there against hea
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.string cimport memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -56,9 +69,10 @@ from blockd._pdu_reader cimport PduReader
 
 from blockd.iostats import KIND_BY_OPCODE
 from blockd.tcp_frames import DataDigestError, FramingError
+from blockd.tcp_pdu import PduWriter
 from protocol.constants import CC_EN, CSTS_RDY, PSDT_SGL, IoOpcode, SglId
 from protocol.layout import field_offset
-from protocol.nvme import CQE, CQE_FAST, FLAGS_PSDT_FUSE_MASK, IO_COMMAND, RW_CONTROL_FUA
+from protocol.nvme import CQE, CQE_FAST, FLAGS_PSDT_FUSE_MASK, IO_COMMAND, IO_CONTROL, IO_SLBA, RW_CONTROL_FUA, SQE_SIZE
 from protocol.tcp import (
     CAPSULE_RESP_HLEN, COMMON_HEADER, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_HLEN, DATA_PDU_HEADER,
     DATA_PDU_HEADER_FAST, PduFlags, PduType,
@@ -70,6 +84,7 @@ cdef extern from *:
 # -- layouts, from protocol/ ---------------------------------------------------------------------
 
 cdef Py_ssize_t _SQE_AT = COMMON_HEADER_SIZE  # the SQE follows the CapsuleCmd's common header
+cdef Py_ssize_t _SQE_SIZE = SQE_SIZE
 cdef Py_ssize_t _O_OPC = field_offset(IO_COMMAND, "opcode")
 cdef Py_ssize_t _O_FLAGS = field_offset(IO_COMMAND, "flags")
 cdef Py_ssize_t _O_CID = field_offset(IO_COMMAND, "cid")
@@ -87,6 +102,7 @@ cdef Py_ssize_t _RESP_LEN = CAPSULE_RESP_HLEN
 cdef Py_ssize_t _D_FLAGS = field_offset(DATA_PDU_HEADER, "flags")
 cdef Py_ssize_t _D_PLEN = field_offset(DATA_PDU_HEADER, "plen")
 cdef Py_ssize_t _D_CID = field_offset(DATA_PDU_HEADER, "cccid")
+cdef Py_ssize_t _D_TTAG = field_offset(DATA_PDU_HEADER, "ttag")  # an R2T's fields sit where a data PDU's do
 cdef Py_ssize_t _D_DATAL = field_offset(DATA_PDU_HEADER, "datal")
 cdef Py_ssize_t _R_SQHD = COMMON_HEADER_SIZE + field_offset(CQE, "sqhd")
 cdef Py_ssize_t _R_SQID = COMMON_HEADER_SIZE + field_offset(CQE, "sqid")
@@ -106,9 +122,13 @@ cdef int _CSTS_RDY = CSTS_RDY
 cdef int _LAST = PduFlags.LAST_PDU
 cdef int _LAST_SUCCESS = PduFlags.LAST_PDU | PduFlags.SUCCESS
 cdef int _CAPSULE_CMD = PduType.CAPSULE_CMD
+cdef Py_ssize_t _F_SLBA = IO_SLBA  # indices into Request.fields (the SQE unpacked as IO_COMMAND)
+cdef Py_ssize_t _F_CONTROL = IO_CONTROL
 
 # Templates built by protocol/: the fields that vary are stored into copies of them.
 cdef bytes _C2H_TEMPLATE = DATA_PDU_HEADER_FAST.pack(PduType.C2H_DATA, 0, DATA_HLEN, DATA_HLEN, 0, 0, 0, 0, 0)
+cdef bytes _R2T_TEMPLATE = b"".join(PduWriter().r2t(0, 0, 0, 0))  # without digests (they turn this path off)
+cdef Py_ssize_t _R2T_LEN = len(_R2T_TEMPLATE)
 cdef bytes _RESP_TEMPLATE = (COMMON_HEADER_FAST.pack(PduType.CAPSULE_RESP, 0, CAPSULE_RESP_HLEN, 0, CAPSULE_RESP_HLEN)
                              + CQE_FAST.pack(0, 0, 0, 0, 0, 0))
 
@@ -118,6 +138,13 @@ cdef inline void _c2h_header(unsigned char* p, unsigned int cid, unsigned int n,
     p[_D_FLAGS] = flags
     st32(p + _D_PLEN, _DATA_HLEN + n)
     st16(p + _D_CID, cid)
+    st32(p + _D_DATAL, n)
+
+
+cdef inline void _r2t(unsigned char* p, unsigned int cid, unsigned int ttag, unsigned int n) noexcept:
+    memcpy(p, <const char*>_R2T_TEMPLATE, _R2T_LEN)
+    st16(p + _D_CID, cid)
+    st16(p + _D_TTAG, ttag)
     st32(p + _D_DATAL, n)
 
 
@@ -144,8 +171,11 @@ def _check_layouts():
     want = (DATA_PDU_HEADER_FAST.pack(PduType.C2H_DATA, _LAST_SUCCESS, DATA_HLEN, DATA_HLEN,
                                       DATA_HLEN + 0x56789A, 0x1234, 0, 0, 0x56789A)
             + _RESP_TEMPLATE[:COMMON_HEADER_SIZE] + CQE_FAST.pack(0, 0, 0x0102, 0x0304, 0x0506, 0))
-    if got != tuple(sample.values()) or bytes(out) != want:
-        raise ImportError("protocol/'s SQE, C2HData or CapsuleResp layout is not the one target/_io_fast.pyx uses")
+    r2t = bytearray(_R2T_LEN)
+    _r2t(<unsigned char*>PyByteArray_AS_STRING(r2t), 0x1234, 0x5678, 0x9ABCDEF)
+    if got != tuple(sample.values()) or bytes(out) != want or bytes(r2t) != b"".join(
+            PduWriter().r2t(0x1234, 0x5678, 0, 0x9ABCDEF)):
+        raise ImportError("protocol/'s SQE, C2HData, R2T or CapsuleResp layout is not the one target/_io_fast.pyx uses")
 
 
 _check_layouts()
@@ -208,6 +238,25 @@ cdef class FastNamespace:
         self.accessible = True
 
 
+cdef class R2tWrite:
+    """A Write whose R2T the compiled path sent, waiting for its H2CData in ``TcpTargetConnection.r2t_pending``
+    in place of a :class:`target.request.Request`: the connection's ``_place`` and ``_h2c_data`` read
+    ``cid``, ``length`` and ``data`` of it as of a request; the rare ends the compiled path leaves to
+    Python (its data never comes, its write fails) get the request the queue would have made
+    (:meth:`TcpFastPath.request`)."""
+
+    cdef readonly unsigned int cid
+    cdef readonly Py_ssize_t length
+    cdef readonly bytearray data
+    """Where the H2CData is placed: uninitialised, as ``blockd.tcp_pdu.data_buffer`` gives it
+    (no byte is read before all are received)."""
+    cdef readonly bytes sqe
+    cdef readonly long long start_ns
+    cdef object nsobj
+    cdef FastNamespace ns
+    cdef off_t offset
+
+
 # -- the I/O path of one TCP connection --------------------------------------------------------------
 
 cdef class TcpFastPath:
@@ -231,6 +280,7 @@ cdef class TcpFastPath:
     cdef Py_ssize_t inline_size
     cdef Py_ssize_t max_transfer
     cdef Py_ssize_t flush_at
+    cdef Py_ssize_t r2t_per_queue
     cdef object unsent
     cdef public unsigned long long served
     """Commands answered here (the tests check that the fast path ran)."""
@@ -337,6 +387,7 @@ cdef class TcpFastPath:
         self.transport = self.conn.transport
         self.flush_at = self.conn._flush_at
         self.unsent = self.conn._unsent
+        self.r2t_per_queue = self.conn.limits.r2t_budget
         # a write capsule is received whole into staging and written to the file from there
         # (placing it would copy what arrived with its header: docs/dataplane.md, large transfers)
         if self.reader is not None:  # only the compiled loop serves from staging
@@ -374,7 +425,7 @@ cdef class TcpFastPath:
         cdef unsigned int cid, nsid, length, nlb
         cdef unsigned long long address, slba
         cdef const unsigned char* q
-        if hlen < _SQE_AT + _O_CONTROL + 2:
+        if hlen < _SQE_AT + _SQE_SIZE:  # a CapsuleCmd's HLEN is exactly that (the reader checks)
             return False
         q = header + _SQE_AT
         opcode = q[_O_OPC]
@@ -393,9 +444,12 @@ cdef class TcpFastPath:
             if sgl_id != _SGL_TRANSPORT:
                 return False
         elif opcode == _WRITE:
-            # in-capsule data only (an R2T write waits for its data: Python's), and no FUA
-            if (sgl_id != _SGL_IN_CAPSULE or address != 0 or length > self.inline_size or data == NULL
-                    or dlen < length or control & _FUA):
+            # no FUA; in-capsule data, or a Transport Data Block (an R2T write: any data in the
+            # capsule is ignored, as TargetQueue._map_sgl does)
+            if control & _FUA:
+                return False
+            if sgl_id != _SGL_TRANSPORT and (sgl_id != _SGL_IN_CAPSULE or address != 0 or length > self.inline_size
+                                             or data == NULL or dlen < length):
                 return False
         else:
             return False
@@ -423,6 +477,8 @@ cdef class TcpFastPath:
             return self._read(ns, f.fd, <off_t>(slba << ns.lba_shift), length, cid, start)
         if f.read_only:
             return False
+        if sgl_id == _SGL_TRANSPORT:
+            return self._send_r2t(entry, ns, <off_t>(slba << ns.lba_shift), length, cid, header, start)
         return self._write(ns, f.fd, <off_t>(slba << ns.lba_shift), length, cid, data, start)
 
     cdef bint _read(self, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
@@ -440,6 +496,7 @@ cdef class TcpFastPath:
         else:
             _c2h_header(p, cid, length, _LAST)
             _capsule_resp(p + _DATA_HLEN + length, self._next_sqhd(), self.qid, cid)
+        self.ctrl.traffic_seen = True
         self._complete(ns, _KIND_READ, length, start)
         self.out._send((reply,))
         conn = self.conn
@@ -465,8 +522,127 @@ cdef class TcpFastPath:
             return False  # the Python path writes again and reports the error
         cdef bytes resp = PyBytes_FromStringAndSize(NULL, _RESP_LEN)
         _capsule_resp(<unsigned char*>PyBytes_AS_STRING(resp), self._next_sqhd(), self.qid, cid)
+        self.ctrl.traffic_seen = True
         self._complete(ns, _KIND_WRITE, length, start)
         self.out._send((resp,))
+        self.served += 1
+        return True
+
+    # -- R2T writes ----------------------------------------------------------------------------------------
+
+    cdef bint _send_r2t(self, nsobj, FastNamespace ns, off_t offset, unsigned int length, unsigned int cid,
+                        const unsigned char* header, long long start) except -1:
+        """Ask for a write's data with one R2T for all of it, as ``TargetQueue.submit`` and
+        ``TcpTargetConnection.fetch_data`` do, when both R2T budgets have room for its buffer now
+        and no earlier write waits for them (else False: the Python queue makes it wait in line).
+        What the queue holds for it from here to ``response_sent`` is taken here: the pool slot
+        (``queue.in_flight``), the namespace (``ns.in_flight``, so that a removed namespace keeps
+        its file until the write is done) and the buffer's share of the budgets."""
+        conn = self.conn
+        if conn._r2t_waiting or conn._r2t_held + length > self.r2t_per_queue:
+            return False
+        if not conn.target.r2t_budget.try_take(length):
+            return False  # the Python queue's take leaves the connection's wake-up with the budget
+        cdef R2tWrite w = R2tWrite.__new__(R2tWrite)
+        w.cid = cid
+        w.length = length
+        w.data = PyByteArray_FromStringAndSize(NULL, length)
+        w.sqe = PyBytes_FromStringAndSize(<const char*>header + _SQE_AT, _SQE_SIZE)
+        w.start_ns = start
+        w.nsobj = nsobj
+        w.ns = ns
+        w.offset = offset
+        self.queue.in_flight += 1
+        self.ctrl.traffic_seen = True
+        nsobj.in_flight += 1
+        conn._r2t_held += length
+        ttag = conn._next_ttag
+        conn._next_ttag = (ttag + 1) & 0xFFFF
+        conn.r2t_pending[ttag] = (w, 0)
+        cdef bytes r2t = PyBytes_FromStringAndSize(NULL, _R2T_LEN)
+        _r2t(<unsigned char*>PyBytes_AS_STRING(r2t), cid, ttag, length)
+        self.out._send((r2t,))
+        return True
+
+    def data_ready(self, req):
+        """``TargetQueue.data_ready`` for an R2T write whose H2CData ``TcpTargetConnection`` has
+        placed in ``req.data``: written and answered here if it is the steady-state case, else
+        False with nothing done and the Python queue runs it. ``req`` is the :class:`R2tWrite` of
+        an R2T sent here (always True: one whose write fails goes to the queue as its request), or
+        the queue's own request when the queue sent the R2T (it waited for budget, or the path was
+        not bound yet): served here if it is a plain Write without FUA to a namespace served here.
+        Either holds what the queue holds until ``response_sent`` (:meth:`_send_r2t`); given back
+        in :meth:`_written` at the points ``TargetQueue._complete``, ``queue_response`` and
+        ``response_sent`` do."""
+        cdef R2tWrite w
+        if type(req) is R2tWrite:
+            w = <R2tWrite>req
+            if not self._written(w.nsobj, w.ns, w.offset, w.data, w.length, w.cid, w.start_ns, w.length):
+                self.queue.data_ready(self.request(w))  # reports the error, or writes through a new backend
+            return True
+        if not self._bound or self._off or req.opcode != _WRITE or req.fields[_F_CONTROL] & _FUA:
+            return False
+        nsobj = req.ns
+        fast = nsobj.fast
+        if fast is None:
+            return False
+        cdef FastNamespace ns = <FastNamespace?>fast
+        return self._written(nsobj, ns, <off_t>(<unsigned long long>req.fields[_F_SLBA] << ns.lba_shift), req.data,
+                             req.length, req.cid, req.start_ns, req.transport_ctx)
+
+    def request(self, req):
+        """The queue's :class:`target.request.Request` for an :class:`R2tWrite` (``req`` itself
+        if it is one already): the request ``TargetQueue.submit`` would have made and left
+        waiting for its data, holding what the R2tWrite holds (so ``TargetQueue.data_failed``
+        and ``data_ready`` end it as the queue ends its own)."""
+        if type(req) is not R2tWrite:
+            return req
+        cdef R2tWrite w = <R2tWrite>req
+        return self.queue.adopt_write(w.sqe, w.start_ns, w.nsobj, w.data, w.length)
+
+    cdef bint _written(self, nsobj, FastNamespace ns, off_t offset, data, Py_ssize_t length, unsigned int cid,
+                       long long start, held) except -1:
+        """Write an R2T write's data and answer it; False with nothing done if the namespace
+        changed since it was checked or the write fails (the Python queue writes it then)."""
+        cdef FastFile f = ns.file
+        if (not self._bound or self._off or not ns.accessible or f.fd < 0 or f.read_only
+                or nsobj.backend is not ns.backend or self.transport.is_closing()):
+            return False
+        cdef Py_buffer db
+        PyObject_GetBuffer(data, &db, PyBUF_SIMPLE)
+        cdef const unsigned char* p = <const unsigned char*>db.buf
+        cdef Py_ssize_t done = 0, n
+        cdef int fd = f.fd
+        try:
+            if db.len != length:
+                return False
+            with nogil:
+                while done < length:
+                    n = pwrite(fd, p + done, length - done, offset + done)
+                    if n <= 0:
+                        break
+                    done += n
+        finally:
+            PyBuffer_Release(&db)
+        if done != length:
+            return False
+        # TargetQueue._complete: SQHD, the counters from the capsule's arrival, the namespace
+        cdef bytes resp = PyBytes_FromStringAndSize(NULL, _RESP_LEN)
+        _capsule_resp(<unsigned char*>PyBytes_AS_STRING(resp), self._next_sqhd(), self.qid, cid)
+        self._complete(ns, _KIND_WRITE, length, start)
+        # a removed namespace's copy is withdrawn (not accessible) before anything else, so the
+        # queue, not this, gives back the last hold of one and closes its file
+        nsobj.in_flight -= 1
+        # TcpTargetConnection.queue_response: the buffer's budget back (and the R2Ts that lets go
+        # out before this CapsuleResp), then the CapsuleResp; TargetQueue.response_sent: the slot
+        conn = self.conn
+        if held:
+            conn._r2t_held -= held
+            conn.target.r2t_budget.give(held)
+            if conn._r2t_waiting:
+                conn._send_r2ts()
+        self.out._send((resp,))
+        self.queue.in_flight -= 1
         self.served += 1
         return True
 
@@ -482,6 +658,5 @@ cdef class TcpFastPath:
         cdef long long elapsed = _now_ns() - start
         cdef unsigned long long scaled = elapsed >> 10
         cdef int bucket = 64 - __builtin_clzll(scaled) if scaled else 0
-        self.ctrl.traffic_seen = True
         _count(self.counters, kind, length, elapsed, bucket)
         _count(ns.counters, kind, length, elapsed, bucket)

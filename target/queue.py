@@ -48,6 +48,7 @@ from target.request import Direction, IllegalTransition, Request, RequestState
 
 if TYPE_CHECKING:
     from target.controller import Controller
+    from target.subsystem import Namespace
     from target.target import Target
     from target.transport import TargetTransport
 
@@ -238,6 +239,20 @@ class TargetQueue:
         req.sgl_address = address
         req.sgl_key = key
         return _SUCCESS
+
+    def adopt_write(self, sqe: bytes, start_ns: int, ns: Namespace, data: bytearray, transport_ctx: object) -> Request:
+        """The R2T write the compiled path took (``target/_io_fast.pyx``: it counted the slot,
+        held ``ns``, took the budgets and sent the R2T) as the request ``submit`` would have made,
+        waiting for its data in ``data``: for the ends it leaves to this queue (the data never
+        came, the write failed), which ``data_failed`` and ``data_ready`` then end as their own."""
+        fields = _unpack_command(sqe)
+        req = Request(sqe, fields, transport_ctx, start_ns)
+        self._map_sgl(req, _TO_CONTROLLER, fields, None)
+        req.ns = ns
+        req.execute = self.controller.io_commands[req.opcode][1]
+        req.data = data
+        req.set_state(_NEED_DATA)
+        return req
 
     def data_ready(self, req: Request) -> None:
         """The transport put the host's data in ``req.data`` (a buffer of its choosing)."""

@@ -131,6 +131,8 @@ class TcpTargetConnection(PduProtocol):
             self.get_buffer = self.fast.get_buffer  # type: ignore[method-assign]
             self.buffer_updated = self.fast.buffer_updated  # type: ignore[method-assign]
         self.r2t_pending: dict[int, tuple[Request, int]] = {}
+        """Writes whose R2T was sent, by transfer tag: the request and the bytes received (the
+        compiled path's own R2Ts hold an ``R2tWrite`` in place of the request)."""
         self._next_ttag = 0
         self.local_address = ""
         self.limits = target.limits
@@ -197,7 +199,7 @@ class TcpTargetConnection(PduProtocol):
         self.r2t_pending.clear()
         self._r2t_waiting.clear()
         for req in pending:
-            self.queue.data_failed(req)
+            self._data_failed(req)
         if self.out is not _DISCARD:  # else _terminate closed the queue already
             self.queue.close()
         budget = self.target.r2t_budget
@@ -385,7 +387,14 @@ class TcpTargetConnection(PduProtocol):
         if not flags & PduFlags.LAST_PDU:
             raise FramingError(TermReqFes.INVALID_HEADER_FIELD, _FEI_FLAGS, "last H2CData without LAST_PDU", bytes(header))
         del self.r2t_pending[ttag]
-        self.queue.data_ready(req)
+        fast = self.fast
+        if fast is None or not fast.data_ready(req):  # the compiled path writes and answers what it can
+            self.queue.data_ready(req)
+
+    def _data_failed(self, req: Request) -> None:
+        """A write's data will not come: it fails (an R2T the compiled path sent is its
+        ``R2tWrite`` until then, handed over as the queue's request)."""
+        self.queue.data_failed(req if self.fast is None else self.fast.request(req))
 
     def _digest_error(self, exc: DataDigestError) -> None:
         """A corrupt data PDU fails its command with Data Transfer Error (docs/wire-facts.md,
@@ -394,7 +403,7 @@ class TcpTargetConnection(PduProtocol):
         if exc.pdu_type == PduType.H2C_DATA:
             entry = self.r2t_pending.pop(_unpack_data_header(header)[_TTAG], None)
             if entry is not None:
-                self.queue.data_failed(entry[0])
+                self._data_failed(entry[0])
                 return
         elif exc.pdu_type == PduType.CAPSULE_CMD:
             self.queue.capsule_data_failed(header[_CAPSULE_SQE])
