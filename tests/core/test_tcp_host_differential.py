@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from blockd import output
+from blockd import output, pdu_reader
 from blockd.tcp_asyncio import PduProtocol
 from blockd.tcp_pdu import PduWriter
 from initiator import queue as py_queue, tcp_host_io
-from initiator.tcp import TcpHostConnection
+from initiator.tcp import _C2H_TYPES, TcpHostConnection
 from protocol.commands import read_command, write_command
 from protocol.nvme import CQE_FAST
 from protocol.status import to_wire
@@ -26,6 +26,7 @@ from protocol.tcp import DATA_PDU_HEADER, PduFlags, PduType
 _compiled = pytest.importorskip("initiator._tcp_host_io", reason="compiled data plane not built")
 _compiled_queue = pytest.importorskip("initiator._queue", reason="compiled data plane not built")
 _compiled_output = pytest.importorskip("blockd._output", reason="compiled data plane not built")
+_compiled_reader = pytest.importorskip("blockd._pdu_reader", reason="compiled data plane not built")
 
 _OWN = {k: v for k, v in TcpHostConnection.__dict__.items() if k not in ("__dict__", "__weakref__", "__doc__")}
 """The connection's own methods, put on each twin below (whichever base the module picked)."""
@@ -36,6 +37,9 @@ CONNECTIONS = {
 QUEUES = {"python": py_queue, "compiled": _compiled_queue}
 """Each twin with its own command and queue classes, as the controller pairs them."""
 BATCHERS = {"python": output.OutputBatcher, "compiled": _compiled_output.OutputBatcher}
+READERS = {"python": pdu_reader.PduReader, "compiled": _compiled_reader.PduReader}
+"""Each twin with its own reader and batcher (the compiled receive loop drives the compiled
+reader from C), whichever the data plane picked for the connection."""
 """And with its own output batcher, as ``blockd.tcp_asyncio`` pairs them."""
 BS = 512
 _DATAL = field_offset(DATA_PDU_HEADER, "datal")
@@ -137,6 +141,8 @@ def _run(kind: str, seed: int) -> dict[str, Any]:
     transport, loop = _Transport(), _Loop()
     conn.transport = transport
     conn.out = BATCHERS[kind](transport, loop=loop)
+    conn.reader = READERS[kind](_C2H_TYPES, max_data=1 << 22, place=conn._place)
+    conn.get_buffer = conn.reader.get_buffer
     conn.maxh2cdata = rng.choice([4096, 8192])
     conn.reader.hdgst = conn.writer.hdgst = digests
     conn.reader.ddgst = conn.writer.ddgst = digests
