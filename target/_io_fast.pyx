@@ -187,6 +187,18 @@ cdef inline long long _now_ns() noexcept nogil:
     return ts.tv_sec * 1000000000LL + ts.tv_nsec
 
 
+cdef inline Py_ssize_t _pwrite_all(int fd, const unsigned char* p, Py_ssize_t length, off_t offset) noexcept nogil:
+    """Write ``length`` bytes at ``offset``; the bytes written before the first short or failed
+    ``pwrite`` (``length`` when all went)."""
+    cdef Py_ssize_t done = 0, n
+    while done < length:
+        n = pwrite(fd, p + done, length - done, offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
 cdef inline void _count(object counters, int kind, long long length, long long elapsed, int bucket) except *:
     """What ``TargetQueue._complete`` adds for one command (integer adds into existing lists)."""
     cdef list ops = counters.ops
@@ -511,13 +523,9 @@ cdef class TcpFastPath:
 
     cdef bint _write(self, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
                      const unsigned char* data, long long start) except -1:
-        cdef Py_ssize_t done = 0, n
+        cdef Py_ssize_t done
         with nogil:
-            while done < length:
-                n = pwrite(fd, data + done, length - done, offset + done)
-                if n <= 0:
-                    break
-                done += n
+            done = _pwrite_all(fd, data, length, offset)
         if done != length:
             return False  # the Python path writes again and reports the error
         cdef bytes resp = PyBytes_FromStringAndSize(NULL, _RESP_LEN)
@@ -611,17 +619,13 @@ cdef class TcpFastPath:
         cdef Py_buffer db
         PyObject_GetBuffer(data, &db, PyBUF_SIMPLE)
         cdef const unsigned char* p = <const unsigned char*>db.buf
-        cdef Py_ssize_t done = 0, n
+        cdef Py_ssize_t done = 0
         cdef int fd = f.fd
         try:
             if db.len != length:
                 return False
             with nogil:
-                while done < length:
-                    n = pwrite(fd, p + done, length - done, offset + done)
-                    if n <= 0:
-                        break
-                    done += n
+                done = _pwrite_all(fd, p, length, offset)
         finally:
             PyBuffer_Release(&db)
         if done != length:
