@@ -35,6 +35,7 @@ class OptionalBuildExt(build_ext):
 EXTENSIONS = [
     Extension("blockd._pdu_reader", ["blockd/_pdu_reader.pyx"], extra_compile_args=["-O2"]),
     Extension("blockd._output", ["blockd/_output.pyx"], extra_compile_args=["-O2"]),
+    Extension("blockd._iostats", ["blockd/_iostats.pyx"], extra_compile_args=["-O2"]),
     Extension("target._io_fast", ["target/_io_fast.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._queue", ["initiator/_queue.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._lane", ["initiator/_lane.pyx"], extra_compile_args=["-O2"]),

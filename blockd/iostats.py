@@ -3,8 +3,9 @@ read by its control socket and Prometheus exporter; the host's per connection, r
 initiator daemon's ``counters`` verb (``blockctl iostat --initiator``).
 
 Each I/O command is counted once, when it completes (:meth:`target.queue.TargetQueue._complete`,
-:meth:`initiator.controller.Controller._complete`), with integer adds into lists that exist
-before the first command: nothing is allocated per command. Latency is one clock pair per
+:meth:`initiator.controller.Controller._complete`, and their compiled twins), with
+:meth:`IoCounters.count`: integer adds into lists that exist before the first command (C
+arrays in the compiled twin, ``blockd/_iostats.pyx``), nothing allocated per command. Latency is one clock pair per
 command, kept as a sum (for the mean) and a histogram of power-of-two buckets, so a percentile
 over any interval is the difference of two snapshots.
 
@@ -39,7 +40,11 @@ def bucket_bound_ns(i: int) -> int:
 
 
 class IoCounters:
-    """Cumulative counts of one namespace or one host; only ever grow."""
+    """Cumulative counts of one namespace or one host; only ever grow.
+
+    The Python reference of ``blockd/_iostats.pyx`` (C arrays, counted from C by the compiled
+    I/O paths); which one the daemons count in is chosen by :mod:`blockd.iocounters`. Both
+    ends' Python paths count through :meth:`count`, the compiled ones through its C twin."""
 
     __slots__ = ("ops", "bytes", "latency_ns", "buckets", "errors")
 
@@ -54,18 +59,43 @@ class IoCounters:
         """Status (the :class:`protocol.status.Status` value), or on the host the name of the
         error that ended a command without one (``QueueLost``, ``TimeoutError``) -> commands."""
 
+    def count(self, kind: int, length: int, elapsed_ns: int) -> None:
+        """One completed command of ``kind`` (an index of :data:`KINDS`) that moved ``length``
+        bytes in ``elapsed_ns`` (0 <= elapsed_ns < 2**63, which keeps the bucket below
+        :data:`BUCKETS`)."""
+        self.ops[kind] += 1
+        self.bytes[kind] += length
+        self.latency_ns += elapsed_ns
+        self.buckets[(elapsed_ns >> 10).bit_length()] += 1
+
     def add_error(self, status: int | str) -> None:
-        self.errors[status] = self.errors.get(status, 0) + 1
+        add_error(self.errors, status)
 
     def snapshot(self) -> dict[str, Any]:
-        """A JSON-ready copy (the control socket's reply, the input of :func:`interval`)."""
-        return {
-            "ops": dict(zip(KINDS, self.ops)),
-            "bytes": dict(zip(KINDS, self.bytes)),
-            "latency_ns": self.latency_ns,
-            "buckets": list(self.buckets),
-            "errors": {status_label(s) if isinstance(s, int) else s: n for s, n in self.errors.items()},
-        }
+        return snapshot(self)
+
+
+LATENCY_MAX_NS = (1 << 63) - 1
+"""The longest latency counted (292 years): a longer one counts as this, so that its bucket
+exists and it fits the compiled counters' ``uint64_t``. Only the host can compute one (from
+event-loop time, ``HostCommand.count``); the target's are ``monotonic_ns`` differences."""
+
+
+def add_error(errors: dict[int | str, int], status: int | str) -> None:
+    """One more command ended with ``status`` (both twins' ``add_error``)."""
+    errors[status] = errors.get(status, 0) + 1
+
+
+def snapshot(counters: Any) -> dict[str, Any]:
+    """A JSON-ready copy of either twin's counters (the control socket's reply, the input of
+    :func:`interval`)."""
+    return {
+        "ops": dict(zip(KINDS, counters.ops)),
+        "bytes": dict(zip(KINDS, counters.bytes)),
+        "latency_ns": counters.latency_ns,
+        "buckets": list(counters.buckets),
+        "errors": {status_label(s) if isinstance(s, int) else s: n for s, n in counters.errors.items()},
+    }
 
 
 def status_label(status: int) -> str:

@@ -30,6 +30,7 @@ from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndS
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
+from blockd._iostats cimport IoCounters
 from blockd._le cimport st16, st32, st64
 from initiator._queue cimport Command, HostQueue
 
@@ -151,7 +152,7 @@ cdef class IoLane:
         """``on_done`` of the commands this lane sent: ``Controller._complete``'s common case."""
         ctrl = self.ctrl
         if exc is None and not cmd.status and not ctrl._parked_io and not ctrl._parked_admin:
-            cmd.count(ctrl.counters, ctrl._loop.time(), cmd.timeout)
+            cmd._count(ctrl.counters, ctrl._loop.time(), cmd.timeout)
             cmd.done(None)
         else:
             ctrl._complete(cmd, exc)

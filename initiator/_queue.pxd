@@ -1,9 +1,11 @@
 # cython: language_level=3
 """The compiled host command and queue (``initiator/_queue.pyx``), for other ``.pyx`` modules:
 ``initiator/_tcp_host_io.pyx`` reads and sets a command's fields and takes, looks up and frees
-command ids with C calls."""
+command ids with C calls; ``initiator/_lane.pyx`` counts a completion with ``_count``."""
 
 from libc.stdint cimport uint16_t, uint64_t
+
+from blockd._iostats cimport IoCounters
 
 
 cdef class HostCommand:
@@ -20,6 +22,7 @@ cdef class HostCommand:
     cdef public int attempts
 
     cdef int _done(self, exc) except -1
+    cdef int _count(self, IoCounters counters, double now, double timeout) except -1
 
 
 cdef class Command(HostCommand):

@@ -14,19 +14,20 @@ stored into the SQE through a pointer, and ``complete``/``fail`` are C methods. 
 built on demand for the rare readers (metrics, tests); the per-I/O lookup is ``get``.
 
 The id's and the opcode's offsets in the SQE come from ``protocol/`` at import, the opcode ->
-kind table from ``blockd.iostats`` (``count``: the completion's counters, the last Python
-block of the controller's steady-state completion).
+kind table from ``blockd.iostats`` (``count``: the completion's counters, counted from C into
+the compiled :class:`blockd._iostats.IoCounters`).
 """
 
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport uint8_t, uint16_t, uint64_t
 
+from blockd._iostats cimport IoCounters
 from blockd._le cimport st16
 
 import math
 
-from blockd.iostats import KIND_BY_OPCODE
+from blockd.iostats import KIND_BY_OPCODE, LATENCY_MAX_NS as _LATENCY_MAX_NS
 from protocol.commands import SQE_CID_OFFSET
 from protocol.layout import field_offset
 from protocol.nvme import SQE, SQE_FAST
@@ -38,9 +39,12 @@ if len(KIND_BY_OPCODE) != 256:
     raise ImportError("blockd.iostats.KIND_BY_OPCODE is not one kind per opcode byte")
 for _op, _kind in enumerate(KIND_BY_OPCODE):
     _KIND[_op] = _kind
-cdef double _MAX_C_SECONDS = 9e9
-"""Latencies below this (in seconds) are counted in C integers; longer ones (never in practice)
-as Python integers, as the reference does, rather than overflow."""
+cdef uint64_t LATENCY_MAX_NS = _LATENCY_MAX_NS
+cdef double _LATENCY_LIMIT = 2.0 ** 63
+"""The first latency (ns, as a double) the reference clamps to ``LATENCY_MAX_NS``: converting a
+double that large to ``uint64_t`` would not be defined."""
+if <double>LATENCY_MAX_NS + 1 != _LATENCY_LIMIT:
+    raise ImportError("blockd.iostats.LATENCY_MAX_NS is not 2**63 - 1, the clamp initiator/_queue.pyx uses")
 
 
 cdef class HostCommand:
@@ -74,37 +78,24 @@ cdef class HostCommand:
     def finished(self):
         return self.on_done is None
 
-    def count(self, counters, double now, double timeout):
-        """See the reference: the same adds into ``counters``' lists, done from C."""
-        cdef double elapsed = now + timeout - self.deadline
-        cdef long long ns = 0
-        cdef long long v
-        cdef int bucket = 0
-        cdef int kind
+    def count(self, IoCounters counters, double now, double timeout):
+        """See the reference: the same count, into the compiled counters from C."""
+        self._count(counters, now, timeout)
+
+    cdef int _count(self, IoCounters counters, double now, double timeout) except -1:
+        cdef double elapsed_ns = (now + timeout - self.deadline) * 1e9
+        cdef uint64_t ns = 0
         cdef bytearray sqe = self.sqe
         if PyByteArray_GET_SIZE(sqe) <= _O_OPCODE:
             raise IndexError("bytearray index out of range")  # as the reference's sqe[offset]
-        kind = _KIND[<uint8_t>PyByteArray_AS_STRING(sqe)[_O_OPCODE]]
+        if elapsed_ns >= _LATENCY_LIMIT:
+            ns = LATENCY_MAX_NS
+        elif elapsed_ns > 0:
+            ns = <uint64_t>elapsed_ns
         data = self.data_in if self.data_in is not None else self.data_out
-        ops = counters.ops
-        ops[kind] += 1
-        if data is not None:
-            nbytes = counters.bytes
-            nbytes[kind] += len(data)
-        if elapsed >= _MAX_C_SECONDS:
-            big = int(elapsed * 1e9)
-            counters.latency_ns += big
-            counters.buckets[(big >> 10).bit_length()] += 1
-            return
-        if elapsed > 0:
-            ns = <long long>(elapsed * 1e9)
-        v = ns >> 10
-        while v:
-            bucket += 1
-            v >>= 1
-        counters.latency_ns += ns
-        buckets = counters.buckets
-        buckets[bucket] += 1
+        counters._count(_KIND[<uint8_t>PyByteArray_AS_STRING(sqe)[_O_OPCODE]],
+                        len(data) if data is not None else 0, ns)
+        return 0
 
     def complete(self):
         """The target answered (with any status); runs ``on_done`` once."""

@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Protocol
 import structlog
 
 from blockd.dataplane import twin
-from blockd.iostats import IoCounters
+from blockd.iocounters import IoCounters
 from initiator.auth import AuthFailed, HostAuth
 from initiator.errors import ConnectError, NvmeError, QueueLost
 from initiator.params import ConnectParams

@@ -63,6 +63,7 @@ from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.types cimport off_t
 from posix.unistd cimport pread, pwrite
 
+from blockd._iostats cimport IoCounters
 from blockd._le cimport le16, le32, le64, st16, st32
 from blockd._output cimport OutputBatcher
 from blockd._pdu_reader cimport PduReader
@@ -77,9 +78,6 @@ from protocol.tcp import (
     CAPSULE_RESP_HLEN, COMMON_HEADER, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_HLEN, DATA_PDU_HEADER,
     DATA_PDU_HEADER_FAST, PduFlags, PduType,
 )
-
-cdef extern from *:
-    int __builtin_clzll(unsigned long long) nogil
 
 # -- layouts, from protocol/ ---------------------------------------------------------------------
 
@@ -199,17 +197,6 @@ cdef inline Py_ssize_t _pwrite_all(int fd, const unsigned char* p, Py_ssize_t le
     return done
 
 
-cdef inline void _count(object counters, int kind, long long length, long long elapsed, int bucket) except *:
-    """What ``TargetQueue._complete`` adds for one command (integer adds into existing lists)."""
-    cdef list ops = counters.ops
-    cdef list nbytes = counters.bytes
-    cdef list buckets = counters.buckets
-    ops[kind] += 1
-    nbytes[kind] += length
-    counters.latency_ns += elapsed
-    buckets[bucket] += 1
-
-
 # -- the C copies of the storage --------------------------------------------------------------------
 
 cdef class FastFile:
@@ -239,10 +226,10 @@ cdef class FastNamespace:
     cdef public FastFile file
     cdef public object backend
     cdef public int lba_shift
-    cdef public object counters
+    cdef public IoCounters counters
     cdef public bint accessible
 
-    def __init__(self, FastFile file, backend, int lba_shift, counters):
+    def __init__(self, FastFile file, backend, int lba_shift, IoCounters counters):
         self.file = file
         self.backend = backend
         self.lba_shift = lba_shift
@@ -282,7 +269,7 @@ cdef class TcpFastPath:
     cdef object ctrl
     cdef OutputBatcher out
     cdef object transport
-    cdef object counters
+    cdef IoCounters counters
     cdef bint _bound
     cdef bint _off
     cdef unsigned int qid
@@ -658,9 +645,8 @@ cdef class TcpFastPath:
         self.queue.sqhd = sqhd
         return sqhd
 
-    cdef void _complete(self, FastNamespace ns, int kind, unsigned int length, long long start) except *:
+    cdef void _complete(self, FastNamespace ns, int kind, unsigned int length, long long start) noexcept:
+        """``TargetQueue._complete``'s counting: the host's and the namespace's counters."""
         cdef long long elapsed = _now_ns() - start
-        cdef unsigned long long scaled = elapsed >> 10
-        cdef int bucket = 64 - __builtin_clzll(scaled) if scaled else 0
-        _count(self.counters, kind, length, elapsed, bucket)
-        _count(ns.counters, kind, length, elapsed, bucket)
+        self.counters._count(kind, length, elapsed)
+        ns.counters._count(kind, length, elapsed)

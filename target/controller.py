@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from blockd.iostats import IoCounters
+from blockd.iocounters import IoCounters
 from protocol.constants import (
     ANACAP_ALL_STATES, AEN_ANA_CHANGED, CC_EN, CC_SHN_MASK, CMIC_ANA, CMIC_MULTI_CONTROLLER, CMIC_MULTI_PORT,
     CSTS_CFS, CSTS_RDY, CSTS_SHST_COMPLETE, CTRATT_HOST_ID_128, CTRATT_TBKAS, DISCOVERY_NQN,

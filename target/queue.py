@@ -313,21 +313,11 @@ class TargetQueue:
         ns = req.ns
         counters = self.counters
         if counters is not None:
-            # Integer adds into lists that exist already; one bit_length picks the bucket.
             elapsed = monotonic_ns() - req.start_ns
             kind = KIND_BY_OPCODE[req.opcode]
-            length = req.length
-            bucket = (elapsed >> 10).bit_length()
-            counters.ops[kind] += 1
-            counters.bytes[kind] += length
-            counters.latency_ns += elapsed
-            counters.buckets[bucket] += 1
+            counters.count(kind, req.length, elapsed)
             if ns is not None:
-                counters = ns.counters
-                counters.ops[kind] += 1
-                counters.bytes[kind] += length
-                counters.latency_ns += elapsed
-                counters.buckets[bucket] += 1
+                ns.counters.count(kind, req.length, elapsed)
             if status:
                 self._count_error(req, status)
         if ns is not None:

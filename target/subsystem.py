@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from target.ana import DEFAULT_ANA_GROUP
 from target.config import MAX_CNTLID, HostAuthConfig
-from blockd.iostats import IoCounters
+from blockd.iocounters import IoCounters
 from protocol.constants import DISCOVERY_NQN
 from target.backend import Backend
 from target.io_fast import fast_namespace

@@ -13,11 +13,15 @@ from typing import Any
 
 import pytest
 
-from blockd.iostats import IoCounters
+from blockd import iostats
+from blockd.iostats import LATENCY_MAX_NS
 from initiator import queue as py_queue
 from protocol.commands import flush_command, read_command, write_command, write_zeroes_command
 
 _compiled = pytest.importorskip("initiator._queue", reason="compiled data plane not built")
+_counters = pytest.importorskip("blockd._iostats", reason="compiled data plane not built")
+COUNTERS = {_compiled: _counters.IoCounters, py_queue: iostats.IoCounters}
+"""Each queue counts into its own plane's counters (the compiled one takes no other)."""
 
 
 def _run(mod: ModuleType, seed: int) -> list[Any]:
@@ -28,7 +32,7 @@ def _run(mod: ModuleType, seed: int) -> list[Any]:
     cmds: list[Any] = []
     index: dict[int, int] = {}
     seen: list[Any] = []
-    counters = IoCounters()
+    counters = COUNTERS[mod]()
     given: list[int] = []  # every id handed out, in order (finished ones stay: stale ids)
 
     def name(cmd: Any) -> int | None:
@@ -85,7 +89,9 @@ def _run(mod: ModuleType, seed: int) -> list[Any]:
         elif cmds:  # the completion's counters: latency from deadline less timeout to now
             rng.choice(cmds).count(counters, rng.choice([0.0, 1.0, 2.9999, 3.0, 5e8, 9.1e9]),
                                    rng.choice([0.0, 0.5, 1e-6, 2.0, 30.0]))
-            seen.append(("counters", counters.snapshot()))
+            snap = counters.snapshot()
+            snap["latency_ns"] %= 1 << 64  # the compiled sum is a uint64_t (blockd/_iostats.pyx)
+            seen.append(("counters", snap))
         seen.append(("pending", [(cid, name(c)) for cid, c in q.pending.items()]))
     return seen
 
@@ -109,6 +115,18 @@ def test_the_sequences_reach_every_outcome() -> None:
     assert any(c["latency_ns"] > 10 ** 18 for c in last) and any(c["bytes"]["read"] for c in last)
     reused = [r for r in runs if len([e for e in r if e[0] == "start"]) > len({e[1] for e in r if e[0] == "start"})]
     assert reused
+
+
+@pytest.mark.parametrize("mod", [_compiled, py_queue], ids=["compiled", "python"])
+def test_a_latency_past_2_63_ns_counts_as_the_longest(mod: ModuleType) -> None:
+    """292 years of event-loop time (never in practice) is clamped, not an overflow or an
+    IndexError: both twins count LATENCY_MAX_NS in the last bucket."""
+    counters = COUNTERS[mod]()
+    cmd = mod.HostCommand(read_command(1, 0, 0), None, memoryview(bytearray(512)), deadline=1.0)
+    cmd.count(counters, 2e10, 0.0)
+    assert counters.latency_ns == LATENCY_MAX_NS and counters.buckets[-1] == 1
+    cmd.count(counters, 9.2e9, 0.0)  # just below: converted, not clamped
+    assert counters.latency_ns == LATENCY_MAX_NS + int((9.2e9 - 1.0) * 1e9)
 
 
 def test_compiled_ids_wrap_and_fill_the_whole_queue() -> None:
