@@ -213,8 +213,6 @@ class Controller:
         self.io: list[QueueConnection] = []
         self._open = queue_opener(params.transport)
         self._live = asyncio.Event()
-        self.live = False
-        """``_live.is_set()`` as a plain attribute, for the compiled lane (set by :meth:`_set_live`)."""
         self._closing = False
         self._parked_io: collections.deque[Command] = collections.deque()
         self._parked_admin: collections.deque[Command] = collections.deque()
@@ -254,17 +252,37 @@ class Controller:
         self._secret, self._ctrl_secret = params.secrets()
         self._transaction = 0
         """T_ID of the next DH-HMAC-CHAP transaction (one per queue and authentication)."""
+        self._lane: Any = None
+        """The compiled lane, which mirrors the association's state: every change of ``_live``,
+        ``failed`` or the namespace table goes through :meth:`_set_live`, :meth:`_set_failed`
+        or :meth:`_set_namespaces`, which tell it (``IoLane.sync``)."""
         if IoLane is not None if lane is None else lane:
+            self._lane = IoLane(self, Controller.transfer)
             # the lane's transfer shadows the method below (which it falls back to)
-            self.transfer = IoLane(self, Controller.transfer).transfer  # type: ignore[method-assign]
+            self.transfer = self._lane.transfer  # type: ignore[method-assign]
 
     def _set_live(self, live: bool) -> None:
-        """The association is live (or, with ``failed`` set, finished: waiters wake to see it)."""
-        self.live = live
+        """The association is live (or, with ``failed`` set, finished: waiters wake to see it).
+        ``_establish`` replaces ``io``, ``max_transfer`` and the namespace table before it sets
+        this, so the lane reads them again here."""
         if live:
             self._live.set()
         else:
             self._live.clear()
+        if self._lane is not None:
+            self._lane.sync()
+
+    def _set_failed(self, exc: Exception | None) -> None:
+        """The controller gave up (or was closed): every later command fails."""
+        self.failed = exc
+        if self._lane is not None:
+            self._lane.sync()
+
+    def _set_namespaces(self, table: dict[int, NamespaceInfo]) -> None:
+        """A new namespace table (a scan, at connect or after a namespace-changed event)."""
+        self.namespaces = table
+        if self._lane is not None:
+            self._lane.sync()
 
     # -- association ------------------------------------------------------------------------------
 
@@ -352,7 +370,7 @@ class Controller:
             ns = IDENTIFY_NAMESPACE.parse(await self._identify(Cns.NAMESPACE, nsid))
             fmt = ns.lbaf[ns.flbas & FLBAS_FORMAT_MASK]
             found[nsid] = NamespaceInfo(nsid, ns.nsze, 1 << fmt.lbads, bool(ns.nsattr & NSATTR_WRITE_PROTECTED))
-        self.namespaces = found
+        self._set_namespaces(found)
 
     async def _async_events(self) -> None:
         """Keep one Asynchronous Event Request outstanding (as the Linux host does); a
@@ -794,7 +812,7 @@ class Controller:
                          retrying=len(self._parked_io) + len(self._parked_admin))
                 self._unpark()
                 return
-            self.failed = last or QueueLost("closed")
+            self._set_failed(last or QueueLost("closed"))
             self._fail_parked()
             self._set_live(True)  # wake waiters so they see ``failed``
         finally:
@@ -840,7 +858,7 @@ class Controller:
                 pass
         self._close_connections()
         if self.failed is None:  # later or waiting commands fail instead of spinning or hanging
-            self.failed = QueueLost("disconnected")
+            self._set_failed(QueueLost("disconnected"))
         self._fail_parked()
         self._set_live(True)
         if self._sweep is not None:

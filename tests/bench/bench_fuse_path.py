@@ -60,8 +60,8 @@ async def _measure(write: bool, ios: int, warm: int) -> tuple[float, float]:
     conn = TcpHostConnection(HostQueue(1, 1), lambda *_: None)  # depth 1: the answer's CID is 0
     conn.connection_made(_NullTransport())  # type: ignore[arg-type]
     ctrl.io = [conn]
-    ctrl._set_live(True)
     ctrl.namespaces = {1: NamespaceInfo(1, 1024, IO, False)}
+    ctrl._set_live(True)
     session = FuseSession({"bench": ctrl}, "bench", "/nonexistent", 60.0)
     ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ours.setblocking(False)

@@ -5,7 +5,12 @@ offsets, unknown and odd namespace ids, one command and several, FUA, zero lengt
 random states (live, reconnecting, failed, queues full, a queue closed, commands parked) and the
 same random completions (success, error statuses, short reads); every capsule each queue sends,
 every ``done`` and its error, every exception a call raises, the commands left parked and in
-flight, and the I/O counters must be the same."""
+flight, and the I/O counters must be the same.
+
+The lane mirrors the controller's state in C fields (``IoLane.sync``), so the random states are
+reached through the controller's own setters and change what a stale mirror would get wrong:
+reconnects onto new queues (one or two, another ``max_transfer``), failure and recovery, and
+namespace tables that drop, shrink, add and re-block namespaces."""
 
 from __future__ import annotations
 
@@ -30,6 +35,9 @@ if controller_mod.IoLane is None:
     pytest.skip("the controller runs the Python plane (BLOCKD_PURE)", allow_module_level=True)
 
 NAMESPACES = {1: NamespaceInfo(1, 256, 512, False), 2: NamespaceInfo(2, 64, 4096, False)}
+TABLES = [NAMESPACES, {1: NAMESPACES[1]}, {1: NamespaceInfo(1, 16, 512, False), 2: NAMESPACES[2]},
+          {**NAMESPACES, 3: NamespaceInfo(3, 32, 512, False)}, {1: NamespaceInfo(1, 64, 4096, False)}, {}]
+"""Namespace tables a rescan may find (``_call`` picks offsets by the first)."""
 MAX_TRANSFER = 16384
 
 
@@ -68,20 +76,41 @@ class _Clock:
         return self.now
 
 
+def _queues(n: int) -> list[TcpHostConnection]:
+    conns = []
+    for qid in range(1, n + 1):
+        conn = TcpHostConnection(HostQueue(qid, 3), lambda *_: None)
+        conn.connection_made(_Transport())  # type: ignore[arg-type]
+        conn.maxh2cdata = 8192
+        conn.inline_limit = 4096
+        conns.append(conn)
+    return conns
+
+
 def _controller(lane: bool, clock: _Clock) -> Controller:
     ctrl = Controller(ConnectParams(traddr="127.0.0.1", subnqn="nqn.2026-11.io.blockd:lane"), lane=lane)
     ctrl._loop = clock  # type: ignore[assignment]
     ctrl.max_transfer = MAX_TRANSFER
     ctrl.namespaces = dict(NAMESPACES)
-    ctrl.io = []
-    for qid in (1, 2):
-        conn = TcpHostConnection(HostQueue(qid, 3), lambda *_: None)
-        conn.connection_made(_Transport())  # type: ignore[arg-type]
-        conn.maxh2cdata = 8192
-        conn.inline_limit = 4096
-        ctrl.io.append(conn)
+    ctrl.io = _queues(2)
     ctrl._set_live(True)
     return ctrl
+
+
+def _reconnect(ctrl: Controller, queues: int, max_transfer: int, sent: list[list[bytes]]) -> None:
+    """What a lost queue and ``_establish`` do to the state the lane mirrors: the association
+    goes down, what was in flight is parked, new queues and limits come in, it is live again
+    and the parked commands go out on the new queues."""
+    ctrl._set_live(False)
+    for conn in ctrl.io:
+        sent.append(conn.transport.sent)
+        for cmd in conn.queue.take_all():
+            cmd.attempts += 1
+            ctrl._park(cmd)
+    ctrl.io = _queues(queues)
+    ctrl.max_transfer = max_transfer
+    ctrl._set_live(True)
+    ctrl._unpark()
 
 
 def _feed(conn: TcpHostConnection, raw: bytes) -> None:
@@ -118,6 +147,7 @@ def _run(seed: int) -> None:
     ctrls = [_controller(True, clock), _controller(False, clock)]
     assert ctrls[0].transfer != ctrls[0].__class__.transfer.__get__(ctrls[0])  # the lane is in use
     logs: list[list[Any]] = [[], []]
+    sent: list[list[list[bytes]]] = [[], []]  # what the queues replaced by reconnects sent
     writer = PduWriter()
     for step in range(120):
         clock.now += rng.choice([0.0, 0.001, 0.5])
@@ -165,18 +195,24 @@ def _run(seed: int) -> None:
             for ctrl in ctrls:  # and comes back
                 ctrl._set_live(True)
                 ctrl._unpark()
-        elif r < 0.96:
-            k = rng.randrange(2)
+        elif r < 0.95:
+            k = rng.randrange(len(ctrls[0].io))
             closed = rng.random() < 0.5
             for ctrl in ctrls:  # a queue seen closed before its loss is reported
                 ctrl.io[k].closed = closed
-        elif r < 0.98:
-            for ctrl in ctrls:
-                ctrl.failed = NvmeError(int(Status.INTERNAL_ERROR), "gone") if ctrl.failed is None else None
+        elif r < 0.97:
+            queues, max_transfer = rng.choice([1, 2]), rng.choice([MAX_TRANSFER, MAX_TRANSFER // 4, 4 * MAX_TRANSFER])
+            for i, ctrl in enumerate(ctrls):
+                _reconnect(ctrl, queues, max_transfer, sent[i])
+        elif r < 0.985:
+            for ctrl in ctrls:  # given up, and (a new controller, as far as the lane can tell) back
+                ctrl._set_failed(NvmeError(int(Status.INTERNAL_ERROR), "gone") if ctrl.failed is None else None)
         else:
+            table = rng.choice(TABLES)
             for ctrl in ctrls:  # a rescan replaces the table
-                ctrl.namespaces = dict(NAMESPACES)
+                ctrl._set_namespaces(dict(table))
     assert logs[0] == logs[1]
+    assert sent[0] == sent[1]
     for a, b in zip(ctrls[0].io, ctrls[1].io):
         assert a.transport.sent == b.transport.sent
         assert sorted(a.queue.pending) == sorted(b.queue.pending)
