@@ -77,8 +77,8 @@ class IoCounters:
 
 LATENCY_MAX_NS = (1 << 63) - 1
 """The longest latency counted (292 years): a longer one counts as this, so that its bucket
-exists and it fits the compiled counters' ``uint64_t``. Only the host can compute one (from
-event-loop time, ``HostCommand.count``); the target's are ``monotonic_ns`` differences."""
+exists and it fits the compiled counters' ``uint64_t``. Neither end computes one that long: both
+count ``monotonic_ns`` differences."""
 
 
 def add_error(errors: dict[int | str, int], status: int | str) -> None:

@@ -30,7 +30,7 @@ from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndS
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
-from blockd._iostats cimport IoCounters
+from blockd._iostats cimport IoCounters, now_ns
 from blockd._le cimport st16, st32, st64
 from initiator._queue cimport Command, HostQueue
 
@@ -180,6 +180,7 @@ cdef class IoLane:
         cmd.done = done
         cmd.timeout = self.timeout
         cmd.deadline = self.time() + self.timeout
+        cmd.sent_ns = now_ns()
         conn.hold()  # out now (unless held further up), as Controller._send
         try:
             conn.submit(cmd)
@@ -190,7 +191,7 @@ cdef class IoLane:
     def io_done(self, Command cmd, exc):
         """``on_done`` of the commands this lane sent: ``Controller._complete``'s common case."""
         if exc is None and not cmd.status and not self.parked_io and not self.parked_admin:
-            cmd._count(self.counters, self.time(), cmd.timeout)
+            cmd._count(self.counters, now_ns())
             cmd.done(None)
         else:
             self.ctrl._complete(cmd, exc)

@@ -19,10 +19,11 @@ cdef class HostCommand:
     cdef public unsigned int dw1
     cdef public object on_done
     cdef public double deadline
+    cdef public long long sent_ns
     cdef public int attempts
 
     cdef int _done(self, exc) except -1
-    cdef int _count(self, IoCounters counters, double now, double timeout) except -1
+    cdef int _count(self, IoCounters counters, long long now_ns) except -1
 
 
 cdef class Command(HostCommand):

@@ -27,7 +27,7 @@ from blockd._le cimport st16
 
 import math
 
-from blockd.iostats import KIND_BY_OPCODE, LATENCY_MAX_NS as _LATENCY_MAX_NS
+from blockd.iostats import KIND_BY_OPCODE
 from protocol.commands import SQE_CID_OFFSET
 from protocol.layout import field_offset
 from protocol.nvme import SQE, SQE_FAST
@@ -39,12 +39,6 @@ if len(KIND_BY_OPCODE) != 256:
     raise ImportError("blockd.iostats.KIND_BY_OPCODE is not one kind per opcode byte")
 for _op, _kind in enumerate(KIND_BY_OPCODE):
     _KIND[_op] = _kind
-cdef uint64_t LATENCY_MAX_NS = _LATENCY_MAX_NS
-cdef double _LATENCY_LIMIT = 2.0 ** 63
-"""The first latency (ns, as a double) the reference clamps to ``LATENCY_MAX_NS``: converting a
-double that large to ``uint64_t`` would not be defined."""
-if <double>LATENCY_MAX_NS + 1 != _LATENCY_LIMIT:
-    raise ImportError("blockd.iostats.LATENCY_MAX_NS is not 2**63 - 1, the clamp initiator/_queue.pyx uses")
 
 
 cdef class HostCommand:
@@ -61,6 +55,7 @@ cdef class HostCommand:
         self.dw1 = 0
         self.on_done = on_done
         self.deadline = deadline
+        self.sent_ns = 0
         self.attempts = 0
 
     def __repr__(self):
@@ -78,20 +73,17 @@ cdef class HostCommand:
     def finished(self):
         return self.on_done is None
 
-    def count(self, IoCounters counters, double now, double timeout):
+    def count(self, IoCounters counters, long long now_ns):
         """See the reference: the same count, into the compiled counters from C."""
-        self._count(counters, now, timeout)
+        self._count(counters, now_ns)
 
-    cdef int _count(self, IoCounters counters, double now, double timeout) except -1:
-        cdef double elapsed_ns = (now + timeout - self.deadline) * 1e9
+    cdef int _count(self, IoCounters counters, long long now_ns) except -1:
         cdef uint64_t ns = 0
         cdef bytearray sqe = self.sqe
         if PyByteArray_GET_SIZE(sqe) <= _O_OPCODE:
             raise IndexError("bytearray index out of range")  # as the reference's sqe[offset]
-        if elapsed_ns >= _LATENCY_LIMIT:
-            ns = LATENCY_MAX_NS
-        elif elapsed_ns > 0:
-            ns = <uint64_t>elapsed_ns
+        if self.sent_ns and now_ns > self.sent_ns:
+            ns = <uint64_t>(now_ns - self.sent_ns)
         data = self.data_in if self.data_in is not None else self.data_out
         counters._count(_KIND[<uint8_t>PyByteArray_AS_STRING(sqe)[_O_OPCODE]],
                         len(data) if data is not None else 0, ns)

@@ -501,6 +501,7 @@ class Controller:
 
     def _send(self, conn: QueueConnection, cmd: Command) -> None:
         cmd.deadline = self._loop.time() + cmd.timeout
+        cmd.sent_ns = time.monotonic_ns()
         conn.hold()  # out now, not at the end of the loop iteration (unless held further up)
         try:
             conn.submit(cmd)
@@ -539,9 +540,7 @@ class Controller:
         if exc is None and cmd.status:
             exc = NvmeError(cmd.status, describe_command(cmd.sqe, cmd.admin), cmd.dw0)
         if not cmd.admin:
-            # The send time is the deadline less the timeout, so this is the one clock read
-            # added (see HostCommand.count).
-            cmd.count(self.counters, self._loop.time(), cmd.timeout)
+            cmd.count(self.counters, time.monotonic_ns())
             if exc is not None:
                 self.counters.add_error(cmd.status or type(exc).__name__)
         if self._parked_io or self._parked_admin:

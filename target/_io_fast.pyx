@@ -59,11 +59,10 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.string cimport memcpy
-from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.types cimport off_t
 from posix.unistd cimport pread, pwrite
 
-from blockd._iostats cimport IoCounters
+from blockd._iostats cimport IoCounters, now_ns
 from blockd._le cimport le16, le32, le64, st16, st32
 from blockd._output cimport OutputBatcher
 from blockd._pdu_reader cimport PduReader
@@ -177,12 +176,6 @@ def _check_layouts():
 
 
 _check_layouts()
-
-
-cdef inline long long _now_ns() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec * 1000000000LL + ts.tv_nsec
 
 
 cdef inline Py_ssize_t _pwrite_all(int fd, const unsigned char* p, Py_ssize_t length, off_t offset) noexcept nogil:
@@ -354,7 +347,7 @@ cdef class TcpFastPath:
 
     cdef bint _serve_staged(self, PduReader reader, Py_ssize_t plen) except -1:
         """Serve the whole CapsuleCmd at the reader's position from staging, if the fast path can."""
-        cdef long long start = _now_ns()
+        cdef long long start = now_ns()
         cdef const unsigned char* h = reader._p + reader._start
         cdef Py_ssize_t hlen = h[_O_HLEN_CMD]
         cdef Py_ssize_t dlen = plen - hlen
@@ -397,7 +390,7 @@ cdef class TcpFastPath:
     def submit(self, header, data):
         """Serve the CapsuleCmd whose header (with the SQE) and in-capsule data the reader gave;
         False: nothing was done, the Python queue takes it."""
-        cdef long long start = _now_ns()
+        cdef long long start = now_ns()
         if self._off or (not self._bound and not self._bind()):
             return False
         cdef Py_buffer hb
@@ -647,6 +640,6 @@ cdef class TcpFastPath:
 
     cdef void _complete(self, FastNamespace ns, int kind, unsigned int length, long long start) noexcept:
         """``TargetQueue._complete``'s counting: the host's and the namespace's counters."""
-        cdef long long elapsed = _now_ns() - start
+        cdef long long elapsed = now_ns() - start
         self.counters._count(kind, length, elapsed)
         ns.counters._count(kind, length, elapsed)

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from blockd import iostats
-from blockd.iostats import LATENCY_MAX_NS
 from initiator import queue as py_queue
 from protocol.commands import flush_command, read_command, write_command, write_zeroes_command
 
@@ -86,9 +85,10 @@ def _run(mod: ModuleType, seed: int) -> list[Any]:
             seen.append(("expired", now, [name(c) for c in q.expired(now)]))
         elif op < 0.95:
             seen.append(("take_all", [name(c) for c in q.take_all()], q.has_room))
-        elif cmds:  # the completion's counters: latency from deadline less timeout to now
-            rng.choice(cmds).count(counters, rng.choice([0.0, 1.0, 2.9999, 3.0, 5e8, 9.1e9]),
-                                   rng.choice([0.0, 0.5, 1e-6, 2.0, 30.0]))
+        elif cmds:  # the completion's counters: latency from the send (0: never sent) to now
+            cmd = rng.choice(cmds)
+            cmd.sent_ns = rng.choice([0, 1, 10 ** 9, 2 ** 40, 2 ** 62])
+            cmd.count(counters, rng.choice([0, 1, 1023, 10 ** 9 + 5000, 2 ** 40 + 1024, 2 ** 62 + 2 ** 61, 2 ** 63 - 1]))
             snap = counters.snapshot()
             snap["latency_ns"] %= 1 << 64  # the compiled sum is a uint64_t (blockd/_iostats.pyx)
             seen.append(("counters", snap))
@@ -118,15 +118,16 @@ def test_the_sequences_reach_every_outcome() -> None:
 
 
 @pytest.mark.parametrize("mod", [_compiled, py_queue], ids=["compiled", "python"])
-def test_a_latency_past_2_63_ns_counts_as_the_longest(mod: ModuleType) -> None:
-    """292 years of event-loop time (never in practice) is clamped, not an overflow or an
-    IndexError: both twins count LATENCY_MAX_NS in the last bucket."""
+def test_a_latency_counts_from_the_send_in_nanoseconds(mod: ModuleType) -> None:
+    """From ``sent_ns`` to the completion's ``monotonic_ns``, to the nanosecond (the event
+    loop's time was uvloop's cached milliseconds); a command never sent counts 0."""
     counters = COUNTERS[mod]()
-    cmd = mod.HostCommand(read_command(1, 0, 0), None, memoryview(bytearray(512)), deadline=1.0)
-    cmd.count(counters, 2e10, 0.0)
-    assert counters.latency_ns == LATENCY_MAX_NS and counters.buckets[-1] == 1
-    cmd.count(counters, 9.2e9, 0.0)  # just below: converted, not clamped
-    assert counters.latency_ns == LATENCY_MAX_NS + int((9.2e9 - 1.0) * 1e9)
+    cmd = mod.HostCommand(read_command(1, 0, 0), None, memoryview(bytearray(512)))
+    cmd.count(counters, 5_000_000)
+    assert counters.latency_ns == 0 and counters.buckets[0] == 1
+    cmd.sent_ns = 1_000_000
+    cmd.count(counters, 1_012_345)
+    assert counters.latency_ns == 12_345 and counters.buckets[(12_345 >> 10).bit_length()] == 1
 
 
 def test_compiled_ids_wrap_and_fill_the_whole_queue() -> None:
