@@ -645,9 +645,11 @@ class RdmaTargetConnection:
             if cmd.data is not None:
                 held.append(cmd.data)
                 cmd.data = None
+        # a command the compiled path served stands in _resp_cmd as its data slot until its SEND completes
+        held.extend(e for e in self._resp_cmd if e is not None and type(e) is not _Cmd)
         self.cmds.clear()
         self.tokens.clear()
-        self._resp_cmd = [None] * len(self._resp_cmd)
+        self._resp_cmd[:] = [None] * len(self._resp_cmd)  # in place: the compiled path holds this list
         self.read_wait.clear()
         self.resp_wait.clear()
         self._recv_out.clear()

@@ -1,0 +1,32 @@
+# cython: language_level=3
+"""What the compiled NVMe/RDMA path (``target/_rdma_fast.pyx``) shares with the NVMe/TCP one in
+``target/_io_fast.pyx``: the C copies of the storage, the namespace and range check, the CQE,
+SQHD and the per-command counting, so that both transports serve a command by one set of rules."""
+
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+
+cdef class FastFile:
+    cdef public int fd
+    cdef public unsigned long long size
+    cdef public bint read_only
+
+
+cdef class FastNamespace:
+    cdef public FastFile file
+    cdef public object backend
+    cdef public int lba_shift
+    cdef public object counters
+    cdef public bint accessible
+
+
+cdef inline long long _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec * 1000000000LL + ts.tv_nsec
+
+
+cdef FastNamespace served_namespace(object entry, unsigned long long slba, unsigned int nlb, unsigned int length)
+cdef void write_cqe(unsigned char* p, unsigned int sqhd, unsigned int sqid, unsigned int cid) noexcept
+cdef unsigned int next_sqhd(object queue, unsigned int sqsize, bint disabled) except? 0xFFFFFFFF
+cdef void count_io(object counters, FastNamespace ns, int kind, unsigned int length, long long start) except *
