@@ -4,6 +4,8 @@
 SQHD and the per-command counting, so that both transports serve a command by one set of rules."""
 
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+from posix.types cimport off_t
+from posix.unistd cimport pwrite
 
 
 cdef class FastFile:
@@ -24,6 +26,18 @@ cdef inline long long _now_ns() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return ts.tv_sec * 1000000000LL + ts.tv_nsec
+
+
+cdef inline Py_ssize_t _pwrite_all(int fd, const unsigned char* p, Py_ssize_t length, off_t offset) noexcept nogil:
+    """Write ``length`` bytes at ``offset``; the bytes written before the first short or failed
+    ``pwrite`` (``length`` when all went)."""
+    cdef Py_ssize_t done = 0, n
+    while done < length:
+        n = pwrite(fd, p + done, length - done, offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
 
 
 cdef FastNamespace served_namespace(object entry, unsigned long long slba, unsigned int nlb, unsigned int length)

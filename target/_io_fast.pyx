@@ -60,7 +60,7 @@ from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndS
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.string cimport memcpy
 from posix.types cimport off_t
-from posix.unistd cimport pread, pwrite
+from posix.unistd cimport pread
 
 from blockd._le cimport le16, le32, le64, st16, st32
 from blockd._output cimport OutputBatcher
@@ -187,18 +187,6 @@ def _check_layouts():
 
 
 _check_layouts()
-
-
-cdef inline Py_ssize_t _pwrite_all(int fd, const unsigned char* p, Py_ssize_t length, off_t offset) noexcept nogil:
-    """Write ``length`` bytes at ``offset``; the bytes written before the first short or failed
-    ``pwrite`` (``length`` when all went)."""
-    cdef Py_ssize_t done = 0, n
-    while done < length:
-        n = pwrite(fd, p + done, length - done, offset + done)
-        if n <= 0:
-            break
-        done += n
-    return done
 
 
 cdef inline void _count(object counters, int kind, long long length, long long elapsed, int bucket) except *:

@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The RDMA target's compiled per-command path: a steady-state Read served inside the completion
-handler, without a :class:`target.request.Request`, a ``_Cmd`` or a Python call per step.
+"""The RDMA target's compiled per-command path: a steady-state Read, or Write with its data in the
+capsule, served inside the completion handler, without a :class:`target.request.Request` or a
+``_Cmd``.
 
 :class:`RdmaFastPath` is the CQ callback of one :class:`target.rdma.RdmaTargetConnection` (in
 place of its ``_completions``) and takes each completion of a batch first:
@@ -10,7 +11,9 @@ place of its ``_completions``) and takes each completion of a batch first:
   of the data chained with the response SEND (SEND_WITH_INV of the command's key when the SGL
   asks for it) and the receive's re-post queued in the connection's batch lists
   (``_send_out``/``_recv_out``), which go out as one chain each at the batch's end, exactly as
-  ``RdmaTargetConnection._pump_responses`` queues them;
+  ``RdmaTargetConnection._pump_responses`` queues them; a Write with its data in the capsule (as
+  the kernel host sends up to the 4 KiB in-capsule size) is written from the receive buffer and
+  answered with the SEND alone;
 * the SEND completion of a command served here gives back its response and data slots and its
   command-pool place (``queue.in_flight``), as ``_send_done`` and ``TargetQueue.response_sent``
   do for the Python path's;
@@ -20,11 +23,14 @@ place of its ``_completions``) and takes each completion of a batch first:
 The Read served here is the steady-state case: an I/O queue of a ready controller that is not
 waiting for authentication, the command pool not full (``queue.in_flight < queue.pool``), the
 daemon not over ``max_unsent_total`` (the connection not deferring), no response waiting for a
-response slot and one free, PSDT SGL with a keyed SGL (Keyed Data Block, plain or invalidating,
-as the kernel host sends), the length not 0 and within MDTS, a namespace whose backend is a plain
+response slot and one free, PSDT SGL; for a Read a keyed SGL (Keyed Data Block, plain or
+invalidating, as the kernel host sends), for a Write a Data Block at offset 0 within the queue's
+in-capsule size and the data received, no FUA, a writable namespace; the length not 0 and within
+MDTS, a namespace whose backend is a plain
 :class:`target.backend.FileBackend` (``served_namespace`` of ``target/_io_fast.pxd``, the check
 the NVMe/TCP path uses), the range inside it and the length its blocks say, a registered data
-slot free now, and a ``pread`` that reads it all. Anything else returns to the Python path
+slot free now for a Read, and a ``pread`` or ``pwrite`` that moves it all (one that fails is
+run again by the Python path, which reports the error). Anything else returns to the Python path
 *before anything happened*, so every status and error-log entry stays the Python reference's.
 What the Python path does for such a Read and this one does at the same points: SQHD (modulo
 SQSIZE + 1, unless the host disabled SQ flow control), the host's and the namespace's counters
@@ -32,9 +38,11 @@ SQSIZE + 1, unless the host disabled SQ flow control), the host's and the namesp
 (``controller.traffic_seen``), the command pool from the receive to the SEND's completion; the
 namespace hold (``ns.in_flight``) is taken and released within the call, so it is not touched.
 
-A command served here stands in the connection's ``_resp_cmd`` as its data slot (the Python
-path's commands are ``_Cmd`` objects there), which is how its SEND completion is told apart and
-how the connection's teardown finds its slot.
+A command served here stands in the connection's ``_resp_cmd`` as its data slot (False for a
+write, which has none; the Python path's commands are ``_Cmd`` objects there), which is how its
+SEND completion is told apart and how the connection's teardown finds its slot. Writes whose
+data comes by RDMA READ (above the in-capsule size) stay on the Python path: their READ pacing
+(``READ_BYTES_IN_FLIGHT``) and slot waits are the connection's.
 
 Measured (``tests/bench/bench_rdma_target.py --callgrind``, docs/dataplane.md): 4 KiB QD1 read,
 target side, instructions per command.
@@ -45,14 +53,17 @@ from posix.types cimport off_t
 from posix.unistd cimport pread
 
 from blockd._le cimport le16, le32, le64
-from target._io_fast cimport FastFile, FastNamespace, _now_ns, count_io, next_sqhd, served_namespace, write_cqe
+from target._io_fast cimport (
+    FastFile, FastNamespace, _now_ns, _pwrite_all, count_io, next_sqhd, served_namespace, write_cqe,
+)
 
 from blockd.iostats import KIND_BY_OPCODE
 from blockd.rdma.abi import SEND_SIGNALED, WR_RDMA_WRITE, WR_SEND, WR_SEND_WITH_INV
 from protocol.constants import CC_EN, CSTS_RDY, PSDT_SGL, IoOpcode, SglId
 from protocol.layout import field_offset
 from protocol.nvme import (
-    CQE, CQE_FAST, FLAGS_PSDT_FUSE_MASK, IO_COMMAND, SGL1_OFFSET, SGL_KEYED, build_sgl_keyed, build_sqe,
+    CQE, CQE_FAST, FLAGS_PSDT_FUSE_MASK, IO_COMMAND, RW_CONTROL_FUA, SGL1_OFFSET, SGL_KEYED, build_sgl_data_block,
+    build_sgl_keyed, build_sqe,
 )
 
 # -- layouts, from protocol/ ---------------------------------------------------------------------
@@ -65,13 +76,20 @@ cdef Py_ssize_t _O_CID = field_offset(IO_COMMAND, "cid")
 cdef Py_ssize_t _O_NSID = field_offset(IO_COMMAND, "nsid")
 cdef Py_ssize_t _O_SLBA = field_offset(IO_COMMAND, "slba")
 cdef Py_ssize_t _O_NLB = field_offset(IO_COMMAND, "nlb")
+cdef Py_ssize_t _O_CONTROL = field_offset(IO_COMMAND, "control")
+cdef Py_ssize_t _O_ADDR = field_offset(IO_COMMAND, "sgl_address")  # a Data Block's (in-capsule: the offset)
+cdef Py_ssize_t _O_LEN = field_offset(IO_COMMAND, "sgl_length")
 cdef Py_ssize_t _K_ADDR = SGL1_OFFSET + field_offset(SGL_KEYED, "address")
 cdef Py_ssize_t _K_LEN = SGL1_OFFSET + field_offset(SGL_KEYED, "length")  # 24 bits
 cdef Py_ssize_t _K_KEY = SGL1_OFFSET + field_offset(SGL_KEYED, "key")
 cdef Py_ssize_t _K_ID = SGL1_OFFSET + field_offset(SGL_KEYED, "sgl_id")
 
 cdef int _READ = IoOpcode.READ
+cdef int _WRITE = IoOpcode.WRITE
 cdef int _KIND_READ = KIND_BY_OPCODE[_READ]
+cdef int _KIND_WRITE = KIND_BY_OPCODE[_WRITE]
+cdef int _FUA = RW_CONTROL_FUA
+cdef int _IN_CAPSULE = SglId.DATA_BLOCK_OFFSET
 cdef int _PSDT_MASK = FLAGS_PSDT_FUSE_MASK
 cdef int _PSDT_SGL = PSDT_SGL
 cdef int _KEYED = SglId.KEYED_DATA_BLOCK
@@ -95,12 +113,16 @@ def _check_layouts():
     cdef const unsigned char* q = <const unsigned char*><const char*>sqe
     got = (q[_O_OPC], q[_O_FLAGS], le16(q + _O_CID), le32(q + _O_NSID), le64(q + _O_SLBA), le16(q + _O_NLB),
            le64(q + _K_ADDR), _le24(q + _K_LEN), le32(q + _K_KEY), q[_K_ID])
+    block = build_sqe(0x11, 0x3344, cdw12=0x3132 << 16, dptr=build_sgl_data_block(0x01, 0x0102030405060708, 0x0A0B0C0D))
+    q = <const unsigned char*><const char*>block
+    got += (le16(q + _O_CONTROL), le64(q + _O_ADDR), le32(q + _O_LEN), q[_K_ID])
     cdef bytearray cqe = bytearray(_CQE_SIZE)
     write_cqe(<unsigned char*><char*>cqe, 0x0102, 0x0304, 0x0506)
     if (len(sqe) != _SQE_SIZE or got != (0x11, 0x22, 0x3344, 0x55667788, 0x1112131415161718, 0x2122,
-                                         0x0102030405060708, 0x0A0B0C, 0x0D0E0F10, 0x4F)
+                                         0x0102030405060708, 0x0A0B0C, 0x0D0E0F10, 0x4F,
+                                         0x3132, 0x0102030405060708, 0x0A0B0C0D, 0x01)
             or bytes(cqe) != CQE_FAST.pack(0, 0, 0x0102, 0x0304, 0x0506, 0)):
-        raise ImportError("protocol/'s SQE, keyed SGL or CQE layout is not the one target/_rdma_fast.pyx uses")
+        raise ImportError("protocol/'s SQE, SGL or CQE layout is not the one target/_rdma_fast.pyx uses")
 
 
 _check_layouts()
@@ -224,10 +246,23 @@ cdef class RdmaFastPath:
             return False
         cdef const unsigned char* q = <const unsigned char*>(self.recv_base + <uintptr_t>(idx * self.recv_size))
         cdef int sgl_id = q[_K_ID]
-        if (q[_O_OPC] != _READ or (q[_O_FLAGS] & _PSDT_MASK) != _PSDT_SGL
-                or (sgl_id != _KEYED and sgl_id != _KEYED_INVALIDATE)):
+        cdef int opcode = q[_O_OPC]
+        cdef unsigned int length
+        if (q[_O_FLAGS] & _PSDT_MASK) != _PSDT_SGL:
             return False
-        cdef unsigned int length = _le24(q + _K_LEN)
+        if opcode == _READ:
+            if sgl_id != _KEYED and sgl_id != _KEYED_INVALIDATE:
+                return False
+            length = _le24(q + _K_LEN)
+        elif opcode == _WRITE:
+            # its data in the capsule (RDMA READ writes are the Python path's), no FUA
+            if sgl_id != _IN_CAPSULE or le64(q + _O_ADDR) != 0 or le16(q + _O_CONTROL) & _FUA:
+                return False
+            length = le32(q + _O_LEN)
+            if length > nbytes - _SQE_SIZE or length > self.queue.inline_size:
+                return False
+        else:
+            return False
         if length == 0 or length > self.max_transfer:
             return False
         # the controller's view of the namespaces (only those accessible through this port)
@@ -243,6 +278,8 @@ cdef class RdmaFastPath:
         if (queue.locked or queue.in_flight >= self.pool or not (ctrl.cc & _CC_EN) or not (ctrl.csts & _CSTS_RDY)
                 or self.resp_wait or not self.resp_pool.available):
             return False
+        if opcode == _WRITE:
+            return self._write(ns, idx, q, length, slba, start)
         slot = self.data.get_now(length)
         if slot is None:
             return False  # the Python path reads into memory and waits for a slot
@@ -277,6 +314,34 @@ cdef class RdmaFastPath:
         self.served += 1
         return True
 
+    cdef bint _write(self, FastNamespace ns, Py_ssize_t idx, const unsigned char* q, unsigned int length,
+                     unsigned long long slba, long long start) except -1:
+        """An in-capsule Write: written from the receive buffer, then the response SEND alone."""
+        cdef FastFile f = ns.file
+        if f.read_only:
+            return False
+        cdef int fd = f.fd
+        cdef off_t offset = <off_t>(slba << ns.lba_shift)
+        cdef Py_ssize_t done
+        with nogil:
+            done = _pwrite_all(fd, q + _SQE_SIZE, length, offset)
+        if done != length:
+            return False  # the Python path writes again and reports the error
+        self.queue.in_flight += 1
+        self.ctrl.traffic_seen = True
+        rslot = self.resp_pool.get()
+        cdef Py_ssize_t i = rslot.index
+        cdef uintptr_t raddr = rslot.addr
+        write_cqe(<unsigned char*>raddr, next_sqhd(self.queue, self.sqsize, self.sqhd_disabled), self.qid,
+                  le16(q + _O_CID))
+        count_io(self.counters, ns, _KIND_WRITE, length, start)
+        self.resp_cmd[i] = False  # served here, no data slot
+        self.send_out.append(((self.send_kind << self.kind_shift) | i, _WR_SEND, _SIGNALED, raddr, _CQE_SIZE,
+                              self.resp_lkey, 0, 0, 0))
+        self.recv_out.append(self.recv_wrs[idx])
+        self.served += 1
+        return True
+
     cdef bint _sent(self, Py_ssize_t idx, unsigned int status) except -1:
         """The SEND completion of a command served here (``RdmaTargetConnection._send_done`` and
         ``TargetQueue.response_sent``): its response slot, its data slot (kept until the QP is
@@ -287,7 +352,9 @@ cdef class RdmaFastPath:
         self.resp_cmd[idx] = None
         self.resp_pool.put(self.resp_slots[idx])
         conn = self.conn
-        if conn.closing and not conn.destroyed:
+        if entry is False:
+            pass  # a write from the receive buffer: no data slot
+        elif conn.closing and not conn.destroyed:
             conn._held.append(entry)  # maybe still posted: free once the QP is gone
         else:
             self.data.put(entry)

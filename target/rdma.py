@@ -645,8 +645,9 @@ class RdmaTargetConnection:
             if cmd.data is not None:
                 held.append(cmd.data)
                 cmd.data = None
-        # a command the compiled path served stands in _resp_cmd as its data slot until its SEND completes
-        held.extend(e for e in self._resp_cmd if e is not None and type(e) is not _Cmd)
+        # a command the compiled path served stands in _resp_cmd as its data slot (False: none)
+        # until its SEND completes
+        held.extend(e for e in self._resp_cmd if e is not None and e is not False and type(e) is not _Cmd)
         self.cmds.clear()
         self.tokens.clear()
         self._resp_cmd[:] = [None] * len(self._resp_cmd)  # in place: the compiled path holds this list

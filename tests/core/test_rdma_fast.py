@@ -52,8 +52,8 @@ def _command(rng: random.Random, cid: int, host: Host) -> tuple[bytes, bytes, bo
     nsid = rng.choice([1] * 6 + [2] * 3 + [4] * 3 + [3, 0, 0xFFFFFFFF])
     size, block = SIZES.get(nsid, (RW_SIZE, 512))
     blocks = size // block
-    large = rng.random() < 0.15
-    nlb = rng.randrange(1, (2048 if large else 64) // (block // 512) + 1)
+    most = rng.choice([2048] + [64] * 3 + [8] * 4)  # 512-byte units: up to 1 MiB, 32 KiB, 4 KiB (in a capsule)
+    nlb = rng.randrange(1, max(1, most // (block // 512)) + 1)
     slba = rng.choice([rng.randrange(0, max(1, blocks - nlb + 1))] * 6
                       + [max(0, blocks - nlb + 1), blocks, (1 << 64) - 1, (1 << 64) - nlb])
     length = nlb * block
@@ -74,7 +74,7 @@ def _command(rng: random.Random, cid: int, host: Host) -> tuple[bytes, bytes, bo
             sgl_id = keyed
         else:
             sgl_id = SglId.DATA_BLOCK_OFFSET
-            data = rng.randbytes(min(target.rdma.RDMA_INLINE, max(1, length + rng.choice([0] * 12 + [-1, 7]))))
+            data = rng.randbytes(min(target.rdma.RDMA_INLINE, max(1, length + rng.choice([0] * 6 + [-1, 7]))))
     elif roll < 0.92:
         opcode, sgl_id, length, late = IoOpcode.FLUSH, keyed, 0, True
     else:
