@@ -198,3 +198,57 @@ def test_compiled_path_posts_exactly_what_the_python_path_posts(tmp_path: Path, 
     for key in ("mem", "files", "counters", "error_log", "in_flight", "sqhd", "slots"):
         assert fast[key] == reference[key], key
     assert fast["in_flight"][0] == 0 and all(fast["slots"])
+
+
+@compiled_only
+def test_what_the_compiled_path_leaves_to_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A namespace whose copy is withdrawn (``accessible`` False, as ANA does), one whose backend
+    was wrapped in a filter and a write to a read-only namespace are the Python path's (the
+    differential test cannot tell: the Python path answers them the same); the same commands
+    are served once the namespace is plain again."""
+    from target.filter import BackendFilter
+    rw, ro = tmp_path / "rw.img", tmp_path / "ro.img"
+    fill_file(rw, RW_SIZE, seed=1)
+    fill_file(ro, RO_SIZE, seed=2)
+    port = free_port()
+    cfg = config([port], [sub(namespaces=[ns(rw, size=RW_SIZE),
+                                          ns(ro, nsid=2, size=RO_SIZE, block_size=4096, read_only=True)])])
+    patch_device(monkeypatch)
+
+    async def main() -> None:
+        async with serving(cfg) as service:
+            admin, cntlid = await raw_admin(port)
+            listener = RdmaListener(service.target, PortInfo(2, "rdma", "192.0.2.1", "4420"))
+            conn, host = open_queue(listener, 1, DEPTH)
+            assert host.capsule(connect_sqe(qid=1, sqsize=DEPTH - 1), connect_data(cntlid=cntlid))
+            await _answered(host, 1, False)
+            namespace = service.target.subsystems[NQN].namespaces[1]
+
+            async def command(cid: int, opcode: int, nsid: int = 1, data: bytes = b"") -> bytes:
+                if opcode == IoOpcode.READ:
+                    addr, key = host.buffer(cid, 4096)
+                    dptr = build_sgl_keyed(addr, 4096, key, int(SglId.KEYED_DATA_BLOCK_INVALIDATE))
+                else:
+                    dptr = build_sgl_data_block(SglId.DATA_BLOCK_OFFSET, 0, len(data))
+                assert host.capsule(build_sqe(opcode, cid, nsid=nsid, dptr=dptr, cdw12=len(data or bytes(4096)) // 512 - 1
+                                              if nsid == 1 else 0), data)
+                await _answered(host, len(host.responses) + 1, False)
+                return host.responses[-1]
+
+            assert (await command(1, IoOpcode.READ))[14:16] == b"\0\0" and conn.fast.served == 1
+            namespace.fast.accessible = False
+            assert (await command(2, IoOpcode.READ))[14:16] == b"\0\0" and conn.fast.served == 1
+            namespace.fast.accessible = True
+            plain = namespace.backend
+            namespace.backend = BackendFilter(plain)
+            assert (await command(3, IoOpcode.READ))[14:16] == b"\0\0" and conn.fast.served == 1
+            namespace.backend = plain
+            assert host.mem[0x10001] == host.mem[0x10002] == host.mem[0x10003] == rw.read_bytes()[:4096]
+            assert (await command(4, IoOpcode.WRITE, 2, b"\1" * 4096))[14:16] != b"\0\0" and conn.fast.served == 1
+            assert (await command(5, IoOpcode.WRITE, 1, b"\2" * 4096))[14:16] == b"\0\0" and conn.fast.served == 2
+            assert rw.read_bytes()[:4096] == b"\2" * 4096
+            conn.close()
+            await asyncio.gather(*listener.teardowns)
+            await admin.close()
+
+    run(main(), timeout=60)
