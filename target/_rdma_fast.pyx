@@ -44,8 +44,9 @@ SEND completion is told apart and how the connection's teardown finds its slot. 
 data comes by RDMA READ (above the in-capsule size) stay on the Python path: their READ pacing
 (``READ_BYTES_IN_FLIGHT``) and slot waits are the connection's.
 
-Measured (``tests/bench/bench_rdma_target.py --callgrind``, docs/dataplane.md): 4 KiB QD1 read,
-target side, instructions per command.
+Measured (``tests/bench/bench_rdma_target.py --callgrind``, in process, target side; docs/dataplane.md):
+a 4 KiB QD1 read 93 k instructions per command on the Python path, 33 k here; a 4 KiB in-capsule
+write 79 k, 26 k. In the VM bed the target's user time per 4 KiB read fell 2–4×.
 """
 
 from libc.stdint cimport uintptr_t
