@@ -37,6 +37,7 @@ EXTENSIONS = [
     Extension("blockd._output", ["blockd/_output.pyx"], extra_compile_args=["-O2"]),
     Extension("blockd._iostats", ["blockd/_iostats.pyx"], extra_compile_args=["-O2"]),
     Extension("target._io_fast", ["target/_io_fast.pyx"], extra_compile_args=["-O2"]),
+    Extension("target._rdma_fast", ["target/_rdma_fast.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._queue", ["initiator/_queue.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._lane", ["initiator/_lane.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._tcp_host_io", ["initiator/_tcp_host_io.pyx"], extra_compile_args=["-O2"]),

@@ -60,7 +60,7 @@ from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndS
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.string cimport memcpy
 from posix.types cimport off_t
-from posix.unistd cimport pread, pwrite
+from posix.unistd cimport pread
 
 from blockd._iostats cimport IoCounters, now_ns
 from blockd._le cimport le16, le32, le64, st16, st32
@@ -101,9 +101,11 @@ cdef Py_ssize_t _D_PLEN = field_offset(DATA_PDU_HEADER, "plen")
 cdef Py_ssize_t _D_CID = field_offset(DATA_PDU_HEADER, "cccid")
 cdef Py_ssize_t _D_TTAG = field_offset(DATA_PDU_HEADER, "ttag")  # an R2T's fields sit where a data PDU's do
 cdef Py_ssize_t _D_DATAL = field_offset(DATA_PDU_HEADER, "datal")
-cdef Py_ssize_t _R_SQHD = COMMON_HEADER_SIZE + field_offset(CQE, "sqhd")
-cdef Py_ssize_t _R_SQID = COMMON_HEADER_SIZE + field_offset(CQE, "sqid")
-cdef Py_ssize_t _R_CID = COMMON_HEADER_SIZE + field_offset(CQE, "cid")
+cdef Py_ssize_t _CQE_AT = COMMON_HEADER_SIZE  # the CQE follows the CapsuleResp's common header
+cdef Py_ssize_t _CQE_SIZE = CQE.sizeof()
+cdef Py_ssize_t _R_SQHD = field_offset(CQE, "sqhd")  # in the CQE
+cdef Py_ssize_t _R_SQID = field_offset(CQE, "sqid")
+cdef Py_ssize_t _R_CID = field_offset(CQE, "cid")
 
 cdef int _READ = IoOpcode.READ
 cdef int _WRITE = IoOpcode.WRITE
@@ -145,11 +147,18 @@ cdef inline void _r2t(unsigned char* p, unsigned int cid, unsigned int ttag, uns
     st32(p + _D_DATAL, n)
 
 
-cdef inline void _capsule_resp(unsigned char* p, unsigned int sqhd, unsigned int sqid, unsigned int cid) noexcept:
-    memcpy(p, <const char*>_RESP_TEMPLATE, _RESP_LEN)
+cdef void write_cqe(unsigned char* p, unsigned int sqhd, unsigned int sqid, unsigned int cid) noexcept:
+    """A successful command's CQE (dw0, dw1 and status 0): the CapsuleResp's, and what NVMe/RDMA
+    SENDs alone (``target/_rdma_fast.pyx``)."""
+    memcpy(p, <const char*>_RESP_TEMPLATE + _CQE_AT, _CQE_SIZE)
     st16(p + _R_SQHD, sqhd)
     st16(p + _R_SQID, sqid)
     st16(p + _R_CID, cid)
+
+
+cdef inline void _capsule_resp(unsigned char* p, unsigned int sqhd, unsigned int sqid, unsigned int cid) noexcept:
+    memcpy(p, <const char*>_RESP_TEMPLATE, _CQE_AT)
+    write_cqe(p + _CQE_AT, sqhd, sqid, cid)
 
 
 def _check_layouts():
@@ -178,28 +187,49 @@ def _check_layouts():
 _check_layouts()
 
 
-cdef inline Py_ssize_t _pwrite_all(int fd, const unsigned char* p, Py_ssize_t length, off_t offset) noexcept nogil:
-    """Write ``length`` bytes at ``offset``; the bytes written before the first short or failed
-    ``pwrite`` (``length`` when all went)."""
-    cdef Py_ssize_t done = 0, n
-    while done < length:
-        n = pwrite(fd, p + done, length - done, offset + done)
-        if n <= 0:
-            break
-        done += n
-    return done
 
 
 # -- the C copies of the storage --------------------------------------------------------------------
 
+cdef FastNamespace served_namespace(object entry, unsigned long long slba, unsigned int nlb, unsigned int length):
+    """The C copy of the namespace ``entry`` (the controller's, for the command's NSID) when a
+    Read or Write of ``nlb`` blocks at ``slba`` and ``length`` bytes is the compiled paths' to
+    serve on it: a plain file (its copy made for this backend, not withdrawn, its descriptor open),
+    the range inside it and the length the blocks say; else None (the Python queue decides)."""
+    fast = entry.fast
+    if fast is None:
+        return None
+    cdef FastNamespace ns = <FastNamespace?>fast
+    cdef FastFile f = ns.file
+    if not ns.accessible or f.fd < 0 or entry.backend is not ns.backend:
+        return None
+    cdef unsigned long long blocks = f.size >> ns.lba_shift
+    if slba >= blocks or nlb > blocks - slba or (<unsigned long long>nlb << ns.lba_shift) != length:
+        return None
+    return ns
+
+
+cdef unsigned int next_sqhd(object queue, unsigned int sqsize, bint disabled) except? 0xFFFFFFFF:
+    """SQHD for this completion, as ``TargetQueue._complete`` advances it."""
+    if not sqsize or disabled:
+        return queue.sqhd
+    sqhd = (queue.sqhd + 1) % (sqsize + 1)
+    queue.sqhd = sqhd
+    return sqhd
+
+
+cdef void count_io(IoCounters counters, FastNamespace ns, int kind, unsigned int length, long long start) noexcept:
+    """The host's (``counters``) and the namespace's counts of one command that succeeded, its
+    latency from ``start`` (as ``TargetQueue._complete``)."""
+    cdef long long elapsed = now_ns() - start
+    counters._count(kind, length, elapsed)
+    ns.counters._count(kind, length, elapsed)
+
+
 cdef class FastFile:
     """A :class:`target.backend.FileBackend`'s descriptor and size as C fields, kept in step by the
     backend itself (``resize`` sets ``size``, ``close`` sets ``fd`` to -1: nothing is served from
-    it after that)."""
-
-    cdef public int fd
-    cdef public unsigned long long size
-    cdef public bint read_only
+    it after that). Its fields are declared in ``target/_io_fast.pxd``."""
 
     def __init__(self, int fd, unsigned long long size, bint read_only):
         self.fd = fd
@@ -214,13 +244,8 @@ cdef class FastNamespace:
     another object (a filter wrapped around it, replication), its commands go to the Python
     queue. ``accessible`` False withdraws it as well: every command on the namespace then goes
     to the Python queue, which decides (a removed namespace; an ANA state that refuses I/O,
-    0x302, once ANA exists: its code turns this off and lets the Python path answer per port)."""
-
-    cdef public FastFile file
-    cdef public object backend
-    cdef public int lba_shift
-    cdef public IoCounters counters
-    cdef public bint accessible
+    0x302, once ANA exists: its code turns this off and lets the Python path answer per port).
+    Its fields are declared in ``target/_io_fast.pxd``."""
 
     def __init__(self, FastFile file, backend, int lba_shift, IoCounters counters):
         self.file = file
@@ -450,16 +475,10 @@ cdef class TcpFastPath:
         entry = self.ctrl.io_namespaces.get(nsid)
         if entry is None:
             return False
-        fast = entry.fast
-        if fast is None:
+        cdef FastNamespace ns = served_namespace(entry, slba, nlb, length)
+        if ns is None:
             return False
-        cdef FastNamespace ns = <FastNamespace?>fast
         cdef FastFile f = ns.file
-        if not ns.accessible or f.fd < 0 or entry.backend is not ns.backend:
-            return False
-        cdef unsigned long long blocks = f.size >> ns.lba_shift
-        if slba >= blocks or nlb > blocks - slba or (<unsigned long long>nlb << ns.lba_shift) != length:
-            return False
         queue = self.queue
         ctrl = self.ctrl
         if (queue.locked or queue.in_flight >= self.pool or not (ctrl.cc & _CC_EN) or not (ctrl.csts & _CSTS_RDY)
@@ -631,15 +650,7 @@ cdef class TcpFastPath:
         return True
 
     cdef unsigned int _next_sqhd(self) except? 0xFFFFFFFF:
-        """SQHD for this completion, as ``TargetQueue._complete`` advances it."""
-        if not self.sqsize or self.sqhd_disabled:
-            return self.queue.sqhd
-        sqhd = (self.queue.sqhd + 1) % (self.sqsize + 1)
-        self.queue.sqhd = sqhd
-        return sqhd
+        return next_sqhd(self.queue, self.sqsize, self.sqhd_disabled)
 
     cdef void _complete(self, FastNamespace ns, int kind, unsigned int length, long long start) noexcept:
-        """``TargetQueue._complete``'s counting: the host's and the namespace's counters."""
-        cdef long long elapsed = now_ns() - start
-        self.counters._count(kind, length, elapsed)
-        ns.counters._count(kind, length, elapsed)
+        count_io(self.counters, ns, kind, length, start)

@@ -14,12 +14,13 @@ from blockd.dataplane import twin
 if TYPE_CHECKING:
     from target.subsystem import Namespace
 
-__all__ = ["FastFile", "FastNamespace", "TcpFastPath", "fast_namespace"]
+__all__ = ["FastFile", "FastNamespace", "RdmaFastPath", "TcpFastPath", "fast_namespace"]
 
 _fast = twin("target._io_fast", None)
 FastFile = getattr(_fast, "FastFile", None)
 FastNamespace = getattr(_fast, "FastNamespace", None)
 TcpFastPath = getattr(_fast, "TcpFastPath", None)
+RdmaFastPath = getattr(twin("target._rdma_fast", None), "RdmaFastPath", None)
 
 
 def fast_namespace(ns: Namespace) -> object | None:

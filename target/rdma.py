@@ -58,6 +58,7 @@ from blockd.rdma.abi import (SEND_SIGNALED, WC_WR_FLUSH_ERR, WR_RDMA_READ, WR_RD
 from protocol.constants import SglId, TransportType
 from protocol.logpage import TSAS_RDMA
 from target.controller import MQES
+from target.io_fast import RdmaFastPath
 from target.queue import TargetQueue
 from target.request import Request, RequestState
 from target.rejections import HELLO_TIMEOUT, RDMA_RECV_BUDGET
@@ -251,7 +252,10 @@ class RdmaTargetConnection:
         # from here on _destroy gives back what the listener counted for this queue
         self._admitted: tuple[str, int] | None = (host, recv_bytes)
         self._hello = self.loop.call_later(listener.target.limits.hello_timeout, self._hello_expired)
-        self.cq.attach(self.loop, self._completions)
+        self.fast = RdmaFastPath(self) if RdmaFastPath is not None else None
+        """The compiled per-command path (:mod:`target.io_fast`): it takes each batch of
+        completions first, serves the steady-state ones and hands the rest to ``_completion``."""
+        self.cq.attach(self.loop, self._completions if self.fast is None else self.fast.completions)
         log.info("rdma queue accepted", peer=self.peer, qid=nv.qid, depth=depth,
                  inline=self.inline, initiator_depth=self.cm.initiator_depth, dev=dev.name)
 
@@ -276,33 +280,40 @@ class RdmaTargetConnection:
     # -- completions ----------------------------------------------------------------------------
 
     def _completions(self, wcs: list) -> None:
+        """The CQ's callback (the compiled path's ``completions`` stands in for it when it runs):
+        one batch of completions, whose receives and sends go out as one chain each at its end."""
         self._batching = True
         try:
             for wc in wcs:
-                wr_id = wc.wr_id
-                kind = wr_id >> _KIND_SHIFT
-                idx = wr_id & _MASK
-                status = wc.status
-                try:
-                    if kind == _RECV:
-                        if status:
-                            self._wc_failed("RECV", status)
-                            continue
-                        if not self.closing:
-                            self._command(idx, wc.byte_len)
-                    elif kind == _SEND:
-                        self._send_done(idx, status)
-                    elif kind == _READ:
-                        self._read_done(idx, status)
-                    elif kind == _WRITE and status:  # unsignalled: only an error completes it
-                        self._wc_failed("RDMA WRITE", status)
-                except Exception as exc:  # never let one completion stall the rest
-                    log.exception("rdma completion handling failed", peer=self.peer)
-                    self._fatal("internal error", error=str(exc))
+                self._completion(wc)
         finally:
             self._batching = False
             if self._send_out or self._recv_out:
                 self._flush()
+
+    def _completion(self, wc) -> None:
+        wr_id = wc.wr_id
+        kind = wr_id >> _KIND_SHIFT
+        idx = wr_id & _MASK
+        status = wc.status
+        try:
+            if kind == _RECV:
+                if status:
+                    self._wc_failed("RECV", status)
+                elif not self.closing:
+                    self._command(idx, wc.byte_len)
+            elif kind == _SEND:
+                self._send_done(idx, status)
+            elif kind == _READ:
+                self._read_done(idx, status)
+            elif kind == _WRITE and status:  # unsignalled: only an error completes it
+                self._wc_failed("RDMA WRITE", status)
+        except Exception as exc:  # never let one completion stall the rest
+            self._handling_failed(exc)
+
+    def _handling_failed(self, exc: Exception) -> None:
+        log.exception("rdma completion handling failed", peer=self.peer)
+        self._fatal("internal error", error=str(exc))
 
     def _flush(self) -> None:
         """Post the receives and sends the batch queued: one chain each."""
@@ -634,9 +645,12 @@ class RdmaTargetConnection:
             if cmd.data is not None:
                 held.append(cmd.data)
                 cmd.data = None
+        # a command the compiled path served stands in _resp_cmd as its data slot (False: none)
+        # until its SEND completes
+        held.extend(e for e in self._resp_cmd if e is not None and e is not False and type(e) is not _Cmd)
         self.cmds.clear()
         self.tokens.clear()
-        self._resp_cmd = [None] * len(self._resp_cmd)
+        self._resp_cmd[:] = [None] * len(self._resp_cmd)  # in place: the compiled path holds this list
         self.read_wait.clear()
         self.resp_wait.clear()
         self._recv_out.clear()
