@@ -26,6 +26,8 @@ from libc.string cimport memcpy
 from posix.uio cimport iovec, writev
 from posix.unistd cimport read
 
+from initiator.fuse._rangelock cimport RangeLocks
+
 import os
 import struct
 
@@ -259,6 +261,7 @@ cdef class FuseLoop:
         there); every other case is the Python one's."""
         cdef uint64_t end, file_size, bs
         cdef Py_ssize_t length = len(data)
+        cdef RangeLocks locks  # the compiled twin, as the compiled loop runs with it (it cimports it)
         ctrl = self.connections.get(self.name)
         info = None if ctrl is None or ctrl.failed is not None else ctrl.namespaces.get(nsid)
         if info is not None and not info.read_only:
@@ -269,24 +272,24 @@ cdef class FuseLoop:
                 locks = self.locks.get(nsid)  # BlockFiles._range_lock without its frame, once made
                 if locks is None:
                     locks = self.range_lock(nsid)
-                token = locks.share_now(offset // bs, end // bs)
+                token = locks._share_now(offset // bs, end // bs)
                 if token is not None:
                     self.inflight[unique] = True
                     try:
                         ctrl.transfer(True, nsid, offset, data, _WriteDone(self, unique, length, owned, locks, token))
                     except BaseException as exc:
                         self.inflight.pop(unique, None)
-                        locks.release(token)
+                        locks._release(token)
                         if not isinstance(exc, Exception):
                             raise
                         self.fail(unique, exc, "write")
                     return
         self.files_write(unique, nsid, offset, data, owned)
 
-    cdef _write_done(self, uint64_t unique, Py_ssize_t length, owned, locks, token, exc):
+    cdef _write_done(self, uint64_t unique, Py_ssize_t length, owned, RangeLocks locks, token, exc):
         """``BlockFiles._write_done``: the blocks released, then the answer (unless an
         INTERRUPT gave it), and a big write's buffer back to the session."""
-        locks.release(token)
+        locks._release(token)
         if not self.inflight.pop(unique, False):
             return
         if exc is not None:
@@ -352,10 +355,10 @@ cdef class _WriteDone:
     cdef uint64_t unique
     cdef Py_ssize_t length
     cdef object owned
-    cdef object locks
+    cdef RangeLocks locks
     cdef object token
 
-    def __cinit__(self, FuseLoop loop, uint64_t unique, Py_ssize_t length, owned, locks, token):
+    def __cinit__(self, FuseLoop loop, uint64_t unique, Py_ssize_t length, owned, RangeLocks locks, token):
         self.loop = loop
         self.unique = unique
         self.length = length
