@@ -117,9 +117,3 @@ def test_random_sequences_match(chunk: int) -> None:
 
     asyncio.run(main())
 
-
-def test_blockfiles_take_the_twin_in_use() -> None:
-    from blockd.dataplane import COMPILED
-    from initiator.fuse import blockfile
-
-    assert blockfile.RangeLocks is (_compiled.RangeLocks if COMPILED else rangelock.RangeLocks)
