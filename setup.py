@@ -38,6 +38,7 @@ EXTENSIONS = [
     Extension("target._io_fast", ["target/_io_fast.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._queue", ["initiator/_queue.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._lane", ["initiator/_lane.pyx"], extra_compile_args=["-O2"]),
+    Extension("initiator._inline", ["initiator/_inline.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._tcp_host_io", ["initiator/_tcp_host_io.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator.fuse._rangelock", ["initiator/fuse/_rangelock.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator.fuse._loop", ["initiator/fuse/_loop.pyx"], extra_compile_args=["-O2"]),

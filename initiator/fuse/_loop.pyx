@@ -12,7 +12,9 @@ request: /dev/fuse is read with ``read(2)`` into a preallocated buffer (no FileI
 BlockingIOError object when nothing is queued), the request header and READ/WRITE arguments are
 read through a pointer instead of two ``struct.unpack_from`` tuples, and a reply is one
 ``writev(2)`` of a header built on the stack and the payload's own buffer (no header ``bytes``,
-no list).
+no list); a small write it sends itself is copied out of the request buffer
+once, into the bytes its NVMe/TCP capsule is sent as (``initiator/_inline.pyx``), and its range
+hold is a C call on the compiled range locks (``_rangelock.pyx``).
 
 Offsets and sizes come from ``initiator/fuse/abi.py``'s ``struct`` layouts at import (bound to
 C variables below), so nothing is typed twice.
@@ -26,6 +28,7 @@ from libc.string cimport memcpy
 from posix.uio cimport iovec, writev
 from posix.unistd cimport read
 
+from initiator._inline cimport inline_data
 from initiator.fuse._rangelock cimport RangeLocks
 
 import os
@@ -209,13 +212,11 @@ cdef class FuseLoop:
             if end > self.cap:  # as the reference's slice of the buffer
                 end = self.cap
             if size <= self.copy_limit:
-                data = memoryview(PyByteArray_FromStringAndSize(p + _RW_DATA, end - _RW_DATA))
                 owned = None
             else:
                 owned = self.buf
-                data = memoryview(owned)[_RW_DATA:end]
                 self._take(self.spare.pop() if self.spare else bytearray(self.cap))
-            self._write(unique, nodeid - 1, _u64(p + _O_OFFSET), data, owned)
+            self._write(unique, nodeid - 1, _u64(p + _O_OFFSET), p + _RW_DATA, end - _RW_DATA, owned)
         else:
             self.session.serve_other(opcode, unique, nodeid, memoryview(self.buf)[_HDR:n])
 
@@ -255,12 +256,15 @@ cdef class FuseLoop:
         self.stats["read"] += 1
         self.reply(unique, buf)
 
-    cdef _write(self, uint64_t unique, uint64_t nsid, uint64_t offset, data, owned):
+    cdef _write(self, uint64_t unique, uint64_t nsid, uint64_t offset, const char* src, Py_ssize_t length, owned):
         """``BlockFiles.write`` for a block-aligned range inside a writable file on a live
         controller whose blocks no read-modify-write holds (its shared hold taken here, as
-        there); every other case is the Python one's."""
+        there); every other case is the Python one's. The data is the ``length`` bytes at
+        ``src``, in the request buffer: a big write's ``owned`` (taken from the loop, a view of
+        it is the data), else copied out, once: into an ``InlineData`` (``initiator/_inline.pyx``:
+        the bytes its NVMe/TCP capsule is sent as) for a write sent from here, into a
+        ``bytearray`` for the Python one's, as the reference."""
         cdef uint64_t end, file_size, bs
-        cdef Py_ssize_t length = len(data)
         cdef RangeLocks locks  # the compiled twin, as the compiled loop runs with it (it cimports it)
         ctrl = self.connections.get(self.name)
         info = None if ctrl is None or ctrl.failed is not None else ctrl.namespaces.get(nsid)
@@ -274,6 +278,7 @@ cdef class FuseLoop:
                     locks = self.range_lock(nsid)
                 token = locks._share_now(offset // bs, end // bs)
                 if token is not None:
+                    data = inline_data(src, length) if owned is None else memoryview(owned)[_RW_DATA:_RW_DATA + length]
                     self.inflight[unique] = True
                     try:
                         ctrl.transfer(True, nsid, offset, data, _WriteDone(self, unique, length, owned, locks, token))
@@ -284,6 +289,10 @@ cdef class FuseLoop:
                             raise
                         self.fail(unique, exc, "write")
                     return
+        if owned is None:
+            data = memoryview(PyByteArray_FromStringAndSize(src, length))
+        else:
+            data = memoryview(owned)[_RW_DATA:_RW_DATA + length]
         self.files_write(unique, nsid, offset, data, owned)
 
     cdef _write_done(self, uint64_t unique, Py_ssize_t length, owned, RangeLocks locks, token, exc):
