@@ -24,7 +24,7 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from libc.errno cimport EAGAIN, EBADF, ENODEV, ENOENT, errno
 from libc.stdint cimport int32_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from posix.uio cimport iovec, writev
 from posix.unistd cimport read
 
@@ -67,7 +67,8 @@ cdef Py_ssize_t _OUT = OUT_HEADER.size
 cdef Py_ssize_t _O_OUT_ERR = _out[1]
 cdef Py_ssize_t _O_OUT_UNIQUE = _out[2]
 cdef uint32_t _READ = READ
-_pack_write_out = WRITE_OUT.pack
+cdef Py_ssize_t _WRITE_OUT = WRITE_OUT.size
+cdef Py_ssize_t _O_WRITE_SIZE = _offsets(WRITE_OUT)[0]
 cdef uint32_t _WRITE = WRITE
 # The reads below take native 32/64-bit fields at those offsets (FUSE structs are the kernel's
 # native layout; abi.py spells them little-endian, as every host we run on is): a header packed
@@ -80,6 +81,9 @@ if (int.from_bytes(_probe[_O_OPCODE:_O_OPCODE + 4], "little"), int.from_bytes(_p
         int.from_bytes(_probe[_O_SIZE:_O_SIZE + 4], "little")) != (
         0x11223344, 0x5566778899AABBCC, 0x0102030405060708, 0x0A0B0C0D0E0F1011, 0x21222324):
     raise ImportError("initiator.fuse.abi's layouts are not the ones initiator/fuse/_loop.pyx reads")
+if _WRITE_OUT > 16 or WRITE_OUT.pack(0x31323334, 0) != (  # the reply _reply_write builds: the size, zeros
+        bytes(_O_WRITE_SIZE) + (0x31323334).to_bytes(4, "little") + bytes(_WRITE_OUT - _O_WRITE_SIZE - 4)):
+    raise ImportError("initiator.fuse.abi's WRITE_OUT is not the one initiator/fuse/_loop.pyx writes")
 
 
 cdef inline uint32_t _u32(const char* p) noexcept:
@@ -305,7 +309,7 @@ cdef class FuseLoop:
             self.fail(unique, exc, "write")
             return
         self.stats["write"] += 1
-        self.reply(unique, _pack_write_out(length, 0))
+        self._reply_write(unique, <uint32_t>length)
         if owned is not None:
             self.recycle(owned)
 
@@ -319,6 +323,13 @@ cdef class FuseLoop:
             self._send_reply(unique, 0, <char*>view.buf, view.len)
         finally:
             PyBuffer_Release(&view)
+
+    cdef int _reply_write(self, uint64_t unique, uint32_t size) except -1:
+        """``reply(unique, WRITE_OUT.pack(size, 0))``, the payload built on the stack."""
+        cdef char out[16]
+        memset(out, 0, _WRITE_OUT)
+        memcpy(out + _O_WRITE_SIZE, &size, 4)
+        return self._send_reply(unique, 0, out, _WRITE_OUT)
 
     cpdef reply_err(self, uint64_t unique, int err):
         self._send_reply(unique, -err, NULL, 0)
