@@ -6,7 +6,8 @@ The same state (``active``, the ``exclusive`` count, the next token) and the sam
 ``share_now`` and ``release`` as C methods (``_share_now``, ``_release``, declared in
 ``_rangelock.pxd``) that the compiled FUSE loop calls for every block-aligned write: they were
 two Python frames per write, ~3.2k of the ~29.4k instructions of a 4 KiB write through
-``tests/bench/bench_fuse_path.py`` (callgrind). ``acquire`` (the read-modify-write's and the
+``tests/bench/bench_fuse_path.py`` (callgrind), of which the C calls save 2.0k (they still
+make a token, a tuple and a dict entry, which an exclusive ``acquire`` must find). ``acquire`` (the read-modify-write's and the
 waiting write's path) is the reference's coroutine, compiled as it is.
 ``tests/core/test_rangelock_differential.py`` drives both twins through the same random
 acquire, ``share_now``, cancel and release sequences and compares every grant and the state.
