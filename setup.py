@@ -40,7 +40,9 @@ EXTENSIONS = [
     Extension("target._rdma_fast", ["target/_rdma_fast.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._queue", ["initiator/_queue.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._lane", ["initiator/_lane.pyx"], extra_compile_args=["-O2"]),
+    Extension("initiator._inline", ["initiator/_inline.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._tcp_host_io", ["initiator/_tcp_host_io.pyx"], extra_compile_args=["-O2"]),
+    Extension("initiator.fuse._rangelock", ["initiator/fuse/_rangelock.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator.fuse._loop", ["initiator/fuse/_loop.pyx"], extra_compile_args=["-O2"]),
     # needs <infiniband/verbs.h> (libibverbs-dev); without it this one is skipped with the
     # warning above and blockd.rdma.verbs runs the ctypes path (blockd/rdma/_fast.py)

@@ -7,7 +7,9 @@ sent as the Python reference, which ``tests/core/test_tcp_host_differential.py``
 with; the hostile-target suite runs against whichever is in use. What changes is the cost per
 PDU: header fields are read through a pointer rather than unpacked into a tuple, the SGL is
 written into the SQE in place, and without digests the capsule's common header and SQE are built
-as one ``bytes`` (the writer's general path stays for digests). The connection's queue and
+as one ``bytes`` (the writer's general path stays for digests); an in-capsule write whose data
+is an ``InlineData`` (``initiator/_inline.pyx``, made by the compiled FUSE loop) has them written
+into the room in front of its data and goes out as that one ``bytes``, not joined with it. The connection's queue and
 commands are the compiled ones (``initiator/_queue.pxd``): ids are taken, looked up and freed,
 and a completion's status, DW0/DW1 and callback set and run, with C calls; so is its output
 batcher (``blockd/_output.pxd``): hold, release and send are C calls too.
@@ -32,9 +34,11 @@ from libc.string cimport memcpy, memset
 from blockd._le cimport le16, le32, st32
 from blockd._output cimport OutputBatcher
 from blockd._pdu_reader cimport PduReader
+from initiator._inline cimport InlineData
 from initiator._queue cimport HostCommand, HostQueue
 
 from blockd.tcp_pdu import DataDigestError, FramingError, term_req
+from initiator._inline import ROOM
 from initiator.errors import QueueLost
 from initiator.tcp_host_io import FEI_CCCID, FEI_DATAO, FEI_FLAGS, FEI_RESP_CID
 from protocol.commands import SQE_SGL_OFFSET, field_offset
@@ -46,6 +50,8 @@ from protocol.tcp import COMMON_HEADER, COMMON_HEADER_SIZE, DATA_PDU_HEADER, DAT
 cdef Py_ssize_t _HDR = COMMON_HEADER_SIZE
 cdef Py_ssize_t _SQE = SQE_SIZE
 cdef Py_ssize_t _CAPSULE = COMMON_HEADER_SIZE + SQE_SIZE
+if ROOM != _CAPSULE:
+    raise ImportError("initiator/_inline.pyx's room is not the command capsule's header and SQE")
 cdef Py_ssize_t _O_TYPE = field_offset(COMMON_HEADER, "pdu_type")
 cdef Py_ssize_t _O_FLAGS = field_offset(COMMON_HEADER, "flags")
 cdef Py_ssize_t _O_HLEN = field_offset(COMMON_HEADER, "hlen")
@@ -143,7 +149,7 @@ cdef class TcpHostIo:
         cdef Py_ssize_t length
         cdef int sgl_id = _TRANSPORT
         cdef uint8_t* s
-        cdef uint8_t* c
+        cdef uint8_t* c = NULL
         cdef bytes capsule
         if self.closed:
             raise QueueLost("connection closed")
@@ -169,19 +175,25 @@ cdef class TcpHostIo:
         if writer.hdgst or writer.ddgst:
             self.out._send(writer.pdu(_CAPSULE_CMD, sqe, out))
             return
-        capsule = PyBytes_FromStringAndSize(NULL, _CAPSULE)
-        c = <uint8_t*>PyBytes_AS_STRING(capsule)
+        if sgl_id == _IN_CAPSULE and length and type(out) is InlineData:
+            c = <uint8_t*>(<InlineData>out)._room()  # the data's one bytes, header and SQE in front
+        if c != NULL:
+            capsule = (<InlineData>out).buf
+            out = None
+        else:
+            capsule = PyBytes_FromStringAndSize(NULL, _CAPSULE)
+            c = <uint8_t*>PyBytes_AS_STRING(capsule)
         memset(c, 0, _HDR)
         c[_O_TYPE] = _CAPSULE_CMD
         c[_O_HLEN] = <uint8_t>_CAPSULE
         memcpy(c + _HDR, s, _SQE)
-        if out is None or not length:
+        if sgl_id != _IN_CAPSULE or not length:
             st32(c + _O_PLEN, <uint32_t>_CAPSULE)
             self.out._send([capsule])
         else:
             c[_O_PDO] = <uint8_t>_CAPSULE
             st32(c + _O_PLEN, <uint32_t>(_CAPSULE + length))
-            self.out._send([capsule, out])
+            self.out._send([capsule] if out is None else [capsule, out])
 
     # -- receiving ------------------------------------------------------------------------------
 

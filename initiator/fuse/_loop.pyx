@@ -12,7 +12,9 @@ request: /dev/fuse is read with ``read(2)`` into a preallocated buffer (no FileI
 BlockingIOError object when nothing is queued), the request header and READ/WRITE arguments are
 read through a pointer instead of two ``struct.unpack_from`` tuples, and a reply is one
 ``writev(2)`` of a header built on the stack and the payload's own buffer (no header ``bytes``,
-no list).
+no list); a small write it sends itself is copied out of the request buffer
+once, into the bytes its NVMe/TCP capsule is sent as (``initiator/_inline.pyx``), and its range
+hold is a C call on the compiled range locks (``_rangelock.pyx``).
 
 Offsets and sizes come from ``initiator/fuse/abi.py``'s ``struct`` layouts at import (bound to
 C variables below), so nothing is typed twice.
@@ -22,9 +24,12 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from libc.errno cimport EAGAIN, EBADF, ENODEV, ENOENT, errno
 from libc.stdint cimport int32_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from posix.uio cimport iovec, writev
 from posix.unistd cimport read
+
+from initiator._inline cimport inline_data
+from initiator.fuse._rangelock cimport RangeLocks
 
 import os
 import struct
@@ -62,7 +67,8 @@ cdef Py_ssize_t _OUT = OUT_HEADER.size
 cdef Py_ssize_t _O_OUT_ERR = _out[1]
 cdef Py_ssize_t _O_OUT_UNIQUE = _out[2]
 cdef uint32_t _READ = READ
-_pack_write_out = WRITE_OUT.pack
+cdef Py_ssize_t _WRITE_OUT = WRITE_OUT.size
+cdef Py_ssize_t _O_WRITE_SIZE = _offsets(WRITE_OUT)[0]
 cdef uint32_t _WRITE = WRITE
 # The reads below take native 32/64-bit fields at those offsets (FUSE structs are the kernel's
 # native layout; abi.py spells them little-endian, as every host we run on is): a header packed
@@ -75,6 +81,9 @@ if (int.from_bytes(_probe[_O_OPCODE:_O_OPCODE + 4], "little"), int.from_bytes(_p
         int.from_bytes(_probe[_O_SIZE:_O_SIZE + 4], "little")) != (
         0x11223344, 0x5566778899AABBCC, 0x0102030405060708, 0x0A0B0C0D0E0F1011, 0x21222324):
     raise ImportError("initiator.fuse.abi's layouts are not the ones initiator/fuse/_loop.pyx reads")
+if _WRITE_OUT > 16 or WRITE_OUT.pack(0x31323334, 0) != (  # the reply _reply_write builds: the size, zeros
+        bytes(_O_WRITE_SIZE) + (0x31323334).to_bytes(4, "little") + bytes(_WRITE_OUT - _O_WRITE_SIZE - 4)):
+    raise ImportError("initiator.fuse.abi's WRITE_OUT is not the one initiator/fuse/_loop.pyx writes")
 
 
 cdef inline uint32_t _u32(const char* p) noexcept:
@@ -207,13 +216,11 @@ cdef class FuseLoop:
             if end > self.cap:  # as the reference's slice of the buffer
                 end = self.cap
             if size <= self.copy_limit:
-                data = memoryview(PyByteArray_FromStringAndSize(p + _RW_DATA, end - _RW_DATA))
                 owned = None
             else:
                 owned = self.buf
-                data = memoryview(owned)[_RW_DATA:end]
                 self._take(self.spare.pop() if self.spare else bytearray(self.cap))
-            self._write(unique, nodeid - 1, _u64(p + _O_OFFSET), data, owned)
+            self._write(unique, nodeid - 1, _u64(p + _O_OFFSET), p + _RW_DATA, end - _RW_DATA, owned)
         else:
             self.session.serve_other(opcode, unique, nodeid, memoryview(self.buf)[_HDR:n])
 
@@ -253,12 +260,16 @@ cdef class FuseLoop:
         self.stats["read"] += 1
         self.reply(unique, buf)
 
-    cdef _write(self, uint64_t unique, uint64_t nsid, uint64_t offset, data, owned):
+    cdef _write(self, uint64_t unique, uint64_t nsid, uint64_t offset, const char* src, Py_ssize_t length, owned):
         """``BlockFiles.write`` for a block-aligned range inside a writable file on a live
         controller whose blocks no read-modify-write holds (its shared hold taken here, as
-        there); every other case is the Python one's."""
+        there); every other case is the Python one's. The data is the ``length`` bytes at
+        ``src``, in the request buffer: a big write's ``owned`` (taken from the loop, a view of
+        it is the data), else copied out, once: into an ``InlineData`` (``initiator/_inline.pyx``:
+        the bytes its NVMe/TCP capsule is sent as) for a write sent from here, into a
+        ``bytearray`` for the Python one's, as the reference."""
         cdef uint64_t end, file_size, bs
-        cdef Py_ssize_t length = len(data)
+        cdef RangeLocks locks  # the compiled twin, as the compiled loop runs with it (it cimports it)
         ctrl = self.connections.get(self.name)
         info = None if ctrl is None or ctrl.failed is not None else ctrl.namespaces.get(nsid)
         if info is not None and not info.read_only:
@@ -269,31 +280,36 @@ cdef class FuseLoop:
                 locks = self.locks.get(nsid)  # BlockFiles._range_lock without its frame, once made
                 if locks is None:
                     locks = self.range_lock(nsid)
-                token = locks.share_now(offset // bs, end // bs)
+                token = locks._share_now(offset // bs, end // bs)
                 if token is not None:
+                    data = inline_data(src, length) if owned is None else memoryview(owned)[_RW_DATA:_RW_DATA + length]
                     self.inflight[unique] = True
                     try:
                         ctrl.transfer(True, nsid, offset, data, _WriteDone(self, unique, length, owned, locks, token))
                     except BaseException as exc:
                         self.inflight.pop(unique, None)
-                        locks.release(token)
+                        locks._release(token)
                         if not isinstance(exc, Exception):
                             raise
                         self.fail(unique, exc, "write")
                     return
+        if owned is None:
+            data = memoryview(PyByteArray_FromStringAndSize(src, length))
+        else:
+            data = memoryview(owned)[_RW_DATA:_RW_DATA + length]
         self.files_write(unique, nsid, offset, data, owned)
 
-    cdef _write_done(self, uint64_t unique, Py_ssize_t length, owned, locks, token, exc):
+    cdef _write_done(self, uint64_t unique, Py_ssize_t length, owned, RangeLocks locks, token, exc):
         """``BlockFiles._write_done``: the blocks released, then the answer (unless an
         INTERRUPT gave it), and a big write's buffer back to the session."""
-        locks.release(token)
+        locks._release(token)
         if not self.inflight.pop(unique, False):
             return
         if exc is not None:
             self.fail(unique, exc, "write")
             return
         self.stats["write"] += 1
-        self.reply(unique, _pack_write_out(length, 0))
+        self._reply_write(unique, <uint32_t>length)
         if owned is not None:
             self.recycle(owned)
 
@@ -307,6 +323,13 @@ cdef class FuseLoop:
             self._send_reply(unique, 0, <char*>view.buf, view.len)
         finally:
             PyBuffer_Release(&view)
+
+    cdef int _reply_write(self, uint64_t unique, uint32_t size) except -1:
+        """``reply(unique, WRITE_OUT.pack(size, 0))``, the payload built on the stack."""
+        cdef char out[16]
+        memset(out, 0, _WRITE_OUT)
+        memcpy(out + _O_WRITE_SIZE, &size, 4)
+        return self._send_reply(unique, 0, out, _WRITE_OUT)
 
     cpdef reply_err(self, uint64_t unique, int err):
         self._send_reply(unique, -err, NULL, 0)
@@ -352,10 +375,10 @@ cdef class _WriteDone:
     cdef uint64_t unique
     cdef Py_ssize_t length
     cdef object owned
-    cdef object locks
+    cdef RangeLocks locks
     cdef object token
 
-    def __cinit__(self, FuseLoop loop, uint64_t unique, Py_ssize_t length, owned, locks, token):
+    def __cinit__(self, FuseLoop loop, uint64_t unique, Py_ssize_t length, owned, RangeLocks locks, token):
         self.loop = loop
         self.unique = unique
         self.length = length

@@ -20,16 +20,19 @@ import errno
 import functools
 from typing import TYPE_CHECKING, Mapping
 
+from blockd.dataplane import twin
 from blockd.linux_files import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE
 from initiator.fuse.abi import WRITE_OUT
 from initiator.fuse.errors import FsError
-from initiator.fuse.rangelock import RangeLocks
 
 if TYPE_CHECKING:
     from initiator.controller import NamespaceInfo
     from initiator.fuse.needs import MountController
     from initiator.fuse.session import FuseSession
 
+RangeLocks = twin("initiator.fuse._rangelock", "initiator.fuse.rangelock").RangeLocks
+"""The namespaces' range locks: the compiled twin on the compiled plane (the compiled FUSE loop
+calls its C methods), else the Python reference."""
 WRITE_ZEROES_MAX_BLOCKS = 1 << 16
 """Blocks one Write Zeroes covers (its NLB field is 16 bits, 0's based)."""
 DSM_MAX_BLOCKS = 0xFFFFFFFF

@@ -1,5 +1,9 @@
 """Block-range locks of one namespace, so a read-modify-write never interleaves with a write to
-the same blocks: the one ordering rule the mount adds on top of the controller."""
+the same blocks: the one ordering rule the mount adds on top of the controller.
+
+This is the Python reference; ``initiator/fuse/_rangelock.pyx`` is its compiled twin (the
+compiled FUSE loop takes and releases a write's shared hold there with C calls), and
+:mod:`initiator.fuse.blockfile` picks one through :func:`blockd.dataplane.twin`."""
 
 from __future__ import annotations
 

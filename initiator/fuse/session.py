@@ -46,7 +46,9 @@ MAX_PAGES = MAX_WRITE // 4096
 MAX_BACKGROUND = 128
 BUFFER_SIZE = MAX_WRITE + 4096
 COPY_LIMIT = 64 << 10
-"""Writes up to this size are copied out of the request buffer; bigger ones take the buffer."""
+"""Writes up to this size are copied out of the request buffer; bigger ones take the buffer.
+(The compiled loop copies one it sends itself into the bytes its NVMe/TCP capsule is sent as:
+``initiator/_inline.pyx``.)"""
 SPARE_BUFFERS = 8
 MAX_BATCH = 8
 """Requests read from /dev/fuse per readiness callback at most (then the loop takes its turn)."""

@@ -63,6 +63,12 @@ def test_the_host_runs_the_chosen_fuse_loop_and_tcp_io(pure: bool) -> None:
                        else ["initiator.tcp_host_io", "initiator.fuse.session"]), modules
 
 
+@pytest.mark.parametrize("pure", [False, True])
+def test_the_block_files_get_the_chosen_range_locks(pure: bool) -> None:
+    module = run("from initiator.fuse.blockfile import RangeLocks; print(RangeLocks.__module__)", pure=pure).stdout.strip()
+    assert module == ("initiator.fuse._rangelock" if BUILT and not pure else "initiator.fuse.rangelock")
+
+
 def test_daemon_start_line_names_the_data_plane_and_why(tmp_path: Path) -> None:
     env = dict(os.environ, BLOCKD_PURE="1")
     proc = subprocess.Popen([sys.executable, "-c", MAIN, "initiator", "--socket", str(tmp_path / "i.sock")],

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from initiator.controller import NamespaceInfo
+from initiator.fuse import blockfile
 from initiator.fuse import session as session_module
 from initiator.fuse.abi import FORGET, FSYNC, FSYNC_IN, GETATTR, IN_HEADER, OUT_HEADER, RW_IN, WRITE
 from initiator.fuse.session import COPY_LIMIT, MAX_BATCH, FuseSession
@@ -20,12 +21,15 @@ from .conftest import run
 from .test_fuse_loop import BS, _interrupt, _RamCtrl, _read, _write
 
 _loop = pytest.importorskip("initiator.fuse._loop", reason="compiled data plane not built")
+_rangelock = pytest.importorskip("initiator.fuse._rangelock", reason="compiled data plane not built")
 
 
 @pytest.fixture(autouse=True)
 def _compiled_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compiled loop is there to compare even under BLOCKD_PURE=1 (which leaves it unused)."""
+    """The compiled loop is there to compare even under BLOCKD_PURE=1 (which leaves it unused),
+    with the compiled range locks it runs with (it cimports them; the Python loop takes either)."""
     monkeypatch.setattr(session_module, "FuseLoop", _loop.FuseLoop)
+    monkeypatch.setattr(blockfile, "RangeLocks", _rangelock.RangeLocks)
 
 
 BLOCKS = 64

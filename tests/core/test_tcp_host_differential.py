@@ -3,10 +3,13 @@ reference (``initiator/tcp_host_io.py``): the same commands submitted and the sa
 PDU streams (valid and mutated: unknown ids, data out of place, SUCCESS without LAST_PDU, R2Ts
 for reads or beyond the data, error statuses, digests on and off, random chunking) must send the
 same bytes, complete the same commands with the same status, fill the same buffers and end the
-connection with the same error."""
+connection with the same error. Half the compiled twin's writes carry their data as the compiled
+FUSE loop gives it, an ``InlineData`` (``initiator/_inline.pyx``) whose capsule is sent as one
+``bytes``: the bytes sent must not change."""
 
 from __future__ import annotations
 
+import gc
 import random
 from typing import Any
 
@@ -27,6 +30,7 @@ _compiled = pytest.importorskip("initiator._tcp_host_io", reason="compiled data 
 _compiled_queue = pytest.importorskip("initiator._queue", reason="compiled data plane not built")
 _compiled_output = pytest.importorskip("blockd._output", reason="compiled data plane not built")
 _compiled_reader = pytest.importorskip("blockd._pdu_reader", reason="compiled data plane not built")
+_inline = pytest.importorskip("initiator._inline", reason="compiled data plane not built")
 
 _OWN = {k: v for k, v in TcpHostConnection.__dict__.items() if k not in ("__dict__", "__weakref__", "__doc__")}
 """The connection's own methods, put on each twin below (whichever base the module picked)."""
@@ -152,7 +156,9 @@ def _run(kind: str, seed: int) -> dict[str, Any]:
         buf = bytearray(rng.randbytes(length)) if write else bytearray(length)
         buffers.append(buf)
         sqe = write_command(1, 8, length // BS - 1) if write else read_command(1, 8, length // BS - 1)
-        cmd = HostCommand(sqe, memoryview(buf) if write else None, None if write else memoryview(buf),
+        inline = rng.random() < 0.5 and kind == "compiled"
+        out = (_inline.InlineData(buf) if inline else memoryview(buf)) if write else None
+        cmd = HostCommand(sqe, out, None if write else memoryview(buf),
                           lambda c, exc: done.append((c.cid, c.status, c.dw0, c.dw1, c.transferred, repr(exc))))
         conn.submit(cmd)
     loop.run_ready()
@@ -186,3 +192,53 @@ def test_the_streams_reach_every_outcome() -> None:
     assert len(errors) > 4, errors
     # R2T answers sent: a write after the submits' one that starts with an H2CData
     assert any(data[:1] == bytes([PduType.H2C_DATA]) for r in runs for _, data in r["sent"][1:])
+
+
+
+class _KeepingTransport(_Transport):
+    """Keeps what it is given, as uvloop does until it is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list[Any] = []
+
+    def write(self, data: Any) -> None:
+        super().write(data)
+        self.kept.append(data)
+
+
+def _write_sent(kind: str, data_out: Any, busy: bool) -> tuple[_KeepingTransport, bytes]:
+    """What one write of ``data_out`` sends on a new connection of ``kind`` (with another
+    command in flight first when ``busy``, so that its id is not 0)."""
+    conn = CONNECTIONS[kind](QUEUES[kind].HostQueue(1, 16), lambda _, exc: None)
+    transport, loop = _KeepingTransport(), _Loop()
+    conn.transport = transport
+    conn.out = BATCHERS[kind](transport, loop=loop)
+    HostCommand = QUEUES[kind].HostCommand
+    if busy:
+        conn.submit(HostCommand(read_command(1, 0, 0), None, memoryview(bytearray(BS)), lambda c, e: None))
+        loop.run_ready()
+    before = len(transport.sent)
+    conn.submit(HostCommand(write_command(1, 8, 1), data_out, None, lambda c, e: None))
+    loop.run_ready()
+    return transport, bytes(bytearray().join(data for _, data in transport.sent[before:]))  # a copy, not the object sent
+
+
+def test_inline_data_is_sent_as_one_bytes_never_written_once_handed_out() -> None:
+    """The capsule of an ``InlineData`` write is its own ``bytes``, header and SQE in front of
+    the data; sent again while a transport still holds those bytes (a retry after a reconnect
+    whose first send was not written yet), it is framed apart and the first bytes stay as they
+    were; once nothing holds them, it is framed in place again."""
+    data = bytes(range(256)) * 4
+    inline = _inline.InlineData(data)
+    first, sent = _write_sent("compiled", inline, False)
+    assert sent == _write_sent("python", memoryview(data), False)[1]
+    assert type(first.kept[-1]) is bytes and first.kept[-1] == sent  # one buffer: no join
+    second, again = _write_sent("compiled", inline, True)
+    assert again == _write_sent("python", memoryview(data), True)[1] != sent
+    assert first.kept[-1] == sent, "bytes handed to a transport were written over"
+    own = id(first.kept[-1])
+    del first, second
+    gc.collect()  # the connections' reference cycles
+    third, last = _write_sent("compiled", inline, True)
+    assert last == again and id(third.kept[-1]) == own
