@@ -74,6 +74,11 @@ class ReplyPipe:
         """The smallest size the kernel refused: not asked again."""
         self.queued = 0
         """Bytes in the pipe (a reply filled and not drained yet)."""
+        self.sent = 0
+        """Replies the Python twin sent from the pipe (the compiled twin counts its own:
+        ``TcpFastPath.by_reference``)."""
+        self.spilled = 0
+        """Of those, the ones the socket did not take whole (the rest went through the transport)."""
 
     def room_for(self, length: int) -> bool:
         """Whether a read of ``length`` bytes fits with its header and CapsuleResp (growing the
@@ -115,8 +120,10 @@ class ReplyPipe:
                 left -= _splice_out(self.r, sock, left)
         if left:
             rest.append(_read_exactly(self.r, left))
+        self.sent += 1
         if not rest:
             return False
+        self.spilled += 1
         out.send(rest)
         return True
 

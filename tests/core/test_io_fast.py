@@ -189,6 +189,8 @@ def _run(tmp: Path, chunks: list[list[tuple[bytes, bytes]]], cattr: int, dgst: i
             queue = ctrl.queues[1]
             fast = queue.transport.fast
             out["served"] = fast.served if fast is not None else 0
+            pipe = queue.transport.pipe
+            out["by_reference"] = (fast.by_reference if fast is not None else 0, pipe.sent if pipe is not None else 0)
             out["in_flight"] = (queue.in_flight, [n.in_flight for n in ctrl.subsystem.namespaces.values()])
             out["counters"] = [_comparable(c.snapshot()) for c in
                                [ctrl.counters] + [n.counters for n in ctrl.subsystem.namespaces.values()]]
@@ -496,6 +498,8 @@ def _r2t_ends(tmp: Path) -> dict[str, Any]:
             wire.append(pdu.header)
             fast = ctrl.queues[1].transport.fast
             out["served"] = fast.served if fast is not None else 0
+            pipe = queue.transport.pipe
+            out["by_reference"] = (fast.by_reference if fast is not None else 0, pipe.sent if pipe is not None else 0)
             out["closed"] = (two.backend.fd, two.in_flight)
             io.send(capsule(_r2t_write(5, 0, 4096)))
             await _r2t_of(io)
