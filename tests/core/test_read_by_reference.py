@@ -227,14 +227,18 @@ def test_large_reads_keep_their_order_among_queued_replies(tmp_path: Path, monke
 # -- a file shorter than the namespace -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("twin", TWINS)
+@pytest.mark.parametrize("twin", [*TWINS, pytest.param("compiled-alone", marks=TWINS[1].marks)])
 def test_a_short_file_fails_the_read_as_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, twin: str) -> None:
     """The backing file cut short under the target: a read past its end comes short from the
     file before anything was sent, so it fails with Unrecovered Read Error and nothing before the
-    CapsuleResp, as without reads by reference; the pipe is empty again for the next read."""
+    CapsuleResp, as without reads by reference; the pipe is empty again for the next read.
+    ``compiled-alone``: the Python twin sends nothing by reference once the compiled one is bound
+    (it took ``BY_REFERENCE_MIN`` then), so the compiled twin's own emptying of the pipe is what
+    the last read relies on."""
     _twin(monkeypatch, twin)
 
-    def once(tmp: Path) -> tuple[list[tuple[int, bytes]], tuple[int, int]]:
+    def once(tmp: Path, by_reference: bool) -> tuple[list[tuple[int, bytes]], tuple[int, int]]:
+        monkeypatch.setattr(file_send, "BY_REFERENCE_MIN", 65536 if by_reference else OFF)
         tmp.mkdir()
         image = tmp / "rw.img"
         data = fill_file(image, SIZE, seed=9)
@@ -255,6 +259,8 @@ def test_a_short_file_fails_the_read_as_before(tmp_path: Path, monkeypatch: pyte
                     status, _, got_cid, got = await io.command(_read_sqe(cid, slba, 256))
                     assert got_cid == cid
                     results.append((status, got))
+                    if twin == "compiled-alone":
+                        monkeypatch.setattr(file_send, "BY_REFERENCE_MIN", OFF)
                 conn = service.target.controllers[cntlid].queues[1].transport
                 out["results"] = results
                 out["stats"] = (conn.fast.by_reference if conn.fast else 0, conn.pipe.sent if conn.pipe else 0)
@@ -266,12 +272,12 @@ def test_a_short_file_fails_the_read_as_before(tmp_path: Path, monkeypatch: pyte
         assert out["results"][3][1] == data[1024 * BLOCK:1024 * BLOCK + (128 << 10)]
         return out["results"], out["stats"]
 
-    monkeypatch.setattr(file_send, "BY_REFERENCE_MIN", 65536)
-    got, stats = once(tmp_path / "by_reference")
-    monkeypatch.setattr(file_send, "BY_REFERENCE_MIN", OFF)
-    want, _ = once(tmp_path / "ordinary")
+    got, stats = once(tmp_path / "by_reference", True)
+    want, _ = once(tmp_path / "ordinary", False)
     assert got == want
     statuses = [status for status, _ in got]
     assert statuses[0] == statuses[3] == 0
     assert statuses[1] & 0x7FF == statuses[2] & 0x7FF == to_wire(Status.UNRECOVERED_READ_ERROR) & 0x7FF
     assert _by_reference(stats) == 2
+    if twin == "compiled-alone":
+        assert stats == (2, 0)
