@@ -498,8 +498,6 @@ def _r2t_ends(tmp: Path) -> dict[str, Any]:
             wire.append(pdu.header)
             fast = ctrl.queues[1].transport.fast
             out["served"] = fast.served if fast is not None else 0
-            pipe = queue.transport.pipe
-            out["by_reference"] = (fast.by_reference if fast is not None else 0, pipe.sent if pipe is not None else 0)
             out["closed"] = (two.backend.fd, two.in_flight)
             io.send(capsule(_r2t_write(5, 0, 4096)))
             await _r2t_of(io)
