@@ -51,6 +51,12 @@ writes it). Measured (docs/dataplane.md, "R2T writes in C"): target user time pe
 Replies, and the receive loop's hold and release, go to the connection's compiled output batcher
 with C calls (``blockd/_output.pxd``).
 
+A Read of at least ``target.file_send.BY_REFERENCE_MIN`` bytes goes by reference
+(:meth:`TcpFastPath._read_by_reference`, the twin of :mod:`target.file_send`, which says why and
+how): its header, the file range (``splice``, page references) and its CapsuleResp through the
+connection's pipe to the socket, with the same bytes on the wire and the same ends as the
+``pread`` path; a range that does not come whole goes to the Python queue like a failed ``pread``.
+
 Every offset comes from ``protocol/`` at import and is checked there against headers built by
 ``protocol/`` (a changed layout is an ImportError, and the target runs the Python path).
 """
@@ -70,7 +76,6 @@ from blockd._pdu_reader cimport PduReader
 from blockd.iostats import KIND_BY_OPCODE
 from blockd.tcp_frames import DataDigestError, FramingError
 from blockd.tcp_pdu import PduWriter
-from target import file_send
 from protocol.constants import CC_EN, CSTS_RDY, PSDT_SGL, IoOpcode, SglId
 from protocol.layout import field_offset
 from protocol.nvme import CQE, CQE_FAST, FLAGS_PSDT_FUSE_MASK, IO_COMMAND, IO_CONTROL, IO_SLBA, RW_CONTROL_FUA, SQE_SIZE
@@ -78,6 +83,7 @@ from protocol.tcp import (
     CAPSULE_RESP_HLEN, COMMON_HEADER, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_HLEN, DATA_PDU_HEADER,
     DATA_PDU_HEADER_FAST, PduFlags, PduType,
 )
+from target import file_send
 
 cdef extern from *:
     int __builtin_clzll(unsigned long long) nogil

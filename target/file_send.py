@@ -22,7 +22,7 @@ time); doing the two halves ourselves lets the file half run first, before anyth
    still queued in user space: the transport's buffer is empty (uvloop keeps a ``write`` until
    the end of the loop iteration, so writing beside it would reorder bytes), and whatever the
    output batcher holds (replies of this receive batch) is written straight to the socket
-   first. What the socket does not take (its buffer is full: EAGAIN, or a partial splice) is
+   first (joined, one ``write``). What the socket does not take (its buffer is full: EAGAIN, or a partial splice) is
    read out of the pipe and goes through the batcher in order after it, the one copy the
    ordinary path makes; so does everything when the transport has bytes queued.
 
@@ -176,18 +176,15 @@ def _splice_in(fd: int, pipe_w: int, offset: int, length: int) -> int:
 
 
 def _write_direct(sock: int, bufs: list[bytes | memoryview]) -> list[bytes | memoryview]:
-    """Write ``bufs`` to the socket in one ``writev``; what it did not take, in order."""
+    """Write ``bufs`` to the socket, joined, in one ``write``; what it did not take."""
     if not bufs:
         return bufs
+    joined = b"".join(bufs)
     try:
-        n = os.writev(sock, bufs)
+        n = os.write(sock, joined)
     except OSError:  # full (EAGAIN), or the connection failed: the transport finds out itself
         n = 0
-    for i, buf in enumerate(bufs):
-        if n < len(buf):
-            return [memoryview(buf)[n:], *bufs[i + 1:]] if n else bufs[i:]
-        n -= len(buf)
-    return []
+    return [memoryview(joined)[n:]] if n < len(joined) else []
 
 
 def _splice_out(pipe_r: int, sock: int, length: int) -> int:
