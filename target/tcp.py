@@ -92,6 +92,9 @@ class _Discard:
     def send(self, bufs: list[bytes | memoryview]) -> None:
         pass
 
+    def take(self) -> list[bytes | memoryview]:
+        return []
+
     def hold(self) -> None:
         pass
 
