@@ -19,3 +19,4 @@ cdef class OutputBatcher:
     cdef int _release(self) except -1
     cdef int _send(self, bufs) except -1
     cdef int _flush(self) except -1
+    cdef list _take(self)

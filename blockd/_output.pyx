@@ -44,6 +44,9 @@ cdef class OutputBatcher:
     def flush(self):
         self._flush()
 
+    def take(self):
+        return self._take()
+
     cdef void _hold(self) noexcept:
         self._held += 1
 
@@ -59,6 +62,11 @@ cdef class OutputBatcher:
             self._scheduled = True
             self._loop.call_soon(self.flush)
         return 0
+
+    cdef list _take(self):
+        cdef list bufs = self._bufs
+        self._bufs = []
+        return bufs
 
     cdef int _flush(self) except -1:
         cdef list bufs = self._bufs

@@ -49,6 +49,12 @@ class OutputBatcher:
             self._scheduled = True
             self._loop.call_soon(self.flush)
 
+    def take(self) -> list[bytes | memoryview]:
+        """The buffers queued and not written yet, oldest first, handed over: for a caller that
+        writes them to the socket itself, ahead of what it sends there (``target/file_send.py``)."""
+        bufs, self._bufs = self._bufs, []
+        return bufs
+
     def flush(self) -> None:
         self._scheduled = False
         bufs, self._bufs = self._bufs, []

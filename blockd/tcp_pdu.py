@@ -63,15 +63,19 @@ class PduWriter:
                  flags: int = 0) -> list[bytes | memoryview]:
         """H2CData / C2HData carrying ``data`` at ``offset`` of command ``cccid``."""
         if not self.hdgst and not self.ddgst:  # the common case, in one pack
-            n = len(data)
-            return [_pack_data_header(ptype, flags, DATA_HLEN, DATA_HLEN, DATA_HLEN + n, cccid, ttag, offset, n),
-                    data]
+            return [data_header(ptype, cccid, ttag, offset, len(data), flags), data]
         rest = _pack_data_header(0, 0, 0, 0, 0, cccid, ttag, offset, len(data))[8:]
         return self.pdu(ptype, rest, data, flags)
 
     def r2t(self, cccid: int, ttag: int, offset: int, length: int) -> list[bytes]:
         rest = _pack_data_header(0, 0, 0, 0, 0, cccid, ttag, offset, length)[8:]
         return self.pdu(PduType.R2T, rest)  # type: ignore[return-value]
+
+
+def data_header(ptype: int, cccid: int, ttag: int, offset: int, n: int, flags: int = 0) -> bytes:
+    """The header of a data PDU carrying ``n`` bytes, without digests (the data follows it on
+    the wire; ``target/file_send.py`` sends it by reference)."""
+    return _pack_data_header(ptype, flags, DATA_HLEN, DATA_HLEN, DATA_HLEN + n, cccid, ttag, offset, n)
 
 
 def term_req(ptype: int, fes: int, fei: int, offending: bytes) -> bytes:

@@ -51,6 +51,12 @@ writes it). Measured (docs/dataplane.md, "R2T writes in C"): target user time pe
 Replies, and the receive loop's hold and release, go to the connection's compiled output batcher
 with C calls (``blockd/_output.pxd``).
 
+A Read of at least ``target.file_send.BY_REFERENCE_MIN`` bytes goes by reference
+(:meth:`TcpFastPath._read_by_reference`, the twin of :mod:`target.file_send`, which says why and
+how): its header, the file range (``splice``, page references) and its CapsuleResp through the
+connection's pipe to the socket, with the same bytes on the wire and the same ends as the
+``pread`` path; a range that does not come whole goes to the Python queue like a failed ``pread``.
+
 Every offset comes from ``protocol/`` at import and is checked there against headers built by
 ``protocol/`` (a changed layout is an ImportError, and the target runs the Python path).
 """
@@ -60,7 +66,7 @@ from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndS
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.string cimport memcpy
 from posix.types cimport off_t
-from posix.unistd cimport pread
+from posix.unistd cimport pread, read, write
 
 from blockd._iostats cimport IoCounters, now_ns
 from blockd._le cimport le16, le32, le64, st16, st32
@@ -77,6 +83,16 @@ from protocol.tcp import (
     CAPSULE_RESP_HLEN, COMMON_HEADER, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_HLEN, DATA_PDU_HEADER,
     DATA_PDU_HEADER_FAST, PduFlags, PduType,
 )
+from target import file_send
+
+cdef extern from "<fcntl.h>" nogil:
+    Py_ssize_t splice(int fd_in, off_t* off_in, int fd_out, off_t* off_out, size_t n, unsigned int flags)
+    unsigned int SPLICE_F_NONBLOCK
+
+cdef extern from "<sys/socket.h>" nogil:
+    Py_ssize_t send(int fd, const void* buf, size_t n, int flags)
+    int MSG_DONTWAIT
+    int MSG_NOSIGNAL
 
 # -- layouts, from protocol/ ---------------------------------------------------------------------
 
@@ -187,6 +203,16 @@ def _check_layouts():
 _check_layouts()
 
 
+cdef inline Py_ssize_t _splice_all(int fd_in, off_t* off_in, int fd_out, Py_ssize_t length) noexcept nogil:
+    """Splice up to ``length`` bytes (from ``*off_in`` of a file, or NULL: from a pipe); the bytes
+    moved before the first short or failed call: end of file, EIO, a full socket (EAGAIN)."""
+    cdef Py_ssize_t done = 0, n
+    while done < length:
+        n = splice(fd_in, off_in, fd_out, NULL, length - done, SPLICE_F_NONBLOCK)
+        if n <= 0:
+            break
+        done += n
+    return done
 
 
 # -- the C copies of the storage --------------------------------------------------------------------
@@ -299,13 +325,30 @@ cdef class TcpFastPath:
     cdef Py_ssize_t flush_at
     cdef Py_ssize_t r2t_per_queue
     cdef object unsent
+    cdef object write_buffer_size
+    cdef int sock
+    cdef object pipe
+    cdef int pipe_r
+    cdef int pipe_w
+    cdef Py_ssize_t pipe_room
+    cdef Py_ssize_t by_reference_min
     cdef public unsigned long long served
     """Commands answered here (the tests check that the fast path ran)."""
+    cdef public unsigned long long by_reference
+    """Reads of those whose data went by reference (:meth:`_read_by_reference`)."""
+    cdef public unsigned long long spilled
+    """Of those, the ones of which the socket did not take all, the rest going through the
+    transport (the tests check that the fallback ran)."""
 
     def __init__(self, conn, Py_ssize_t max_transfer):
         self.conn = conn
         self.max_transfer = max_transfer
         self.served = 0
+        self.by_reference = 0
+        self.spilled = 0
+        self.sock = -1
+        self.pipe_r = self.pipe_w = -1
+        self.pipe_room = 0
         reader = conn.reader
         self.reader = reader if type(reader) is PduReader else None
         self.py_buffer_updated = type(conn).buffer_updated
@@ -404,6 +447,9 @@ cdef class TcpFastPath:
         self.transport = self.conn.transport
         self.flush_at = self.conn._flush_at
         self.unsent = self.conn._unsent
+        self.write_buffer_size = self.transport.get_write_buffer_size
+        self.sock = self.conn._sock
+        self.by_reference_min = file_send.BY_REFERENCE_MIN
         self.r2t_per_queue = self.conn.limits.r2t_budget
         # a write capsule is received whole into staging and written to the file from there
         # (placing it would copy what arrived with its header: docs/dataplane.md, large transfers)
@@ -494,6 +540,8 @@ cdef class TcpFastPath:
 
     cdef bint _read(self, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
                     long long start) except -1:
+        if self._by_reference(length):
+            return self._read_by_reference(ns, fd, offset, length, cid, start)
         cdef Py_ssize_t total = _DATA_HLEN + length + (0 if self.sqhd_disabled else _RESP_LEN)
         cdef bytes reply = PyBytes_FromStringAndSize(NULL, total)
         cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(reply)
@@ -518,6 +566,91 @@ cdef class TcpFastPath:
         else:
             conn._batched = batched
         self.served += 1
+        return True
+
+    # -- reads by reference (target/file_send.py: why, and the Python twin of each step) ------------
+
+    cdef bint _by_reference(self, unsigned int length) except -1:
+        """The one place the compiled path decides whether a Read's data goes by reference: at
+        least ``file_send.BY_REFERENCE_MIN`` bytes (read when the connection bound), a socket, and
+        the connection's pipe able to hold it (the rest of ``TcpTargetConnection.read_buffer``'s
+        conditions, a plain ``FileBackend`` and no digests, hold for every command served here)."""
+        if length < self.by_reference_min or self.sock < 0:
+            return False
+        if length > self.pipe_room:  # the first such read, or a larger one: a Python call
+            pipe = self.conn.reply_pipe()
+            if not pipe.room_for(length):
+                return False
+            self.pipe = pipe
+            self.pipe_r = pipe.r
+            self.pipe_w = pipe.w
+            self.pipe_room = length
+        return True
+
+    cdef bint _read_by_reference(self, FastNamespace ns, int fd, off_t offset, unsigned int length,
+                                 unsigned int cid, long long start) except -1:
+        """``PipedRead.fill`` and ``ReplyPipe.drain`` in C: the C2HData header and the file range
+        into the pipe (False, the pipe emptied, if the range does not come whole: the Python queue
+        reads again and answers as always), the CapsuleResp after it, then the pipe to the socket
+        when nothing is queued before it, and what the socket does not take through the batcher."""
+        cdef unsigned char head[64]
+        cdef unsigned char resp[64]
+        cdef Py_ssize_t got, n, total, left
+        cdef off_t pos = offset
+        cdef int pw = self.pipe_w, pr = self.pipe_r, sock = self.sock
+        cdef bint success = self.sqhd_disabled
+        cdef bytes rest, joined
+        cdef unsigned char* p
+        pipe = self.pipe
+        if pipe.queued:
+            pipe.discard()  # a reply the Python path filled and never sent (its connection was closing)
+        _c2h_header(head, cid, length, _LAST_SUCCESS if success else _LAST)
+        with nogil:
+            write(pw, head, _DATA_HLEN)  # into an empty pipe with room: never short
+            got = _splice_all(fd, &pos, pw, length)
+        if got != length:
+            pipe.discard()
+            return False
+        total = _DATA_HLEN + length
+        if not success:
+            _capsule_resp(resp, self._next_sqhd(), self.qid, cid)
+            write(pw, resp, _RESP_LEN)
+            total += _RESP_LEN
+        self.ctrl.traffic_seen = True
+        self._complete(ns, _KIND_READ, length, start)
+        # ReplyPipe.drain
+        left = total
+        cdef list spill = []
+        if not self.write_buffer_size():
+            pending = self.out._take()
+            if pending:  # this receive's earlier replies go first, straight to the socket too
+                joined = b"".join(pending)
+                n = send(sock, PyBytes_AS_STRING(joined), len(joined), MSG_DONTWAIT | MSG_NOSIGNAL)
+                if n < 0:
+                    n = 0
+                if n < len(joined):
+                    spill.append(memoryview(joined)[n:])
+            if not spill:
+                with nogil:
+                    left -= _splice_all(pr, NULL, sock, left)
+        if left:
+            rest = PyBytes_FromStringAndSize(NULL, left)
+            p = <unsigned char*>PyBytes_AS_STRING(rest)
+            got = 0
+            with nogil:
+                while got < left:  # the bytes are in the pipe
+                    n = read(pr, p + got, left - got)
+                    if n <= 0:
+                        break
+                    got += n
+            spill.append(rest)
+        if spill:
+            self.out._send(spill)
+            self.conn._batched = 0
+            self.out._flush()
+            self.spilled += 1
+        self.served += 1
+        self.by_reference += 1
         return True
 
     cdef bint _write(self, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,

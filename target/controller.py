@@ -35,6 +35,7 @@ from protocol.nvme import (
 )
 from protocol.status import Status, to_wire
 from target.ana import ANATT_SECONDS, MAX_ANA_GROUPS, MAX_ANA_NAMESPACES
+from target.file_send import PipedRead
 from target.request import Direction, Request
 
 if TYPE_CHECKING:
@@ -549,6 +550,11 @@ class Controller:
         ns = req.ns
         offset = req.fields[IO_SLBA] << ns.lba_shift
         buf = req.buffer
+        if type(buf) is PipedRead:  # sent by reference (the connection decided: target/file_send.py)
+            if buf.fill(ns.backend.fd, offset):
+                req.reply = buf
+                return
+            buf = None  # the range did not come whole: read it as always (which reports the error)
         if buf is None:
             buf = bytearray(req.length)
         try:

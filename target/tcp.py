@@ -17,14 +17,17 @@ import structlog
 from blockd.tcp_asyncio import OutputBatcher, PduProtocol
 from blockd.tcp_frames import Pdu
 from blockd.tcp_pdu import (
-    DataDigestError, FramingError, PduReader, PduWriter, data_buffer, term_req,
+    DataDigestError, FramingError, PduReader, PduWriter, data_buffer, data_header, term_req,
 )
-from protocol.constants import SglId, TransportType
+from protocol.constants import IoOpcode, SglId, TransportType
 from protocol.nvme import SQE_SIZE
 from protocol.tcp import (
     CAPSULE_RESP_HLEN, COMMON_HEADER, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_PDU_HEADER, DATA_PDU_HEADER_FAST,
     IC_REQ, IC_REQ_FAST, IC_RESP, PduFlags, PduType, TermReqFes, fei_of,
 )
+from target import file_send
+from target.backend import FileBackend
+from target.file_send import PipedRead, ReplyPipe
 from target.io_fast import TcpFastPath
 from target.queue import TargetQueue
 from target.rejections import FRAMING, HELLO_TIMEOUT, INCAPSULE_TOO_LARGE, PDU_TIMEOUT, R2T_BUDGET_WAIT
@@ -54,6 +57,8 @@ _CAPSULE_RESP_HEADER = COMMON_HEADER_FAST.pack(PduType.CAPSULE_RESP, 0, CAPSULE_
 """The CapsuleResp common header without digests: HLEN = PLEN = 24."""
 # Bound once: an Enum class attribute lookup costs several times a global's, per PDU.
 _CAPSULE_CMD, _H2C_DATA, _C2H_DATA = int(PduType.CAPSULE_CMD), int(PduType.H2C_DATA), int(PduType.C2H_DATA)
+_READ = int(IoOpcode.READ)
+_LAST_PDU, _SUCCESS_FLAG = int(PduFlags.LAST_PDU), int(PduFlags.SUCCESS)
 _TTAG = DATA_PDU_HEADER_FAST.index("ttag")
 _IC_PFV, _IC_HPDA, _IC_DGST = (IC_REQ_FAST.index(n) for n in ("pfv", "hpda", "dgst"))
 _FEI_PFV, _FEI_HPDA = fei_of(IC_REQ, "pfv"), fei_of(IC_REQ, "hpda")
@@ -87,6 +92,9 @@ class _Discard:
     def send(self, bufs: list[bytes | memoryview]) -> None:
         pass
 
+    def take(self) -> list[bytes | memoryview]:
+        return []
+
     def hold(self) -> None:
         pass
 
@@ -109,8 +117,6 @@ class TcpTargetConnection(PduProtocol):
     ``max_unsent_total``), after which the socket is not read."""
 
     info = INFO
-    read_buffer = None
-    """C2HData is sent from whatever buffer the read used."""
 
     def __init__(self, target: Target, port: PortInfo) -> None:
         self.target = target
@@ -151,6 +157,10 @@ class TcpTargetConnection(PduProtocol):
         """Writes whose R2T waits for budget, in arrival order."""
         self._r2t_held = 0
         """Bytes of write buffers this queue holds (for R2Ts sent)."""
+        self._sock = -1
+        """The socket's descriptor, for reads sent by reference (-1: none; e.g. not a socket)."""
+        self.pipe: ReplyPipe | None = None
+        """The pipe of reads sent by reference (:mod:`target.file_send`), made at the first."""
         self._timer: asyncio.TimerHandle | None = None
         self._seen = -1
         """``reader.completed`` at the last PDU-timeout tick if a PDU was in progress, else -1."""
@@ -172,6 +182,7 @@ class TcpTargetConnection(PduProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock.fileno()
         # pause_writing once this much waits to be sent; resume_writing once below a quarter of it
         self.transport.set_write_buffer_limits(high=self.limits.max_unsent)
         self.reader.allowed = _BEFORE_IC
@@ -207,6 +218,9 @@ class TcpTargetConnection(PduProtocol):
         if self._r2t_held:
             budget.give(self._r2t_held)
             self._r2t_held = 0
+        if self.pipe is not None:
+            self.pipe.close()
+            self.pipe = None
 
     def pause_writing(self) -> None:
         """The host does not read its replies fast enough: read no more commands from it."""
@@ -412,10 +426,34 @@ class TcpTargetConnection(PduProtocol):
 
     # -- replies ----------------------------------------------------------------------------------
 
+    def read_buffer(self, req: Request) -> PipedRead | None:
+        """Where a command on this I/O queue that returns data reads it: the connection's pipe
+        for a Read sent by reference (:mod:`target.file_send`), else None (a buffer of its own).
+
+        The one place the Python path decides: a Read of at least ``file_send.BY_REFERENCE_MIN``
+        bytes from a plain :class:`FileBackend` (a filter or replication keeps its own read), no
+        digests, a socket, and a pipe that can hold it."""
+        ns = req.ns
+        length = req.length
+        if (length < file_send.BY_REFERENCE_MIN or req.opcode != _READ or ns is None
+                or type(ns.backend) is not FileBackend or self._sock < 0 or self.writer.hdgst or self.writer.ddgst):
+            return None
+        pipe = self.reply_pipe()
+        if not pipe.room_for(length):
+            return None
+        flags = _LAST_PDU | (_SUCCESS_FLAG if self.queue.sqhd_disabled else 0)
+        return PipedRead(pipe, data_header(_C2H_DATA, req.cid, 0, 0, length, flags), length)
+
+    def reply_pipe(self) -> ReplyPipe:
+        """The connection's pipe for reads by reference (both twins use it)."""
+        if self.pipe is None:
+            self.pipe = ReplyPipe()
+        return self.pipe
+
     def queue_response(self, req: Request) -> None:
         """C2HData with the read's data if any, then the CapsuleResp."""
         if self.transport.is_closing():
-            return  # connection_lost gives back any write buffer
+            return  # connection_lost gives back any write buffer (and the pipe's next fill empties it)
         held = req.transport_ctx
         if held:  # a write's buffer is free again
             self._r2t_held -= held
@@ -423,7 +461,15 @@ class TcpTargetConnection(PduProtocol):
             if self._r2t_waiting:
                 self._send_r2ts()
         queue = self.queue
-        if req.reply is not None:
+        reply = req.reply
+        if type(reply) is PipedRead:  # the header and data are in the pipe (the flags set in read_buffer)
+            tail = None if queue.sqhd_disabled else _CAPSULE_RESP_HEADER + req.cqe
+            if reply.pipe.drain(self.out, self.transport, self._sock, tail):
+                self._batched = 0
+                self.out.flush()  # what the socket did not take: to the transport now (its backlog shows)
+            queue.response_sent(req)
+            return
+        if reply is not None:
             # without SQ flow control the data PDU completes the command (as Linux's nvmet-tcp)
             success = PduFlags.SUCCESS if queue.sqhd_disabled else 0
             self.out.send(self.writer.data_pdu(_C2H_DATA, req.cid, 0, 0, req.reply, PduFlags.LAST_PDU | success))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
+    from target.file_send import PipedRead
     from target.request import Request
     from target.target import PortInfo, Target
 
@@ -61,10 +62,11 @@ class TargetTransport(Protocol):
     """One transport connection carrying one queue (admin or I/O)."""
 
     info: TransportInfo
-    read_buffer: Callable[[Request], memoryview | None] | None
+    read_buffer: Callable[[Request], memoryview | PipedRead | None] | None
     """Memory a read on an I/O queue may fill in place (exactly ``req.length`` bytes, e.g.
-    the registered memory RDMA WRITE sends from), or None when there is none free now; the
-    attribute itself is None for a transport that sends from any buffer (NVMe/TCP)."""
+    the registered memory RDMA WRITE sends from), or None when there is none free now (or,
+    NVMe/TCP, a :class:`target.file_send.PipedRead`: the Read's data goes by reference); the
+    attribute itself is None for a transport that sends from any buffer."""
 
     def fetch_data(self, req: Request) -> None:
         """Get the host's data for ``req`` into ``req.data``; end in ``queue.data_ready(req)``

@@ -42,6 +42,7 @@ SIZE = 64 << 20
 WORKLOADS = {  # name: (opcode, bytes per I/O, in the capsule)
     "read-4k": (IoOpcode.READ, 4096, False),
     "read-32k": (IoOpcode.READ, 32 << 10, False),
+    "read-64k": (IoOpcode.READ, 64 << 10, False),
     "read-128k": (IoOpcode.READ, 128 << 10, False),
     "write-4k": (IoOpcode.WRITE, 4096, True),
     "write-128k": (IoOpcode.WRITE, 128 << 10, True),
@@ -50,9 +51,14 @@ WORKLOADS = {  # name: (opcode, bytes per I/O, in the capsule)
 _STATUS = CQE_FAST.index("status")
 
 
-def _target(path: str, port: int, counts_file: str, ready: multiprocessing.Event, zero_fill: bool) -> None:
+def _target(path: str, port: int, counts_file: str, ready: multiprocessing.Event, zero_fill: bool,
+            by_reference_min: int | None) -> None:
     """The child: serve until SIGTERM, then write each queue's ``reader.copied``."""
     import signal
+
+    if by_reference_min is not None:
+        from target import file_send
+        file_send.BY_REFERENCE_MIN = by_reference_min
 
     if zero_fill:
         import target.tcp
@@ -135,6 +141,9 @@ def main() -> int:
     ap.add_argument("--zero-fill", action="store_true",
                     help="data buffers by bytearray(n), zero-filled (the pure plane's), to compare")
     ap.add_argument("--strace", action="store_true", help="syscall counts of the target (strace -c -f)")
+    ap.add_argument("--by-reference-min", type=int, default=None,
+                    help="reads of at least this many bytes by reference (target/file_send.py; "
+                         "default: its BY_REFERENCE_MIN; a large value turns it off)")
     args = ap.parse_args()
     port = free_port()
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -144,7 +153,8 @@ def main() -> int:
         counts_file = str(Path(tmp) / "counts")
         ctx = multiprocessing.get_context("fork")
         ready = ctx.Event()
-        child = ctx.Process(target=_target, args=(str(path), port, counts_file, ready, args.zero_fill))
+        child = ctx.Process(target=_target, args=(str(path), port, counts_file, ready, args.zero_fill,
+                                                             args.by_reference_min))
         child.start()
         ready.wait(30)
         admin = Client(port)

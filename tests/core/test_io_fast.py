@@ -189,6 +189,8 @@ def _run(tmp: Path, chunks: list[list[tuple[bytes, bytes]]], cattr: int, dgst: i
             queue = ctrl.queues[1]
             fast = queue.transport.fast
             out["served"] = fast.served if fast is not None else 0
+            pipe = queue.transport.pipe
+            out["by_reference"] = (fast.by_reference if fast is not None else 0, pipe.sent if pipe is not None else 0)
             out["in_flight"] = (queue.in_flight, [n.in_flight for n in ctrl.subsystem.namespaces.values()])
             out["counters"] = [_comparable(c.snapshot()) for c in
                                [ctrl.counters] + [n.counters for n in ctrl.subsystem.namespaces.values()]]
