@@ -19,7 +19,8 @@ from typing import Any, AsyncIterator
 from target.config import parse
 from initiator.controller import ConnectParams, Controller
 from protocol.constants import SglId
-from protocol.fabrics import CONNECT_DATA
+from protocol.fabrics import CONNECT_COMMAND, CONNECT_DATA
+from protocol.layout import field_offset
 from protocol.nvme import CQE_FAST, build_sgl_data_block, build_sqe
 from protocol.tcp import IC_REQ, PduType, crc32c
 from target.service import TargetService
@@ -142,8 +143,9 @@ def transport_sgl(length: int) -> bytes:
 
 
 def connect_sqe(cid: int = 0, qid: int = 0, sqsize: int = 31, kato: int = 0, recfmt: int = 0,
-                length: int = 1024) -> bytes:
+                length: int = 1024, cattr: int = 0) -> bytes:
     sqe = bytearray(build_sqe(0x7F, cid, dptr=incapsule_sgl(length)))
+    sqe[field_offset(CONNECT_COMMAND, "cattr")] = cattr
     sqe[4] = 0x01
     sqe[40:42] = recfmt.to_bytes(2, "little")
     sqe[42:44] = qid.to_bytes(2, "little")
@@ -277,3 +279,10 @@ async def until(cond: Any, timeout: float = 5.0) -> None:
     while not cond():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.02)
+
+
+def comparable_counters(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """A counters snapshot without the timings (they differ from run to run): what two twins'
+    runs of the same commands must agree on, with how many commands were timed."""
+    return {k: v for k, v in snapshot.items() if k not in ("latency_ns", "buckets")} | {
+        "timed": sum(snapshot["buckets"])}

@@ -34,8 +34,8 @@ from target.io_fast import TcpFastPath
 from target.service import TargetService
 
 from .conftest import (
-    NQN, RawConn, capsule, config, connect_data, connect_sqe, fill_file, free_port, h2c_data, ns, raw_admin, run,
-    serving, sub,
+    NQN, RawConn, capsule, comparable_counters, config, connect_data, connect_sqe, fill_file, free_port, h2c_data,
+    ns, raw_admin, run, serving, sub,
 )
 
 compiled_only = pytest.mark.skipif(
@@ -177,9 +177,8 @@ def _run(tmp: Path, chunks: list[list[tuple[bytes, bytes]]], cattr: int, dgst: i
             admin, cntlid = await raw_admin(port)
             io = await RawConn.open(port)
             await io.initialize(dgst=dgst)
-            sqe = bytearray(connect_sqe(qid=1, sqsize=127))
-            sqe[46] = cattr
-            io.send(capsule(bytes(sqe), connect_data(cntlid=cntlid), hdgst=dgst != 0, ddgst=dgst != 0))
+            sqe = connect_sqe(qid=1, sqsize=127, cattr=cattr)
+            io.send(capsule(sqe, connect_data(cntlid=cntlid), hdgst=dgst != 0, ddgst=dgst != 0))
             resp = await io.recv()
             assert resp is not None and resp.ptype == PduType.CAPSULE_RESP
             assert CQE_FAST.unpack_from(resp.header, 8)[_CQE_STATUS] == 0
@@ -192,7 +191,7 @@ def _run(tmp: Path, chunks: list[list[tuple[bytes, bytes]]], cattr: int, dgst: i
             pipe = queue.transport.pipe
             out["by_reference"] = (fast.by_reference if fast is not None else 0, pipe.sent if pipe is not None else 0)
             out["in_flight"] = (queue.in_flight, [n.in_flight for n in ctrl.subsystem.namespaces.values()])
-            out["counters"] = [_comparable(c.snapshot()) for c in
+            out["counters"] = [comparable_counters(c.snapshot()) for c in
                                [ctrl.counters] + [n.counters for n in ctrl.subsystem.namespaces.values()]]
             out["error_log"] = list(ctrl.error_log)
             out["sqhd"] = queue.sqhd
@@ -203,12 +202,6 @@ def _run(tmp: Path, chunks: list[list[tuple[bytes, bytes]]], cattr: int, dgst: i
     run(main(), timeout=120)
     out["files"] = (rw.read_bytes(), ro.read_bytes(), rw4k.read_bytes())
     return out
-
-
-def _comparable(snapshot: dict[str, Any]) -> dict[str, Any]:
-    """A counters snapshot without the timings (they differ from run to run)."""
-    return {k: v for k, v in snapshot.items() if k not in ("latency_ns", "buckets")} | {
-        "timed": sum(snapshot["buckets"])}
 
 
 @compiled_only
@@ -508,7 +501,7 @@ def _r2t_ends(tmp: Path) -> dict[str, Any]:
                 await asyncio.sleep(0.01)
             out["wire"] = wire
             out["after_loss"] = (one.in_flight, service.target.r2t_budget.used)
-            out["counters"] = [_comparable(c.snapshot()) for c in (ctrl.counters, one.counters, two.counters)]
+            out["counters"] = [comparable_counters(c.snapshot()) for c in (ctrl.counters, one.counters, two.counters)]
             out["error_log"] = list(ctrl.error_log)
             await admin.close()
 

@@ -35,7 +35,7 @@ from target.rdma import RdmaListener  # noqa: E402
 from target.target import PortInfo  # noqa: E402
 
 from .conftest import (  # noqa: E402
-    NQN, config, connect_data, connect_sqe, fill_file, free_port, ns, raw_admin, run, serving, sub,
+    NQN, comparable_counters, config, connect_data, connect_sqe, fill_file, free_port, ns, raw_admin, run, serving, sub,
 )
 from .rdma_sim import Host, open_queue, patch_device  # noqa: E402
 
@@ -131,9 +131,8 @@ def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, seed: int, count: int, catt
             admin, cntlid = await raw_admin(port)
             listener = RdmaListener(service.target, PortInfo(2, "rdma", "192.0.2.1", "4420"))
             conn, host = open_queue(listener, 1, DEPTH)
-            sqe = bytearray(connect_sqe(qid=1, sqsize=sqsize))
-            sqe[46] = cattr
-            assert host.capsule(bytes(sqe), connect_data(cntlid=cntlid))
+            sqe = connect_sqe(qid=1, sqsize=sqsize, cattr=cattr)
+            assert host.capsule(sqe, connect_data(cntlid=cntlid))
             await _answered(host, 1, False)
             assert host.responses[0][14:16] == b"\0\0", host.responses[0].hex()
             ctrl = service.target.controllers[cntlid]
@@ -162,7 +161,7 @@ def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, seed: int, count: int, catt
             out["wire"] = host.wire
             out["mem"] = host.mem
             out["in_flight"] = (queue.in_flight, [n.in_flight for n in ctrl.subsystem.namespaces.values()])
-            out["counters"] = [_comparable(c.snapshot()) for c in
+            out["counters"] = [comparable_counters(c.snapshot()) for c in
                                [ctrl.counters] + [n.counters for n in ctrl.subsystem.namespaces.values()]]
             out["error_log"] = list(ctrl.error_log)
             out["sqhd"] = queue.sqhd
@@ -174,12 +173,6 @@ def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, seed: int, count: int, catt
     run(main(), timeout=120)
     out["files"] = (rw.read_bytes(), ro.read_bytes(), rw4k.read_bytes())
     return out
-
-
-def _comparable(snapshot: dict[str, Any]) -> dict[str, Any]:
-    """A counters snapshot without the timings (they differ from run to run)."""
-    return {k: v for k, v in snapshot.items() if k not in ("latency_ns", "buckets")} | {
-        "timed": sum(snapshot["buckets"])}
 
 
 def test_the_compiled_rdma_path_runs_with_the_compiled_plane() -> None:

@@ -151,9 +151,8 @@ def _exchange(tmp: Path, commands: list[tuple[str, int, int, int]], loop: str, s
             io = await RawConn.open(port)
             io.writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
             await io.initialize()
-            sqe = bytearray(connect_sqe(qid=1, sqsize=127))
-            sqe[46] = cattr
-            io.send(capsule(bytes(sqe), connect_data(cntlid=cntlid)))
+            sqe = connect_sqe(qid=1, sqsize=127, cattr=cattr)
+            io.send(capsule(sqe, connect_data(cntlid=cntlid)))
             resp = await io.recv()
             assert resp is not None and CQE_FAST.unpack_from(resp.header, 8)[_CQE_STATUS] == 0
             raw = []

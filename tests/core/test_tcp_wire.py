@@ -36,9 +36,8 @@ def test_sq_flow_control_decides_how_a_read_completes(tmp_path: Path) -> None:
                 admin, cntlid = await raw_admin(port)
                 io = await RawConn.open(port)
                 await io.initialize()
-                sqe = bytearray(connect_sqe(qid=1, sqsize=127))
-                sqe[46] = cattr
-                status, _, _, _ = await io.command(bytes(sqe), connect_data(cntlid=cntlid))
+                sqe = connect_sqe(qid=1, sqsize=127, cattr=cattr)
+                status, _, _, _ = await io.command(sqe, connect_data(cntlid=cntlid))
                 assert status == 0
                 for cid in (5, 6):
                     io.send(capsule(read_sqe(cid, 8 * cid, 8)))
