@@ -37,5 +37,6 @@ cdef inline Py_ssize_t _pwrite_all(int fd, const unsigned char* p, Py_ssize_t le
 
 cdef FastNamespace served_namespace(object entry, unsigned long long slba, unsigned int nlb, unsigned int length)
 cdef void write_cqe(unsigned char* p, unsigned int sqhd, unsigned int sqid, unsigned int cid) noexcept
+cdef bint queue_ready(object queue, object ctrl, Py_ssize_t pool) except -1
 cdef unsigned int next_sqhd(object queue, unsigned int sqsize, bint disabled) except? 0xFFFFFFFF
 cdef void count_io(IoCounters counters, FastNamespace ns, int kind, unsigned int length, long long start) noexcept

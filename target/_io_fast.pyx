@@ -235,6 +235,13 @@ cdef FastNamespace served_namespace(object entry, unsigned long long slba, unsig
     return ns
 
 
+cdef bint queue_ready(object queue, object ctrl, Py_ssize_t pool) except -1:
+    """Whether a queue may take a command on the compiled paths now: not locked by
+    authentication, a free command-pool slot (``TargetQueue``'s ``in_flight < pool``), and its
+    controller enabled and ready (CC.EN, CSTS.RDY); else the Python queue answers it."""
+    return not (queue.locked or queue.in_flight >= pool or not (ctrl.cc & _CC_EN) or not (ctrl.csts & _CSTS_RDY))
+
+
 cdef unsigned int next_sqhd(object queue, unsigned int sqsize, bint disabled) except? 0xFFFFFFFF:
     """SQHD for this completion, as ``TargetQueue._complete`` advances it."""
     if not sqsize or disabled:
@@ -527,8 +534,7 @@ cdef class TcpFastPath:
         cdef FastFile f = ns.file
         queue = self.queue
         ctrl = self.ctrl
-        if (queue.locked or queue.in_flight >= self.pool or not (ctrl.cc & _CC_EN) or not (ctrl.csts & _CSTS_RDY)
-                or self.transport.is_closing()):
+        if not queue_ready(queue, ctrl, self.pool) or self.transport.is_closing():
             return False
         if opcode == _READ:
             return self._read(ns, f.fd, <off_t>(slba << ns.lba_shift), length, cid, start)

@@ -56,12 +56,12 @@ from posix.unistd cimport pread
 from blockd._iostats cimport IoCounters, now_ns
 from blockd._le cimport le16, le32, le64
 from target._io_fast cimport (
-    FastFile, FastNamespace, _pwrite_all, count_io, next_sqhd, served_namespace, write_cqe,
+    FastFile, FastNamespace, _pwrite_all, count_io, next_sqhd, queue_ready, served_namespace, write_cqe,
 )
 
 from blockd.iostats import KIND_BY_OPCODE
 from blockd.rdma.abi import SEND_SIGNALED, WR_RDMA_WRITE, WR_SEND, WR_SEND_WITH_INV
-from protocol.constants import CC_EN, CSTS_RDY, PSDT_SGL, IoOpcode, SglId
+from protocol.constants import PSDT_SGL, IoOpcode, SglId
 from protocol.layout import field_offset
 from protocol.nvme import (
     CQE, CQE_FAST, FLAGS_PSDT_FUSE_MASK, IO_COMMAND, RW_CONTROL_FUA, SGL1_OFFSET, SGL_KEYED, build_sgl_data_block,
@@ -96,8 +96,6 @@ cdef int _PSDT_MASK = FLAGS_PSDT_FUSE_MASK
 cdef int _PSDT_SGL = PSDT_SGL
 cdef int _KEYED = SglId.KEYED_DATA_BLOCK
 cdef int _KEYED_INVALIDATE = SglId.KEYED_DATA_BLOCK_INVALIDATE
-cdef int _CC_EN = CC_EN
-cdef int _CSTS_RDY = CSTS_RDY
 cdef int _WR_RDMA_WRITE = WR_RDMA_WRITE
 cdef int _WR_SEND = WR_SEND
 cdef int _WR_SEND_WITH_INV = WR_SEND_WITH_INV
@@ -277,8 +275,7 @@ cdef class RdmaFastPath:
             return False
         queue = self.queue
         ctrl = self.ctrl
-        if (queue.locked or queue.in_flight >= self.pool or not (ctrl.cc & _CC_EN) or not (ctrl.csts & _CSTS_RDY)
-                or self.resp_wait or not self.resp_pool.available):
+        if not queue_ready(queue, ctrl, self.pool) or self.resp_wait or not self.resp_pool.available:
             return False
         if opcode == _WRITE:
             return self._write(ns, idx, q, length, slba, start)
