@@ -33,6 +33,7 @@ from libc.string cimport memcpy
 from blockd._iostats cimport IoCounters, now_ns
 from blockd._le cimport st16, st32, st64
 from initiator._queue cimport Command, HostQueue
+from initiator._tcp_host_io cimport TcpHostIo
 
 from protocol.commands import read_command, write_command
 from protocol.layout import field_offset
@@ -161,13 +162,16 @@ cdef class IoLane:
             return False
         conn = None
         for c in self.io:  # Controller._io_with_room
-            q = c.queue
+            q = (<TcpHostIo>c).queue if isinstance(c, TcpHostIo) else c.queue
             if not isinstance(q, HostQueue):
                 return False
             if (<HostQueue>q)._count > 0:
                 conn = c
                 break
-        if conn is None or conn.closed:
+        if conn is None:
+            return False
+        tcp = isinstance(conn, TcpHostIo)
+        if (<TcpHostIo>conn).closed if tcp else conn.closed:
             return False
         cmd = Command.__new__(Command)
         cmd.sqe = _rw_sqe(write, ns, off // bs, <uint32_t>(length // bs - 1), fua)
@@ -181,6 +185,9 @@ cdef class IoLane:
         cmd.timeout = self.timeout
         cmd.deadline = self.time() + self.timeout
         cmd.sent_ns = now_ns()
+        if tcp:  # the compiled TCP connection: its hold, submit and release as C calls
+            (<TcpHostIo>conn)._send_now(cmd)
+            return True
         conn.hold()  # out now (unless held further up), as Controller._send
         try:
             conn.submit(cmd)

@@ -124,16 +124,8 @@ cdef int _data_header(object header, DataHeader* h) except -1:
 
 
 cdef class TcpHostIo:
-    """See :class:`initiator.tcp_host_io.TcpHostIo`: the fields are C fields here, set by the
-    subclass as there."""
-
-    cdef public HostQueue queue
-    cdef public object reader
-    cdef public object writer
-    cdef public OutputBatcher out
-    cdef public Py_ssize_t inline_limit
-    cdef public Py_ssize_t maxh2cdata
-    cdef public bint closed
+    """See :class:`initiator.tcp_host_io.TcpHostIo`: the fields are C fields here (declared in
+    ``_tcp_host_io.pxd``), set by the subclass as there."""
 
     def _control(self, pdu):
         raise NotImplementedError
@@ -143,9 +135,26 @@ cdef class TcpHostIo:
 
     # -- sending ------------------------------------------------------------------------------
 
-    @cython.nonecheck(True)  # out is None until connected: an AttributeError, as in Python
     def submit(self, HostCommand cmd):
         """Send ``cmd`` (see the reference)."""
+        self._submit(cmd)
+
+    @cython.nonecheck(True)  # out is None until connected: an AttributeError, as in Python
+    cdef int _send_now(self, HostCommand cmd) except -1:
+        """``hold()``, ``submit(cmd)``, ``release()``, as ``Controller._send`` calls them: the
+        command goes out now unless a hold further up (a FUSE batch, a receive) keeps it. The
+        connection's ``hold``/``release`` are its batcher's own (``TcpHostConnection.
+        connection_made``), so these are the batcher's C steps."""
+        cdef OutputBatcher out = self.out
+        out._hold()
+        try:
+            self._submit(cmd)
+        finally:
+            out._release()
+        return 0
+
+    @cython.nonecheck(True)  # out is None until connected: an AttributeError, as in Python
+    cdef int _submit(self, HostCommand cmd) except -1:
         cdef Py_ssize_t length
         cdef int sgl_id = _TRANSPORT
         cdef uint8_t* s
@@ -174,7 +183,7 @@ cdef class TcpHostIo:
         writer = self.writer
         if writer.hdgst or writer.ddgst:
             self.out._send(writer.pdu(_CAPSULE_CMD, sqe, out))
-            return
+            return 0
         if sgl_id == _IN_CAPSULE and length and type(out) is InlineData:
             c = <uint8_t*>(<InlineData>out)._room()  # the data's one bytes, header and SQE in front
         if c != NULL:
@@ -194,6 +203,7 @@ cdef class TcpHostIo:
             c[_O_PDO] = <uint8_t>_CAPSULE
             st32(c + _O_PLEN, <uint32_t>(_CAPSULE + length))
             self.out._send([capsule] if out is None else [capsule, out])
+        return 0
 
     # -- receiving ------------------------------------------------------------------------------
 
