@@ -94,20 +94,7 @@ cdef class IoLane:
     ``tests/core/test_lane_differential.py`` changes each of them (reconnects onto new queues
     with another ``max_transfer``, failure and recovery, other namespace tables) between random
     transfers, so a mirror that went stale would send what the reference refuses, or the
-    reverse."""
-
-    cdef object ctrl
-    cdef object reference
-    cdef object on_done
-    cdef bint ready
-    cdef list io
-    cdef dict namespaces
-    cdef uint64_t max_transfer
-    cdef object time
-    cdef IoCounters counters
-    cdef object parked_io
-    cdef object parked_admin
-    cdef double timeout
+    reverse. (The fields are declared in ``_lane.pxd``.)"""
 
     def __init__(self, ctrl, reference):
         """``reference``: the Python ``Controller.transfer``, called as ``reference(ctrl, ...)``.
@@ -135,8 +122,13 @@ cdef class IoLane:
 
     def transfer(self, bint write, nsid, offset, buf, done, fua=False):
         """``Controller.transfer`` (same arguments, same effects)."""
+        self._transfer(write, nsid, offset, buf, done, fua)
+
+    cdef int _transfer(self, bint write, nsid, offset, buf, done, fua) except -1:
+        """``transfer`` for C callers (the compiled FUSE loop)."""
         if not self._send(write, nsid, offset, buf, done, fua):
             self.reference(self.ctrl, write, nsid, offset, buf, done, fua)
+        return 0
 
     cdef bint _send(self, bint write, nsid, offset, buf, done, fua) except -1:
         """Send the one command of a steady-state transfer; False, having done nothing, for
