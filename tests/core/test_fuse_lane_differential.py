@@ -2,7 +2,8 @@
 ``IoLane._transfer`` -> ``TcpHostIo._send_now``) against the Python loop on a controller
 without the lane: the same random FUSE request batches, target answers and association changes
 (down and back, reconnects onto new queues while commands are in flight or parked, a queue whose
-transport has closed and refuses, the controller failing and a rescan), the same FUSE replies
+transport has closed and refuses, the controller failing, a rescan, another controller under the
+mount's name), the same FUSE replies
 in the same order and the same capsules on every queue, replaced ones included.
 
 ``test_fuse_differential.py`` runs both loops on a fake controller with a Python ``transfer``
@@ -48,9 +49,12 @@ class _Stack:
     Python."""
 
     def __init__(self, compiled: bool, clock: _Clock) -> None:
+        self.compiled = compiled
+        self.clock = clock
         self.ctrl: Controller = _controller(compiled, clock)
         assert (self.ctrl._lane is not None) is compiled
-        self.mount = FuseSession({"c": self.ctrl}, "c", "/nonexistent", 60.0, compiled=compiled)
+        self.connections = {"c": self.ctrl}
+        self.mount = FuseSession(self.connections, "c", "/nonexistent", 60.0, compiled=compiled)
         assert (self.mount.on_readable == self.mount.py_on_readable) is not compiled
         self.ours, self.kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.ours.setblocking(False)
@@ -69,6 +73,13 @@ class _Stack:
                     self.mount.on_readable()
         for _ in range(-(-len(requests) // MAX_BATCH) + 1):
             self.mount.on_readable()
+
+    def replace_controller(self) -> None:
+        """Another controller under the mount's name (the loop must not keep the old one's
+        lane); what the old one's queues sent stays compared."""
+        self.replaced += [conn.transport.sent for conn in self.ctrl.io]
+        self.ctrl = _controller(self.compiled, self.clock)
+        self.connections["c"] = self.ctrl
 
     def replies(self) -> list[tuple[int, int, bytes]]:
         out = []
@@ -155,10 +166,13 @@ async def _run(seed: int) -> None:
                 exc = None if stacks[0].ctrl.failed is not None else ConnectionError("gave up")
                 for stack in stacks:
                     stack.ctrl._set_failed(exc)
-            else:
+            elif r < 0.985:
                 table = rng.choice(TABLES)
                 for stack in stacks:
                     stack.ctrl._set_namespaces(dict(table))
+            else:
+                for stack in stacks:
+                    stack.replace_controller()
             for _ in range(3):  # the Python paths' tasks (unaligned I/O) run their steps
                 await asyncio.sleep(0)
             got = [(stack.replies(), stack.wire(), dict(stack.mount.inflight), len(stack.ctrl._parked_io))
