@@ -9,6 +9,14 @@ from posix.unistd cimport pwrite
 from blockd._iostats cimport IoCounters
 
 
+# The NVMe layout both transports read (the SQE's fields, the CQE's size) and the values they test:
+# defined in target/_io_fast.pyx from protocol/ at import (each module's _check_layouts checks the
+# offsets it uses against protocol/'s builders), cimported by target/_rdma_fast.pyx.
+cdef Py_ssize_t _SQE_SIZE, _CQE_SIZE
+cdef Py_ssize_t _O_OPC, _O_FLAGS, _O_CID, _O_NSID, _O_ADDR, _O_LEN, _O_SLBA, _O_NLB, _O_CONTROL
+cdef int _READ, _WRITE, _KIND_READ, _KIND_WRITE, _PSDT_MASK, _PSDT_SGL, _SGL_IN_CAPSULE, _FUA
+
+
 cdef class FastFile:
     cdef public int fd
     cdef public unsigned long long size

@@ -95,19 +95,20 @@ cdef extern from "<sys/socket.h>" nogil:
     int MSG_NOSIGNAL
 
 # -- layouts, from protocol/ ---------------------------------------------------------------------
+# (those assigned without ``cdef`` are declared in target/_io_fast.pxd: target/_rdma_fast.pyx reads them too)
 
 cdef Py_ssize_t _SQE_AT = COMMON_HEADER_SIZE  # the SQE follows the CapsuleCmd's common header
-cdef Py_ssize_t _SQE_SIZE = SQE_SIZE
-cdef Py_ssize_t _O_OPC = field_offset(IO_COMMAND, "opcode")
-cdef Py_ssize_t _O_FLAGS = field_offset(IO_COMMAND, "flags")
-cdef Py_ssize_t _O_CID = field_offset(IO_COMMAND, "cid")
-cdef Py_ssize_t _O_NSID = field_offset(IO_COMMAND, "nsid")
-cdef Py_ssize_t _O_ADDR = field_offset(IO_COMMAND, "sgl_address")
-cdef Py_ssize_t _O_LEN = field_offset(IO_COMMAND, "sgl_length")
+_SQE_SIZE = SQE_SIZE
+_O_OPC = field_offset(IO_COMMAND, "opcode")
+_O_FLAGS = field_offset(IO_COMMAND, "flags")
+_O_CID = field_offset(IO_COMMAND, "cid")
+_O_NSID = field_offset(IO_COMMAND, "nsid")
+_O_ADDR = field_offset(IO_COMMAND, "sgl_address")
+_O_LEN = field_offset(IO_COMMAND, "sgl_length")
 cdef Py_ssize_t _O_SGL_ID = field_offset(IO_COMMAND, "sgl_id")
-cdef Py_ssize_t _O_SLBA = field_offset(IO_COMMAND, "slba")
-cdef Py_ssize_t _O_NLB = field_offset(IO_COMMAND, "nlb")
-cdef Py_ssize_t _O_CONTROL = field_offset(IO_COMMAND, "control")
+_O_SLBA = field_offset(IO_COMMAND, "slba")
+_O_NLB = field_offset(IO_COMMAND, "nlb")
+_O_CONTROL = field_offset(IO_COMMAND, "control")
 cdef Py_ssize_t _O_HLEN_CMD = field_offset(COMMON_HEADER, "hlen")
 
 cdef Py_ssize_t _DATA_HLEN = DATA_HLEN
@@ -118,20 +119,20 @@ cdef Py_ssize_t _D_CID = field_offset(DATA_PDU_HEADER, "cccid")
 cdef Py_ssize_t _D_TTAG = field_offset(DATA_PDU_HEADER, "ttag")  # an R2T's fields sit where a data PDU's do
 cdef Py_ssize_t _D_DATAL = field_offset(DATA_PDU_HEADER, "datal")
 cdef Py_ssize_t _CQE_AT = COMMON_HEADER_SIZE  # the CQE follows the CapsuleResp's common header
-cdef Py_ssize_t _CQE_SIZE = CQE.sizeof()
+_CQE_SIZE = CQE.sizeof()
 cdef Py_ssize_t _R_SQHD = field_offset(CQE, "sqhd")  # in the CQE
 cdef Py_ssize_t _R_SQID = field_offset(CQE, "sqid")
 cdef Py_ssize_t _R_CID = field_offset(CQE, "cid")
 
-cdef int _READ = IoOpcode.READ
-cdef int _WRITE = IoOpcode.WRITE
-cdef int _KIND_READ = KIND_BY_OPCODE[_READ]
-cdef int _KIND_WRITE = KIND_BY_OPCODE[_WRITE]
-cdef int _PSDT_MASK = FLAGS_PSDT_FUSE_MASK
-cdef int _PSDT_SGL = PSDT_SGL
-cdef int _SGL_IN_CAPSULE = SglId.DATA_BLOCK_OFFSET
+_READ = IoOpcode.READ
+_WRITE = IoOpcode.WRITE
+_KIND_READ = KIND_BY_OPCODE[_READ]
+_KIND_WRITE = KIND_BY_OPCODE[_WRITE]
+_PSDT_MASK = FLAGS_PSDT_FUSE_MASK
+_PSDT_SGL = PSDT_SGL
+_SGL_IN_CAPSULE = SglId.DATA_BLOCK_OFFSET
 cdef int _SGL_TRANSPORT = SglId.TRANSPORT_DATA_BLOCK
-cdef int _FUA = RW_CONTROL_FUA
+_FUA = RW_CONTROL_FUA
 cdef int _CC_EN = CC_EN
 cdef int _CSTS_RDY = CSTS_RDY
 cdef int _LAST = PduFlags.LAST_PDU

@@ -56,44 +56,23 @@ from posix.unistd cimport pread
 from blockd._iostats cimport IoCounters, now_ns
 from blockd._le cimport le16, le32, le64
 from target._io_fast cimport (
-    FastFile, FastNamespace, _pwrite_all, count_io, next_sqhd, queue_ready, served_namespace, write_cqe,
+    _CQE_SIZE, _FUA, _KIND_READ, _KIND_WRITE, _O_ADDR, _O_CID, _O_CONTROL, _O_FLAGS, _O_LEN, _O_NLB, _O_NSID, _O_OPC,
+    _O_SLBA, _PSDT_MASK, _PSDT_SGL, _READ, _SGL_IN_CAPSULE, _SQE_SIZE, _WRITE, FastFile, FastNamespace, _pwrite_all,
+    count_io, next_sqhd, queue_ready, served_namespace, write_cqe,
 )
 
-from blockd.iostats import KIND_BY_OPCODE
 from blockd.rdma.abi import SEND_SIGNALED, WR_RDMA_WRITE, WR_SEND, WR_SEND_WITH_INV
-from protocol.constants import PSDT_SGL, IoOpcode, SglId
+from protocol.constants import SglId
 from protocol.layout import field_offset
-from protocol.nvme import (
-    CQE, CQE_FAST, FLAGS_PSDT_FUSE_MASK, IO_COMMAND, RW_CONTROL_FUA, SGL1_OFFSET, SGL_KEYED, build_sgl_data_block,
-    build_sgl_keyed, build_sqe,
-)
+from protocol.nvme import CQE_FAST, SGL1_OFFSET, SGL_KEYED, build_sgl_data_block, build_sgl_keyed, build_sqe
 
-# -- layouts, from protocol/ ---------------------------------------------------------------------
+# -- layouts, from protocol/ (the SQE's fields and the CQE's size: target/_io_fast.pxd) -----------
 
-cdef Py_ssize_t _SQE_SIZE = IO_COMMAND.sizeof()
-cdef Py_ssize_t _CQE_SIZE = CQE.sizeof()
-cdef Py_ssize_t _O_OPC = field_offset(IO_COMMAND, "opcode")
-cdef Py_ssize_t _O_FLAGS = field_offset(IO_COMMAND, "flags")
-cdef Py_ssize_t _O_CID = field_offset(IO_COMMAND, "cid")
-cdef Py_ssize_t _O_NSID = field_offset(IO_COMMAND, "nsid")
-cdef Py_ssize_t _O_SLBA = field_offset(IO_COMMAND, "slba")
-cdef Py_ssize_t _O_NLB = field_offset(IO_COMMAND, "nlb")
-cdef Py_ssize_t _O_CONTROL = field_offset(IO_COMMAND, "control")
-cdef Py_ssize_t _O_ADDR = field_offset(IO_COMMAND, "sgl_address")  # a Data Block's (in-capsule: the offset)
-cdef Py_ssize_t _O_LEN = field_offset(IO_COMMAND, "sgl_length")
 cdef Py_ssize_t _K_ADDR = SGL1_OFFSET + field_offset(SGL_KEYED, "address")
 cdef Py_ssize_t _K_LEN = SGL1_OFFSET + field_offset(SGL_KEYED, "length")  # 24 bits
 cdef Py_ssize_t _K_KEY = SGL1_OFFSET + field_offset(SGL_KEYED, "key")
 cdef Py_ssize_t _K_ID = SGL1_OFFSET + field_offset(SGL_KEYED, "sgl_id")
 
-cdef int _READ = IoOpcode.READ
-cdef int _WRITE = IoOpcode.WRITE
-cdef int _KIND_READ = KIND_BY_OPCODE[_READ]
-cdef int _KIND_WRITE = KIND_BY_OPCODE[_WRITE]
-cdef int _FUA = RW_CONTROL_FUA
-cdef int _IN_CAPSULE = SglId.DATA_BLOCK_OFFSET
-cdef int _PSDT_MASK = FLAGS_PSDT_FUSE_MASK
-cdef int _PSDT_SGL = PSDT_SGL
 cdef int _KEYED = SglId.KEYED_DATA_BLOCK
 cdef int _KEYED_INVALIDATE = SglId.KEYED_DATA_BLOCK_INVALIDATE
 cdef int _WR_RDMA_WRITE = WR_RDMA_WRITE
@@ -256,7 +235,7 @@ cdef class RdmaFastPath:
             length = _le24(q + _K_LEN)
         elif opcode == _WRITE:
             # its data in the capsule (RDMA READ writes are the Python path's), no FUA
-            if sgl_id != _IN_CAPSULE or le64(q + _O_ADDR) != 0 or le16(q + _O_CONTROL) & _FUA:
+            if sgl_id != _SGL_IN_CAPSULE or le64(q + _O_ADDR) != 0 or le16(q + _O_CONTROL) & _FUA:
                 return False
             length = le32(q + _O_LEN)
             if length > nbytes - _SQE_SIZE or length > self.queue.inline_size:

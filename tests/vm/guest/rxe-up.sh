@@ -50,6 +50,15 @@ _rxe_up() {
     fi
     ip link set "$RXE_NETDEV0" mtu "$RXE_MTU" up || return 1
     ip link set "$RXE_NETDEV1" mtu "$RXE_MTU" up || return 1
+    # RPS on both ends: a veth delivers into the backlog of the CPU that sent, and rxe sends one
+    # QP's packets from whichever CPU runs its task (a user QP's post_send inline, a tasklet on
+    # the other vCPU), so without one CPU per flow the two backlogs reorder a QP's packets, every
+    # reordering costs a retry and a reordered READ response a retransmit timeout: the 128 KiB
+    # write stall (docs/rdma-read-pacing.md, "Reordering on the veth pair")
+    _rps=$(printf '%x' $(( (1 << $(nproc)) - 1 )))
+    for _d in "$RXE_NETDEV0" "$RXE_NETDEV1"; do
+        echo "$_rps" > "/sys/class/net/$_d/queues/rx-0/rps_cpus" || return 1
+    done
 
     if [ "$RXE_MODE" = pair ]; then
         for _k in all default "$RXE_NETDEV0" "$RXE_NETDEV1"; do
