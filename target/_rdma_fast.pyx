@@ -13,7 +13,13 @@ place of its ``_completions``) and takes each completion of a batch first:
   (``_send_out``/``_recv_out``), which go out as one chain each at the batch's end, exactly as
   ``RdmaTargetConnection._pump_responses`` queues them; a Write with its data in the capsule (as
   the kernel host sends up to the 4 KiB in-capsule size) is written from the receive buffer and
-  answered with the SEND alone;
+  answered with the SEND alone; a Write whose data the host holds (keyed SGL: every kernel-host
+  write above 4 KiB) takes a data slot and is queued for its RDMA READs as
+  ``TargetQueue.submit`` and ``fetch_data`` queue one (:class:`FastWrite`); the connection posts
+  them by its own ``_pump_reads`` (READ_CHUNK pieces, ``READ_BYTES_IN_FLIGHT``, the initiator
+  depth, one FIFO line with the Python path's writes), and on the last READ's completion
+  (``_read_done`` asks :meth:`RdmaFastPath.data_ready` first) it is written from the slot and
+  answered with the SEND;
 * the SEND completion of a command served here gives back its response and data slots and its
   command-pool place (``queue.in_flight``), as ``_send_done`` and ``TargetQueue.response_sent``
   do for the Python path's;
@@ -25,7 +31,8 @@ waiting for authentication, the command pool not full (``queue.in_flight < queue
 daemon not over ``max_unsent_total`` (the connection not deferring), no response waiting for a
 response slot and one free, PSDT SGL; for a Read a keyed SGL (Keyed Data Block, plain or
 invalidating, as the kernel host sends), for a Write a Data Block at offset 0 within the queue's
-in-capsule size and the data received, no FUA, a writable namespace; the length not 0 and within
+in-capsule size and the data received, or a keyed SGL with the host offering RDMA READ
+(initiator depth > 0) and a data slot free now, no FUA, a writable namespace; the length not 0 and within
 MDTS, a namespace whose backend is a plain
 :class:`target.backend.FileBackend` (``served_namespace`` of ``target/_io_fast.pxd``, the check
 the NVMe/TCP path uses), the range inside it and the length its blocks say, a registered data
@@ -40,9 +47,13 @@ namespace hold (``ns.in_flight``) is taken and released within the call, so it i
 
 A command served here stands in the connection's ``_resp_cmd`` as its data slot (False for a
 write, which has none; the Python path's commands are ``_Cmd`` objects there), which is how its
-SEND completion is told apart and how the connection's teardown finds its slot. Writes whose
-data comes by RDMA READ (above the in-capsule size) stay on the Python path: their READ pacing
-(``READ_BYTES_IN_FLIGHT``) and slot waits are the connection's.
+SEND completion is told apart and how the connection's teardown finds its slot (a write by
+RDMA READ stands there as its data slot too). While its READs run, a write by RDMA READ is a
+``_Cmd`` in ``conn.cmds`` like the Python path's, its ``req`` a :class:`FastWrite`; what goes
+wrong from there (a READ that fails or cannot be posted, the queue lost, the namespace changed,
+a ``pwrite`` that fails, no response slot free at the end) is ended by the Python queue with the
+request it would have made (``TargetQueue.adopt_write``), so its status and error-log entry are
+the reference's.
 
 Measured (``tests/bench/bench_rdma_target.py --callgrind``, in process, target side; docs/dataplane.md):
 a 4 KiB QD1 read 93 k instructions per command on the Python path, 33 k here; a 4 KiB in-capsule

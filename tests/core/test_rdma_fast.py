@@ -40,6 +40,7 @@ from .conftest import (  # noqa: E402
 )
 from .rdma_sim import Host, open_queue, patch_device  # noqa: E402
 from .rdma_sim import wc as rdma_wc  # noqa: E402
+from . import rdma_sim  # noqa: E402  (FakeCM.initiator_depth)
 
 compiled_only = pytest.mark.skipif(
     RdmaFastPath is None, reason="the compiled data plane is not in use (BLOCKD_PURE=1 or not built)")
@@ -113,6 +114,19 @@ async def _answered(host: Host, want: int, hold: bool) -> None:
             await asyncio.sleep(0.001)  # a command on the executor (FUA, Flush)
 
 
+async def _connected(service: Any, port: int, sqsize: int = DEPTH - 1, cattr: int = 0) -> tuple:
+    """An RDMA I/O queue of ``service``'s target on the fake device, its Fabrics Connect (to the
+    controller of a raw admin queue on NVMe/TCP ``port``) answered: admin, cntlid, listener,
+    conn, host."""
+    admin, cntlid = await raw_admin(port)
+    listener = RdmaListener(service.target, PortInfo(2, "rdma", "192.0.2.1", "4420"))
+    conn, host = open_queue(listener, 1, DEPTH)
+    assert host.capsule(connect_sqe(qid=1, sqsize=sqsize, cattr=cattr), connect_data(cntlid=cntlid))
+    await _answered(host, 1, False)
+    assert host.responses[0][14:16] == b"\0\0", host.responses[0].hex()
+    return admin, cntlid, listener, conn, host
+
+
 def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, seed: int, count: int, cattr: int,
          sqsize: int) -> dict[str, Any]:
     tmp.mkdir()
@@ -130,13 +144,7 @@ def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, seed: int, count: int, catt
 
     async def main() -> None:
         async with serving(cfg) as service:
-            admin, cntlid = await raw_admin(port)
-            listener = RdmaListener(service.target, PortInfo(2, "rdma", "192.0.2.1", "4420"))
-            conn, host = open_queue(listener, 1, DEPTH)
-            sqe = connect_sqe(qid=1, sqsize=sqsize, cattr=cattr)
-            assert host.capsule(sqe, connect_data(cntlid=cntlid))
-            await _answered(host, 1, False)
-            assert host.responses[0][14:16] == b"\0\0", host.responses[0].hex()
+            admin, cntlid, listener, conn, host = await _connected(service, port, sqsize, cattr)
             ctrl = service.target.controllers[cntlid]
             sub_ = service.target.subsystems[NQN]
             cid = 0
@@ -225,11 +233,7 @@ def test_what_the_compiled_path_leaves_to_python(tmp_path: Path, monkeypatch: py
 
     async def main() -> None:
         async with serving(cfg) as service:
-            admin, cntlid = await raw_admin(port)
-            listener = RdmaListener(service.target, PortInfo(2, "rdma", "192.0.2.1", "4420"))
-            conn, host = open_queue(listener, 1, DEPTH)
-            assert host.capsule(connect_sqe(qid=1, sqsize=DEPTH - 1), connect_data(cntlid=cntlid))
-            await _answered(host, 1, False)
+            admin, cntlid, listener, conn, host = await _connected(service, port)
             namespace = service.target.subsystems[NQN].namespaces[1]
 
             async def command(cid: int, opcode: int, nsid: int = 1, data: bytes = b"") -> bytes:
@@ -267,19 +271,22 @@ WRITE_SIZES = [1 << 20, 128 << 10, 8192, 256 << 10, 1 << 20, 64 << 10, 4096 + 51
 together pass READ_BYTES_IN_FLIGHT many times over (so most wait in line for their turn)."""
 
 
-def _fetched_writes(tmp: Path, monkeypatch: pytest.MonkeyPatch, end: str, pools: list | None) -> dict[str, Any]:
+def _fetched_writes(tmp: Path, monkeypatch: pytest.MonkeyPatch, end: str, pools: list | None,
+                    depth: int) -> dict[str, Any]:
     """A burst of writes by RDMA READ (``WRITE_SIZES``, SGLs plain and invalidating) on small
     data pools, their READs answered batch by batch, and then ``end``: "done" (all answered),
     "bad key" (one more write whose key the host does not know: its READ fails with a remote
     access error, the queue goes), "lost" (the queue closed with READs outstanding that never
     complete) or "flushed" (closed, the outstanding READs then complete flushed); ``pools``:
-    the data slot classes (None: the daemon's own)."""
+    the data slot classes (None: the daemon's own); ``depth``: the initiator depth the CM
+    granted (0: the host offers no RDMA READ, every write fails)."""
     tmp.mkdir()
     rw = tmp / "rw.img"
     fill_file(rw, RW_SIZE * 8, seed=4)
     port = free_port()
     cfg = config([port], [sub(namespaces=[ns(rw, size=RW_SIZE * 8)])])
     patch_device(monkeypatch, pools)
+    monkeypatch.setattr(rdma_sim.FakeCM, "initiator_depth", depth)
     rng = random.Random(end)
     out: dict[str, Any] = {}
 
@@ -292,11 +299,7 @@ def _fetched_writes(tmp: Path, monkeypatch: pytest.MonkeyPatch, end: str, pools:
 
     async def main() -> None:
         async with serving(cfg) as service:
-            admin, cntlid = await raw_admin(port)
-            listener = RdmaListener(service.target, PortInfo(2, "rdma", "192.0.2.1", "4420"))
-            conn, host = open_queue(listener, 1, DEPTH)
-            assert host.capsule(connect_sqe(qid=1, sqsize=DEPTH - 1), connect_data(cntlid=cntlid))
-            await _answered(host, 1, False)
+            admin, cntlid, listener, conn, host = await _connected(service, port)
             ctrl = service.target.controllers[cntlid]
             queue = ctrl.queues[1]
             namespace = service.target.subsystems[NQN].namespaces[1]
@@ -323,7 +326,7 @@ def _fetched_writes(tmp: Path, monkeypatch: pytest.MonkeyPatch, end: str, pools:
                     await _answered(host, 1 + len(WRITE_SIZES) * 2, True)
                     while host.step():  # the SEND completions held back
                         pass
-                    assert all(r[14:16] == b"\0\0" for r in host.responses)
+                    assert all((r[14:16] == b"\0\0") == (depth > 0) for r in host.responses[1:])
             await asyncio.sleep(0)
             fast = conn.fast
             out["served"] = fast.served if fast is not None else 0
@@ -344,25 +347,29 @@ def _fetched_writes(tmp: Path, monkeypatch: pytest.MonkeyPatch, end: str, pools:
 
 
 @compiled_only
-@pytest.mark.parametrize("end,pools", [("done", None), ("done", SMALL_POOLS), ("bad key", None), ("lost", None),
-                                       ("flushed", None), ("flushed", SMALL_POOLS)])
+@pytest.mark.parametrize("end,pools,depth", [
+    ("done", None, 16), ("done", SMALL_POOLS, 16), ("done", None, 2), ("done", None, 0), ("bad key", None, 16),
+    ("lost", None, 16), ("flushed", None, 16), ("flushed", SMALL_POOLS, 16),
+])
 def test_writes_by_rdma_read_match_the_python_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str,
-                                                   pools: list | None) -> None:
+                                                   pools: list | None, depth: int) -> None:
     """The compiled path's writes by RDMA READ post the READs the Python path posts (pieces,
     bytes in flight, order behind writes waiting for a slot), write and answer the same, and
     end the same when a READ fails or the queue is lost with READs outstanding: statuses, error
     log, counters, the command pool and namespace holds, every registered slot back. With the
-    small pools most writes find no free slot and wait in the Python path's line."""
-    fast = _fetched_writes(tmp_path / "fast", monkeypatch, end, pools)
+    small pools most writes find no free slot and wait in the Python path's line; an initiator
+    depth of 2 makes the READ count, not the bytes, the bound; with none every write is the
+    Python path's (Data Transfer Error)."""
+    fast = _fetched_writes(tmp_path / "fast", monkeypatch, end, pools, depth)
     monkeypatch.setattr(target.rdma, "RdmaFastPath", None)
-    reference = _fetched_writes(tmp_path / "reference", monkeypatch, end, pools)
+    reference = _fetched_writes(tmp_path / "reference", monkeypatch, end, pools, depth)
     assert reference["fetched"] == 0
-    if pools is None:  # every write was the compiled path's
+    if pools is None and depth:  # every write was the compiled path's
         assert fast["served"] == 2 * len(WRITE_SIZES) + (end == "bad key"), fast["served"]
-    if end == "done":
+    if end == "done" and depth:
         assert fast["fetched"] >= (2 * len(WRITE_SIZES) if pools is None else 3), fast["fetched"]
     reads = [w for w in fast["wire"] if w[0] == "read"]
-    assert reads and max(w[5] for w in reads) == target.rdma.READ_CHUNK
+    assert bool(reads and max(w[5] for w in reads) == target.rdma.READ_CHUNK) == (depth > 0)
     for i, (got, want) in enumerate(zip(fast["wire"], reference["wire"])):
         assert got == want, f"work request {i}"
     assert len(fast["wire"]) == len(reference["wire"])
