@@ -13,7 +13,13 @@ place of its ``_completions``) and takes each completion of a batch first:
   (``_send_out``/``_recv_out``), which go out as one chain each at the batch's end, exactly as
   ``RdmaTargetConnection._pump_responses`` queues them; a Write with its data in the capsule (as
   the kernel host sends up to the 4 KiB in-capsule size) is written from the receive buffer and
-  answered with the SEND alone;
+  answered with the SEND alone; a Write whose data the host holds (keyed SGL: every kernel-host
+  write above 4 KiB) takes a data slot and is queued for its RDMA READs as
+  ``TargetQueue.submit`` and ``fetch_data`` queue one (:class:`FastWrite`); the connection posts
+  them by its own ``_pump_reads`` (READ_CHUNK pieces, ``READ_BYTES_IN_FLIGHT``, the initiator
+  depth, one FIFO line with the Python path's writes), and on the last READ's completion
+  (``_read_done`` asks :meth:`RdmaFastPath.data_ready` first) it is written from the slot and
+  answered with the SEND;
 * the SEND completion of a command served here gives back its response and data slots and its
   command-pool place (``queue.in_flight``), as ``_send_done`` and ``TargetQueue.response_sent``
   do for the Python path's;
@@ -25,7 +31,8 @@ waiting for authentication, the command pool not full (``queue.in_flight < queue
 daemon not over ``max_unsent_total`` (the connection not deferring), no response waiting for a
 response slot and one free, PSDT SGL; for a Read a keyed SGL (Keyed Data Block, plain or
 invalidating, as the kernel host sends), for a Write a Data Block at offset 0 within the queue's
-in-capsule size and the data received, no FUA, a writable namespace; the length not 0 and within
+in-capsule size and the data received, or a keyed SGL with the host offering RDMA READ
+(initiator depth > 0) and a data slot free now, no FUA, a writable namespace; the length not 0 and within
 MDTS, a namespace whose backend is a plain
 :class:`target.backend.FileBackend` (``served_namespace`` of ``target/_io_fast.pxd``, the check
 the NVMe/TCP path uses), the range inside it and the length its blocks say, a registered data
@@ -40,15 +47,20 @@ namespace hold (``ns.in_flight``) is taken and released within the call, so it i
 
 A command served here stands in the connection's ``_resp_cmd`` as its data slot (False for a
 write, which has none; the Python path's commands are ``_Cmd`` objects there), which is how its
-SEND completion is told apart and how the connection's teardown finds its slot. Writes whose
-data comes by RDMA READ (above the in-capsule size) stay on the Python path: their READ pacing
-(``READ_BYTES_IN_FLIGHT``) and slot waits are the connection's.
+SEND completion is told apart and how the connection's teardown finds its slot (a write by
+RDMA READ stands there as its data slot too). While its READs run, a write by RDMA READ is a
+``_Cmd`` in ``conn.cmds`` like the Python path's, its ``req`` a :class:`FastWrite`; what goes
+wrong from there (a READ that fails or cannot be posted, the queue lost, the namespace changed,
+a ``pwrite`` that fails, no response slot free at the end) is ended by the Python queue with the
+request it would have made (``TargetQueue.adopt_write``), so its status and error-log entry are
+the reference's.
 
 Measured (``tests/bench/bench_rdma_target.py --callgrind``, in process, target side; docs/dataplane.md):
 a 4 KiB QD1 read 93 k instructions per command on the Python path, 33 k here; a 4 KiB in-capsule
 write 79 k, 26 k. In the VM bed the target's user time per 4 KiB read fell 2–4×.
 """
 
+from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.stdint cimport uintptr_t
 from posix.types cimport off_t
 from posix.unistd cimport pread
@@ -107,6 +119,26 @@ def _check_layouts():
 _check_layouts()
 
 
+cdef class FastWrite:
+    """A Write the compiled path took whose data comes by RDMA READ, in its ``_Cmd``'s ``req``
+    in place of a :class:`target.request.Request` while the READs run: the connection's
+    ``_pump_reads`` and ``_read_done`` read ``length``, ``sgl_address`` and ``sgl_key`` of it as
+    of a request; the ends left to Python (a READ that fails or cannot be posted, the
+    connection lost, a ``pwrite`` that fails) get the request the queue would have made
+    (:meth:`RdmaFastPath.request`, ``TargetQueue.adopt_write``)."""
+
+    cdef readonly unsigned int cid
+    cdef readonly unsigned int length
+    cdef readonly unsigned long long sgl_address
+    cdef readonly unsigned int sgl_key
+    cdef int sgl_id
+    cdef bytes sqe
+    cdef long long start_ns
+    cdef object nsobj
+    cdef FastNamespace ns
+    cdef off_t offset
+
+
 cdef class RdmaFastPath:
     """The completion handling of one NVMe/RDMA queue, steady-state Reads in C (module docstring)."""
 
@@ -140,7 +172,9 @@ cdef class RdmaFastPath:
     cdef Py_ssize_t pool
     cdef bint sqhd_disabled
     cdef public unsigned long long served
-    """Reads answered here (the tests check that the compiled path ran)."""
+    """Commands taken here (the tests check that the compiled path ran)."""
+    cdef public unsigned long long fetched
+    """Writes by RDMA READ written and answered here."""
 
     def __init__(self, conn):
         from target import rdma  # not at import: target.rdma imports this module (target.io_fast)
@@ -166,6 +200,7 @@ cdef class RdmaFastPath:
         self.write_kind = rdma._WRITE
         self.max_transfer = conn.info.max_transfer
         self.served = 0
+        self.fetched = 0
 
     def completions(self, list wcs):
         """The CQ's callback: one batch of completions (``RdmaTargetConnection._completions``
@@ -234,12 +269,17 @@ cdef class RdmaFastPath:
                 return False
             length = _le24(q + _K_LEN)
         elif opcode == _WRITE:
-            # its data in the capsule (RDMA READ writes are the Python path's), no FUA
-            if sgl_id != _SGL_IN_CAPSULE or le64(q + _O_ADDR) != 0 or le16(q + _O_CONTROL) & _FUA:
+            # its data in the capsule or behind a keyed SGL (fetched by RDMA READ), no FUA
+            if le16(q + _O_CONTROL) & _FUA:
                 return False
-            length = le32(q + _O_LEN)
-            if length > nbytes - _SQE_SIZE or length > self.queue.inline_size:
+            if sgl_id == _KEYED or sgl_id == _KEYED_INVALIDATE:
+                length = _le24(q + _K_LEN)
+            elif sgl_id != _SGL_IN_CAPSULE or le64(q + _O_ADDR) != 0:
                 return False
+            else:
+                length = le32(q + _O_LEN)
+                if length > nbytes - _SQE_SIZE or length > self.queue.inline_size:
+                    return False
         else:
             return False
         if length == 0 or length > self.max_transfer:
@@ -257,7 +297,9 @@ cdef class RdmaFastPath:
         if not queue_ready(queue, ctrl, self.pool) or self.resp_wait or not self.resp_pool.available:
             return False
         if opcode == _WRITE:
-            return self._write(ns, idx, q, length, slba, start)
+            if sgl_id == _SGL_IN_CAPSULE:
+                return self._write(ns, idx, q, length, slba, start)
+            return self._fetch(entry, ns, idx, q, length, slba, sgl_id, start)
         slot = self.data.get_now(length)
         if slot is None:
             return False  # the Python path reads into memory and waits for a slot
@@ -319,6 +361,108 @@ cdef class RdmaFastPath:
         self.recv_out.append(self.recv_wrs[idx])
         self.served += 1
         return True
+
+    cdef bint _fetch(self, entry, FastNamespace ns, Py_ssize_t idx, const unsigned char* q, unsigned int length,
+                     unsigned long long slba, int sgl_id, long long start) except -1:
+        """A Write whose data the host holds (keyed SGL): its :class:`FastWrite` in a ``_Cmd``
+        with a data slot free now, queued for its RDMA READs as ``TargetQueue.submit`` and
+        ``RdmaTargetConnection.fetch_data``/``_read_slot`` queue one, and the connection's own
+        ``_pump_reads`` posts them (so READ_CHUNK, ``READ_BYTES_IN_FLIGHT``, the initiator depth
+        and the FIFO order are the Python path's, not a copy of them); :meth:`data_ready` writes
+        and answers it. What the queue holds for it until ``response_sent`` is taken here: the
+        pool slot (``queue.in_flight``) and the namespace (``ns.in_flight``, as ``_check_rw``:
+        a removed namespace keeps its file until the write is done)."""
+        conn = self.conn
+        if ns.file.read_only or conn.cm.initiator_depth == 0:
+            return False  # write protected, or no RDMA READ service: the Python path's statuses
+        slot = self.data.get_now(length)
+        if slot is None:
+            return False  # the Python path waits for a slot in line
+        cdef FastWrite w = FastWrite.__new__(FastWrite)
+        w.cid = le16(q + _O_CID)
+        w.length = length
+        w.sgl_address = le64(q + _K_ADDR)
+        w.sgl_key = le32(q + _K_KEY)
+        w.sgl_id = sgl_id
+        w.sqe = PyBytes_FromStringAndSize(<const char*>q, _SQE_SIZE)
+        w.start_ns = start
+        w.nsobj = entry
+        w.ns = ns
+        w.offset = <off_t>(slba << ns.lba_shift)
+        cmd = self.cmd_type(idx)
+        cmd.req = w
+        cmd.data = slot
+        self.queue.in_flight += 1
+        self.ctrl.traffic_seen = True
+        entry.in_flight += 1
+        conn.cmds.add(cmd)
+        conn.read_wait.append(cmd)
+        conn._pump_reads()
+        self.served += 1
+        return True
+
+    def data_ready(self, cmd):
+        """``TargetQueue.data_ready`` for a command whose RDMA READs all completed: True if it is
+        a :class:`FastWrite` (written and answered here, or, when the namespace changed since it
+        was checked, a response waits for a slot or the ``pwrite`` fails, run by the Python queue
+        as its request, which writes it again and reports any error); False for the queue's own
+        request. The ends are ``TargetQueue._complete``'s (SQHD, counters, the namespace hold)
+        and ``_pump_responses``' (the SEND, SEND_WITH_INV when the SGL asks for it, the
+        receive's re-post); the data slot stays the command's until the SEND completes
+        (:meth:`_sent`)."""
+        if type(cmd.req) is not FastWrite:
+            return False
+        cdef FastWrite w = <FastWrite>cmd.req
+        cdef FastNamespace ns = w.ns
+        cdef FastFile f = ns.file
+        cdef int fd = f.fd
+        cdef uintptr_t addr
+        cdef Py_ssize_t done = -1
+        slot = cmd.data
+        if (ns.accessible and fd >= 0 and not f.read_only and w.nsobj.backend is ns.backend and not self.resp_wait
+                and self.resp_pool.available):
+            addr = slot.addr
+            with nogil:
+                done = _pwrite_all(fd, <const unsigned char*>addr, w.length, w.offset)
+        if done != w.length:
+            req = cmd.req = self.queue.adopt_write(w.sqe, w.start_ns, w.nsobj, slot.view[:w.length], cmd)
+            self.queue.data_ready(req)
+            return True
+        rslot = self.resp_pool.get()
+        cdef Py_ssize_t i = rslot.index
+        cdef uintptr_t raddr = rslot.addr
+        write_cqe(<unsigned char*>raddr, next_sqhd(self.queue, self.sqsize, self.sqhd_disabled), self.qid, w.cid)
+        count_io(self.counters, ns, _KIND_WRITE, w.length, w.start_ns)
+        # a removed namespace's copy is withdrawn (not accessible) first, so the queue, not this,
+        # gives back the last hold of one and closes its file
+        w.nsobj.in_flight -= 1
+        conn = self.conn
+        conn.cmds.discard(cmd)
+        cmd.data = None
+        self.resp_cmd[i] = slot  # given back with the SEND's completion, as a Read's
+        if w.sgl_id == _KEYED_INVALIDATE:
+            self.send_out.append(((self.send_kind << self.kind_shift) | i, _WR_SEND_WITH_INV, _SIGNALED, raddr,
+                                  _CQE_SIZE, self.resp_lkey, w.sgl_key, 0, 0))
+        else:
+            self.send_out.append(((self.send_kind << self.kind_shift) | i, _WR_SEND, _SIGNALED, raddr, _CQE_SIZE,
+                                  self.resp_lkey, 0, 0, 0))
+        self.recv_out.append(self.recv_wrs[cmd.recv])
+        cmd.recv = -1
+        self.fetched += 1
+        if not conn._batching:
+            conn._flush()
+        return True
+
+    def request(self, cmd):
+        """The queue's :class:`target.request.Request` for ``cmd`` (``_Cmd``), made from its
+        :class:`FastWrite` as ``TargetQueue.submit`` would have left it waiting for its data,
+        holding what the FastWrite holds (so ``data_failed`` ends it as the queue ends its own),
+        and stored in ``cmd.req``; ``cmd.req`` itself when it is the queue's already."""
+        if type(cmd.req) is not FastWrite:
+            return cmd.req
+        cdef FastWrite w = <FastWrite>cmd.req
+        req = cmd.req = self.queue.adopt_write(w.sqe, w.start_ns, w.nsobj, None, cmd)
+        return req
 
     cdef bint _sent(self, Py_ssize_t idx, unsigned int status) except -1:
         """The SEND completion of a command served here (``RdmaTargetConnection._send_done`` and

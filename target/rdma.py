@@ -193,6 +193,8 @@ class RdmaTargetConnection:
     """One accepted NVMe/RDMA queue (admin or I/O)."""
 
     info = INFO
+    fast = None
+    """The compiled per-command path once accepted (``__init__``); None before and without it."""
 
     def __init__(self, listener: "RdmaListener", creq, host: str, recv_bytes: int) -> None:
         from blockd.rdma.verbs import open_device
@@ -414,7 +416,7 @@ class RdmaTargetConnection:
             except Exception as exc:
                 self.tokens.pop(tok, None)
                 wait.popleft()
-                self.queue.data_failed(req)
+                self.queue.data_failed(self._request(cmd))
                 self._fatal("RDMA READ post failed", error=str(exc))
                 return
             self.reads_in_flight += 1
@@ -433,8 +435,8 @@ class RdmaTargetConnection:
         self.read_bytes_free += nbytes
         cmd.reading -= 1
         if self.closing:
-            if not cmd.reading:
-                self._drop(cmd)
+            # not dropped here: _destroy fails a command still waiting for its data (so it lets go
+            # of its namespace, which dropping it here leaked) and takes its slot back once the QP is gone
             return
         req = cmd.req
         if status:
@@ -442,15 +444,21 @@ class RdmaTargetConnection:
                 if self.read_wait and self.read_wait[0] is cmd:
                     self.read_wait.popleft()
                 cmd.posted = _READ_FAILED
+                req = self._request(cmd)
                 self.queue.data_failed(req)
             # an RC requester error puts the QP in the error state: the queue is gone
             self._wc_failed("RDMA READ", status, cid=str(req.cid), addr=hex(req.sgl_address),
                             key=hex(req.sgl_key), length=str(req.length))
             return
-        if not cmd.reading and cmd.posted == req.length:
+        if not cmd.reading and cmd.posted == req.length and (self.fast is None or not self.fast.data_ready(cmd)):
             req.data = cmd.data.view[:req.length]  # zero copy: the core reads it in place
             self.queue.data_ready(req)
         self._pump_reads()
+
+    def _request(self, cmd: _Cmd) -> Request:
+        """The queue's request of a command waiting for its data: the compiled path's writes
+        (``target/_rdma_fast.pyx`` ``FastWrite``) get the one the queue would have made."""
+        return cmd.req if self.fast is None else self.fast.request(cmd)
 
     # -- replies ----------------------------------------------------------------------------------
 
@@ -637,7 +645,7 @@ class RdmaTargetConnection:
         # on the closed connection, so they let go of their namespace: a removed one may then
         # close (as the NVMe/TCP transport does for writes waiting for H2CData)
         for cmd in list(self.cmds):
-            if cmd.req is not None and cmd.req.state is _NEED_DATA:
+            if cmd.req is not None and self._request(cmd).state is _NEED_DATA:
                 self.queue.data_failed(cmd.req)
         # data slots still owned by commands (READ sinks / WRITE sources) are now free
         held, self._held = self._held, []

@@ -4,7 +4,8 @@ The target's RDMA I/O queue runs on :mod:`tests.core.rdma_sim`'s fake device and
 verbs posts go through the running plane's ``FastQP`` onto the recording provider), so what is
 measured is the target's own per-command work: the receive completion's handling, the read into
 the registered slot, the RDMA WRITE + SEND posted, the SEND completion's handling -- without
-rxe or the kernel. QD1: one capsule, one completion batch for it, one for its SEND. Not a test
+rxe or the kernel. QD1: one capsule, one completion batch for it, one for its SEND (``--fetch``:
+a 128 KiB write by RDMA READ, as the kernel host sends one: one batch more, for its READ). Not a test
 (pytest does not collect bench_*.py). Run (take the difference of two ``--ios`` to cancel the
 start-up; ``BLOCKD_PURE=1`` for the Python path, or ``--python`` for the Python per-command path
 with the rest of the compiled plane). ``--callgrind`` counts the target's side only: collection
@@ -69,7 +70,7 @@ def collect_target_only(conn, host, tmp: str) -> None:
     host.provider._post = toggled(host.provider._post, toggle)
 
 
-async def bench(path: Path, ios: int, write: bool, callgrind: bool) -> float:
+async def bench(path: Path, ios: int, write: bool, fetch: bool, callgrind: bool) -> float:
     port = free_port()
     cfg = config([port], [sub(namespaces=[ns(path, size=64 << 20)])])
     async with serving(cfg) as service:
@@ -81,19 +82,24 @@ async def bench(path: Path, ios: int, write: bool, callgrind: bool) -> float:
             pass
         if callgrind:
             collect_target_only(conn, host, str(path.parent))
-        addr, key = host.buffer(1, 4096)
+        size = (128 << 10) if fetch else 4096
+        addr, key = host.buffer(1, bytes(size) if fetch else size)
         data = bytes(4096)
         if write:
             dptr = build_sgl_data_block(SglId.DATA_BLOCK_OFFSET, 0, 4096)
         else:
-            dptr = build_sgl_keyed(addr, 4096, key, SglId.KEYED_DATA_BLOCK_INVALIDATE)
-        opcode = IoOpcode.WRITE if write else IoOpcode.READ
-        sqes = [build_sqe(opcode, 1, nsid=1, dptr=dptr, cdw10=(i * 8) % (64 << 11), cdw12=7) for i in range(256)]
+            dptr = build_sgl_keyed(addr, size, key, SglId.KEYED_DATA_BLOCK_INVALIDATE)
+        opcode = IoOpcode.WRITE if write or fetch else IoOpcode.READ
+        blocks = size // 512
+        sqes = [build_sqe(opcode, 1, nsid=1, dptr=dptr, cdw10=(i * blocks) % (64 << 11), cdw12=blocks - 1)
+                for i in range(256)]
         before = len(host.responses)
         t0 = time.perf_counter()
         for i in range(ios):
             host.capsule(sqes[i & 255], data if write else b"")
             host.step()  # the command
+            if fetch:
+                host.step()  # its RDMA READ's completion
             host.step()  # its SEND's completion
         elapsed = time.perf_counter() - t0
         assert len(host.responses) - before == ios
@@ -108,6 +114,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ios", type=int, default=2000)
     ap.add_argument("--write", action="store_true", help="4 KiB in-capsule writes instead of reads")
+    ap.add_argument("--fetch", action="store_true", help="128 KiB writes by RDMA READ instead of reads")
     ap.add_argument("--python", action="store_true", help="without the compiled per-command path")
     ap.add_argument("--callgrind", action="store_true", help="collect only inside the target's callback")
     a = ap.parse_args()
@@ -119,8 +126,9 @@ def main() -> None:
         path = Path(tmp) / "ns.img"
         with open(path, "wb") as f:
             f.truncate(64 << 20)
-        elapsed = asyncio.run(bench(path, a.ios, a.write, a.callgrind))
-    print(f"{a.ios} {'writes' if a.write else 'reads'}: {elapsed / a.ios * 1e6:.1f} us per command")
+        elapsed = asyncio.run(bench(path, a.ios, a.write, a.fetch, a.callgrind))
+    what = "128 KiB writes by RDMA READ" if a.fetch else "writes" if a.write else "reads"
+    print(f"{a.ios} {what}: {elapsed / a.ios * 1e6:.1f} us per command")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("blockd.rdma.verbs", reason="the RDMA layer needs pyverbs and libibverbs", exc_type=ImportError)
 
 import target.rdma  # noqa: E402
+from blockd.rdma.abi import WC_WR_FLUSH_ERR  # noqa: E402
 from blockd.dataplane import COMPILED  # noqa: E402
 from protocol.constants import IoOpcode, SglId  # noqa: E402
 from protocol.fabrics import CATTR_DISABLE_SQFLOW  # noqa: E402
@@ -38,6 +39,8 @@ from .conftest import (  # noqa: E402
     NQN, comparable_counters, config, connect_data, connect_sqe, fill_file, free_port, ns, raw_admin, run, serving, sub,
 )
 from .rdma_sim import Host, open_queue, patch_device  # noqa: E402
+from .rdma_sim import wc as rdma_wc  # noqa: E402
+from . import rdma_sim  # noqa: E402  (FakeCM.initiator_depth)
 
 compiled_only = pytest.mark.skipif(
     RdmaFastPath is None, reason="the compiled data plane is not in use (BLOCKD_PURE=1 or not built)")
@@ -111,6 +114,19 @@ async def _answered(host: Host, want: int, hold: bool) -> None:
             await asyncio.sleep(0.001)  # a command on the executor (FUA, Flush)
 
 
+async def _connected(service: Any, port: int, sqsize: int = DEPTH - 1, cattr: int = 0) -> tuple:
+    """An RDMA I/O queue of ``service``'s target on the fake device, its Fabrics Connect (to the
+    controller of a raw admin queue on NVMe/TCP ``port``) answered: admin, cntlid, listener,
+    conn, host."""
+    admin, cntlid = await raw_admin(port)
+    listener = RdmaListener(service.target, PortInfo(2, "rdma", "192.0.2.1", "4420"))
+    conn, host = open_queue(listener, 1, DEPTH)
+    assert host.capsule(connect_sqe(qid=1, sqsize=sqsize, cattr=cattr), connect_data(cntlid=cntlid))
+    await _answered(host, 1, False)
+    assert host.responses[0][14:16] == b"\0\0", host.responses[0].hex()
+    return admin, cntlid, listener, conn, host
+
+
 def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, seed: int, count: int, cattr: int,
          sqsize: int) -> dict[str, Any]:
     tmp.mkdir()
@@ -128,13 +144,7 @@ def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, seed: int, count: int, catt
 
     async def main() -> None:
         async with serving(cfg) as service:
-            admin, cntlid = await raw_admin(port)
-            listener = RdmaListener(service.target, PortInfo(2, "rdma", "192.0.2.1", "4420"))
-            conn, host = open_queue(listener, 1, DEPTH)
-            sqe = connect_sqe(qid=1, sqsize=sqsize, cattr=cattr)
-            assert host.capsule(sqe, connect_data(cntlid=cntlid))
-            await _answered(host, 1, False)
-            assert host.responses[0][14:16] == b"\0\0", host.responses[0].hex()
+            admin, cntlid, listener, conn, host = await _connected(service, port, sqsize, cattr)
             ctrl = service.target.controllers[cntlid]
             sub_ = service.target.subsystems[NQN]
             cid = 0
@@ -158,6 +168,7 @@ def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, seed: int, count: int, catt
             queue = ctrl.queues[1]
             fast = conn.fast
             out["served"] = fast.served if fast is not None else 0
+            out["fetched"] = fast.fetched if fast is not None else 0
             out["wire"] = host.wire
             out["mem"] = host.mem
             out["in_flight"] = (queue.in_flight, [n.in_flight for n in ctrl.subsystem.namespaces.values()])
@@ -196,6 +207,7 @@ def test_compiled_path_posts_exactly_what_the_python_path_posts(tmp_path: Path, 
     reference = _run(tmp_path / "reference", monkeypatch, seed, 600, cattr, sqsize)
     assert reference["served"] == 0
     assert fast["served"] > 60, fast["served"]  # a good part of the stream went the compiled way
+    assert fast["fetched"] > 10, fast["fetched"]  # and writes by RDMA READ among them
     for i, (got, want) in enumerate(zip(fast["wire"], reference["wire"])):
         assert got == want, f"work request {i}"
     assert len(fast["wire"]) == len(reference["wire"])
@@ -221,11 +233,7 @@ def test_what_the_compiled_path_leaves_to_python(tmp_path: Path, monkeypatch: py
 
     async def main() -> None:
         async with serving(cfg) as service:
-            admin, cntlid = await raw_admin(port)
-            listener = RdmaListener(service.target, PortInfo(2, "rdma", "192.0.2.1", "4420"))
-            conn, host = open_queue(listener, 1, DEPTH)
-            assert host.capsule(connect_sqe(qid=1, sqsize=DEPTH - 1), connect_data(cntlid=cntlid))
-            await _answered(host, 1, False)
+            admin, cntlid, listener, conn, host = await _connected(service, port)
             namespace = service.target.subsystems[NQN].namespaces[1]
 
             async def command(cid: int, opcode: int, nsid: int = 1, data: bytes = b"") -> bytes:
@@ -256,3 +264,115 @@ def test_what_the_compiled_path_leaves_to_python(tmp_path: Path, monkeypatch: py
             await admin.close()
 
     run(main(), timeout=60)
+
+
+WRITE_SIZES = [1 << 20, 128 << 10, 8192, 256 << 10, 1 << 20, 64 << 10, 4096 + 512, 512 << 10]
+"""Writes by RDMA READ of every slot class, most in several READ_CHUNK pieces, whose READs
+together pass READ_BYTES_IN_FLIGHT many times over (so most wait in line for their turn)."""
+
+
+def _fetched_writes(tmp: Path, monkeypatch: pytest.MonkeyPatch, end: str, pools: list | None,
+                    depth: int) -> dict[str, Any]:
+    """A burst of writes by RDMA READ (``WRITE_SIZES``, SGLs plain and invalidating) on small
+    data pools, their READs answered batch by batch, and then ``end``: "done" (all answered),
+    "bad key" (one more write whose key the host does not know: its READ fails with a remote
+    access error, the queue goes), "lost" (the queue closed with READs outstanding that never
+    complete) or "flushed" (closed, the outstanding READs then complete flushed); ``pools``:
+    the data slot classes (None: the daemon's own); ``depth``: the initiator depth the CM
+    granted (0: the host offers no RDMA READ, every write fails)."""
+    tmp.mkdir()
+    rw = tmp / "rw.img"
+    fill_file(rw, RW_SIZE * 8, seed=4)
+    port = free_port()
+    cfg = config([port], [sub(namespaces=[ns(rw, size=RW_SIZE * 8)])])
+    patch_device(monkeypatch, pools)
+    monkeypatch.setattr(rdma_sim.FakeCM, "initiator_depth", depth)
+    rng = random.Random(end)
+    out: dict[str, Any] = {}
+
+    def write(host: Host, cid: int, length: int, slba: int, key_known: bool = True) -> None:
+        addr, key = host.buffer(cid, rng.randbytes(length))
+        sgl = rng.choice([SglId.KEYED_DATA_BLOCK, SglId.KEYED_DATA_BLOCK_INVALIDATE])
+        sqe = build_sqe(int(IoOpcode.WRITE), cid, flags=0x40, nsid=1, cdw10=slba,
+                        cdw12=length // 512 - 1, dptr=build_sgl_keyed(addr, length, key if key_known else key ^ 0xFF, int(sgl)))
+        assert host.capsule(sqe)
+
+    async def main() -> None:
+        async with serving(cfg) as service:
+            admin, cntlid, listener, conn, host = await _connected(service, port)
+            ctrl = service.target.controllers[cntlid]
+            queue = ctrl.queues[1]
+            namespace = service.target.subsystems[NQN].namespaces[1]
+            slba = 0
+            for cid, length in enumerate(WRITE_SIZES * 2, 1):
+                write(host, cid, length, slba)
+                slba += length // 512
+            host.step(hold=True)  # the commands: the first READs go out
+            if end in ("lost", "flushed"):
+                host.collect()
+                reads, host.pending = host.pending, []  # outstanding: never answered
+                assert reads and namespace.in_flight
+                conn.close()
+                if end == "flushed":
+                    host.pending = [rdma_wc(w[0], WC_WR_FLUSH_ERR) for w in reads]
+                    host.step()
+            else:
+                if end == "bad key":
+                    write(host, 99, 8192, slba, key_known=False)
+                    while host.step():
+                        pass
+                    assert conn.closing
+                else:
+                    await _answered(host, 1 + len(WRITE_SIZES) * 2, True)
+                    while host.step():  # the SEND completions held back
+                        pass
+                    assert all((r[14:16] == b"\0\0") == (depth > 0) for r in host.responses[1:])
+            await asyncio.sleep(0)
+            fast = conn.fast
+            out["served"] = fast.served if fast is not None else 0
+            out["fetched"] = fast.fetched if fast is not None else 0
+            out["wire"] = host.wire
+            out["counters"] = [comparable_counters(c.snapshot()) for c in (ctrl.counters, namespace.counters)]
+            out["error_log"] = list(ctrl.error_log)
+            pool = queue.in_flight  # a closed queue's answers are never sent: its count stays
+            conn.close()
+            await asyncio.gather(*listener.teardowns)
+            out["in_flight"] = (pool if end == "done" else 0, namespace.in_flight)
+            out["slots"] = [p.available == p.count for p in conn.data.pools]
+            await admin.close()
+
+    run(main(), timeout=120)
+    out["file"] = rw.read_bytes()
+    return out
+
+
+@compiled_only
+@pytest.mark.parametrize("end,pools,depth", [
+    ("done", None, 16), ("done", SMALL_POOLS, 16), ("done", None, 2), ("done", None, 0), ("bad key", None, 16),
+    ("lost", None, 16), ("flushed", None, 16), ("flushed", SMALL_POOLS, 16),
+])
+def test_writes_by_rdma_read_match_the_python_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str,
+                                                   pools: list | None, depth: int) -> None:
+    """The compiled path's writes by RDMA READ post the READs the Python path posts (pieces,
+    bytes in flight, order behind writes waiting for a slot), write and answer the same, and
+    end the same when a READ fails or the queue is lost with READs outstanding: statuses, error
+    log, counters, the command pool and namespace holds, every registered slot back. With the
+    small pools most writes find no free slot and wait in the Python path's line; an initiator
+    depth of 2 makes the READ count, not the bytes, the bound; with none every write is the
+    Python path's (Data Transfer Error)."""
+    fast = _fetched_writes(tmp_path / "fast", monkeypatch, end, pools, depth)
+    monkeypatch.setattr(target.rdma, "RdmaFastPath", None)
+    reference = _fetched_writes(tmp_path / "reference", monkeypatch, end, pools, depth)
+    assert reference["fetched"] == 0
+    if pools is None and depth:  # every write was the compiled path's
+        assert fast["served"] == 2 * len(WRITE_SIZES) + (end == "bad key"), fast["served"]
+    if end == "done" and depth:
+        assert fast["fetched"] >= (2 * len(WRITE_SIZES) if pools is None else 3), fast["fetched"]
+    reads = [w for w in fast["wire"] if w[0] == "read"]
+    assert bool(reads and max(w[5] for w in reads) == target.rdma.READ_CHUNK) == (depth > 0)
+    for i, (got, want) in enumerate(zip(fast["wire"], reference["wire"])):
+        assert got == want, f"work request {i}"
+    assert len(fast["wire"]) == len(reference["wire"])
+    for key in ("file", "counters", "error_log", "in_flight", "slots"):
+        assert fast[key] == reference[key], key
+    assert all(fast["slots"]) and fast["in_flight"] == (0, 0)
