@@ -127,6 +127,9 @@ cdef Py_ssize_t _O_CONTROL = field_offset(IO_COMMAND, "control")
 cdef Py_ssize_t _O_HLEN_CMD = field_offset(COMMON_HEADER, "hlen")
 cdef Py_ssize_t _O_TYPE = field_offset(COMMON_HEADER, "pdu_type")
 cdef Py_ssize_t _O_PLEN = field_offset(COMMON_HEADER, "plen")
+cdef Py_ssize_t _O_PDO = field_offset(COMMON_HEADER, "pdo")
+cdef Py_ssize_t _O_HFLAGS = field_offset(COMMON_HEADER, "flags")
+cdef int _DIGEST_FLAGS = PduFlags.HDGST | PduFlags.DDGST
 cdef Py_ssize_t _HDR = COMMON_HEADER_SIZE
 
 cdef Py_ssize_t _DATA_HLEN = DATA_HLEN
@@ -387,6 +390,7 @@ cdef class TcpFastPath:
     cdef int _tfd
     cdef bint _stopping
     cdef bint _broken
+    cdef bint _eof
     cdef bint _waiting
     cdef bint _thread_done
     cdef object _thread
@@ -579,12 +583,8 @@ cdef class TcpFastPath:
                     self.thread_served += 1
                     continue
                 pending = reader._end - reader._start
-                if pending >= _HDR:
-                    # a PDU whole but not a servable capsule, or one staging cannot hold: the loop's
-                    h = reader._p + reader._start
-                    plen = le32(h + _O_PLEN)
-                    if h[_O_TYPE] != _CAPSULE_CMD or plen <= pending or plen > reader._size:
-                        return 0
+                if pending >= _HDR and not self._awaited(reader._p + reader._start, pending, reader._size):
+                    return 0
                 break
             reader.get_buffer(-1)  # room for the rest (moves the PDU begun to the front if need be)
             p = reader._p + reader._end
@@ -596,8 +596,21 @@ cdef class TcpFastPath:
                 while n < 0 and errno == EINTR:
                     n = recv(fd, p, room, 0)
             if n <= 0:
-                return 1  # end of stream or an error: the loop sees it too when it reads again
+                self._eof = n == 0  # else an error: the loop's read meets it too
+                return 1
             reader.advance(n)
+
+    cdef bint _awaited(self, const unsigned char* h, Py_ssize_t pending, Py_ssize_t room) noexcept:
+        """Whether the begun PDU at ``h`` (its common header in) is a CapsuleCmd that
+        ``PduReader.whole`` will give whole once the rest is in, that this path may serve
+        (in-capsule data within the queue's size) and that staging holds: only then does the
+        thread wait for it. Any other header is the loop's to judge at once, as its reader
+        judges headers (a framing error comes when the header does, not when PLEN bytes have)."""
+        cdef Py_ssize_t hlen = h[_O_HLEN_CMD]
+        cdef Py_ssize_t plen = le32(h + _O_PLEN)
+        return (h[_O_TYPE] == _CAPSULE_CMD and not h[_O_HFLAGS] & _DIGEST_FLAGS and hlen == _SQE_AT + _SQE_SIZE
+                and hlen <= plen <= hlen + self.inline_size and (plen == hlen or h[_O_PDO] == hlen)
+                and pending < plen <= room)
 
     def _returned(self):
         """The thread handed the socket back (the loop's callback): what it left in the reader
@@ -607,6 +620,11 @@ cdef class TcpFastPath:
         conn = self.conn
         if self.transport.is_closing() or conn.paused:
             return  # closing: connection_lost follows; paused: resume_writing reads again
+        if self._eof:  # the host closed: what the loop does at end of stream, now (its QIDs free at once)
+            self.buffer_updated(0)
+            if not self.transport.is_closing():
+                self.transport.close()
+            return
         self.transport.resume_reading()
         self.buffer_updated(0)
 

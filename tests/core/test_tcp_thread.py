@@ -21,7 +21,7 @@ from protocol.constants import IoOpcode, SglId
 from protocol.nvme import build_sgl_data_block, build_sqe
 from target.io_fast import TcpFastPath
 
-from .conftest import NQN, RawConn, capsule, config, fill_file, free_port, ns, raw_admin, run, serving, sub
+from .conftest import RawConn, capsule, config, fill_file, free_port, ns, raw_admin, run, serving, sub
 
 pytestmark = pytest.mark.skipif(
     TcpFastPath is None, reason="the compiled data plane is not in use (BLOCKD_PURE=1 or not built)")
@@ -48,9 +48,10 @@ def _fds() -> int:
 
 
 def _cfg(tmp: Path, port: int, **target: Any) -> Any:
+    """One namespace of ``SIZE`` bytes; threaded queues on unless ``target`` says otherwise."""
     path = tmp / "vol.img"
     fill_file(path, SIZE)
-    return config([port], [sub(namespaces=[ns(path, size=SIZE)])], target=target or None)
+    return config([port], [sub(namespaces=[ns(path, size=SIZE)])], target={"threaded_queues": True, **target})
 
 
 async def _io_queue(port: int, cntlid: int, qid: int = 1) -> RawConn:
@@ -107,12 +108,15 @@ def test_a_queue_goes_to_its_thread_and_back(tmp_path: Path) -> None:
     run(main(), timeout=30)
 
 
-def test_the_switch_keeps_queues_on_the_loop(tmp_path: Path) -> None:
-    """``[target] threaded_queues = false``: no queue goes to a thread."""
+@pytest.mark.parametrize("table", [{"threaded_queues": False}, {}], ids=["off", "default"])
+def test_the_switch_keeps_queues_on_the_loop(tmp_path: Path, table: dict[str, Any]) -> None:
+    """``[target] threaded_queues = false``, the default: no queue goes to a thread."""
     port = free_port()
+    path = tmp_path / "vol.img"
+    fill_file(path, SIZE)
 
     async def main() -> None:
-        async with serving(_cfg(tmp_path, port, threaded_queues=False)) as service:
+        async with serving(config([port], [sub(namespaces=[ns(path, size=SIZE)])], target=table)) as service:
             admin, cntlid = await raw_admin(port)
             io = await _io_queue(port, cntlid)
             for cid in range(1, 6):
