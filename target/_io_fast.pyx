@@ -549,7 +549,9 @@ cdef class TcpFastPath:
                     ended = self._serve_thread(fd)
                 finally:
                     fcntl(fd, F_SETFL, flags | O_NONBLOCK)  # before the loop reads it again
-                    self._waiting = not ended and not self._stopping
+                    if self._stopping:  # stop_thread has been: it will not wake a wait any more
+                        ended = 1
+                    self._waiting = not ended
                     try:
                         self._loop.call_soon_threadsafe(self._returned)
                     except RuntimeError:  # the loop is closed: the daemon has stopped
@@ -580,7 +582,6 @@ cdef class TcpFastPath:
                     if not self._serve_staged(reader, plen):
                         return 0
                     reader.skip(plen)
-                    self.thread_served += 1
                     continue
                 pending = reader._end - reader._start
                 if pending >= _HDR and not self._awaited(reader._p + reader._start, pending, reader._size):
@@ -635,6 +636,7 @@ cdef class TcpFastPath:
         cdef Py_ssize_t n = len(reply)
         cdef int fd = self._tfd
         cdef bint ok
+        self.thread_served += 1  # counted before the host can see the reply (the tests read it then)
         with nogil:
             ok = _send_all(fd, p, n)
         if not ok:
