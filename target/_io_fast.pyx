@@ -64,14 +64,21 @@ Every offset comes from ``protocol/`` at import and is checked there against hea
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from libc.errno cimport EINTR, errno
 from libc.string cimport memcpy
+from posix.fcntl cimport F_GETFL, F_SETFL, O_NONBLOCK, fcntl
 from posix.types cimport off_t
-from posix.unistd cimport pread, read, write
+from posix.unistd cimport close, dup, pread, read, write
 
 from blockd._iostats cimport IoCounters, now_ns
 from blockd._le cimport le16, le32, le64, st16, st32
 from blockd._output cimport OutputBatcher
 from blockd._pdu_reader cimport PduReader
+
+import asyncio
+import threading
+
+import structlog
 
 from blockd.iostats import KIND_BY_OPCODE
 from blockd.tcp_frames import DataDigestError, FramingError
@@ -91,8 +98,17 @@ cdef extern from "<fcntl.h>" nogil:
 
 cdef extern from "<sys/socket.h>" nogil:
     Py_ssize_t send(int fd, const void* buf, size_t n, int flags)
+    Py_ssize_t recv(int fd, void* buf, size_t n, int flags)
+    int shutdown(int fd, int how)
     int MSG_DONTWAIT
     int MSG_NOSIGNAL
+    int SHUT_RDWR
+
+log = structlog.get_logger("blockd.target.tcp")
+
+THREAD_JOIN_TIMEOUT = 5.0
+"""Seconds a closing connection waits for its queue's thread to leave (it is woken by
+``shutdown``; only a ``pread``/``pwrite`` that the disk holds can make it take longer)."""
 
 # -- layouts, from protocol/ ---------------------------------------------------------------------
 # (those assigned without ``cdef`` are declared in target/_io_fast.pxd: target/_rdma_fast.pyx reads them too)
@@ -110,6 +126,12 @@ _O_SLBA = field_offset(IO_COMMAND, "slba")
 _O_NLB = field_offset(IO_COMMAND, "nlb")
 _O_CONTROL = field_offset(IO_COMMAND, "control")
 cdef Py_ssize_t _O_HLEN_CMD = field_offset(COMMON_HEADER, "hlen")
+cdef Py_ssize_t _O_TYPE = field_offset(COMMON_HEADER, "pdu_type")
+cdef Py_ssize_t _O_PLEN = field_offset(COMMON_HEADER, "plen")
+cdef Py_ssize_t _O_PDO = field_offset(COMMON_HEADER, "pdo")
+cdef Py_ssize_t _O_HFLAGS = field_offset(COMMON_HEADER, "flags")
+cdef int _DIGEST_FLAGS = PduFlags.HDGST | PduFlags.DDGST
+cdef Py_ssize_t _HDR = COMMON_HEADER_SIZE
 
 cdef Py_ssize_t _DATA_HLEN = DATA_HLEN
 cdef Py_ssize_t _RESP_LEN = CAPSULE_RESP_HLEN
@@ -214,6 +236,21 @@ cdef inline Py_ssize_t _splice_all(int fd_in, off_t* off_in, int fd_out, Py_ssiz
             break
         done += n
     return done
+
+
+cdef inline bint _send_all(int fd, const char* p, Py_ssize_t n) noexcept nogil:
+    """Send ``n`` bytes on the blocking socket ``fd``; False if the socket failed (the host
+    reset or shut down the connection, or the loop shut it down to end the queue's thread)."""
+    cdef Py_ssize_t k
+    while n > 0:
+        k = send(fd, p, n, MSG_NOSIGNAL)
+        if k < 0:
+            if errno == EINTR:
+                continue
+            return False
+        p += k
+        n -= k
+    return True
 
 
 # -- the C copies of the storage --------------------------------------------------------------------
@@ -347,6 +384,23 @@ cdef class TcpFastPath:
     cdef public unsigned long long spilled
     """Of those, the ones of which the socket did not take all, the rest going through the
     transport (the tests check that the fallback ran)."""
+    cdef bint thread_enabled
+    cdef readonly bint threaded
+    """The socket is the queue's thread's (:meth:`_run`), from the loop's entry to its
+    :meth:`_returned`: the loop does not read it, nor touch the reader."""
+    cdef int _tfd
+    cdef bint _stopping
+    cdef bint _broken
+    cdef bint _eof
+    cdef bint _waiting
+    cdef bint _thread_done
+    cdef object _thread
+    cdef object _wake
+    cdef object _loop
+    cdef public unsigned long long thread_entries
+    """Times the queue went to its thread."""
+    cdef public unsigned long long thread_served
+    """Commands served on the thread (also counted in ``served``)."""
 
     def __init__(self, conn, Py_ssize_t max_transfer):
         self.conn = conn
@@ -357,6 +411,7 @@ cdef class TcpFastPath:
         self.sock = -1
         self.pipe_r = self.pipe_w = -1
         self.pipe_room = 0
+        self._tfd = -1
         reader = conn.reader
         self.reader = reader if type(reader) is PduReader else None
         self.py_buffer_updated = type(conn).buffer_updated
@@ -380,6 +435,8 @@ cdef class TcpFastPath:
         Python path's own handler, with the same stop when the connection pauses; framing and
         digest errors go to ``_terminate`` and ``_digest_error`` as there."""
         conn = self.conn
+        if self.threaded:
+            return  # the thread owns the reader (a resume's take-waiting): _returned takes what it left
         if self.reader is None or conn.reader is not self.reader:
             return self.py_buffer_updated(conn, nbytes)  # terminated: the Python path discards
         cdef OutputBatcher out = conn.out  # the compiled one: the compiled twins run together
@@ -390,6 +447,8 @@ cdef class TcpFastPath:
             self._receive(nbytes)
         finally:
             out._release()
+        if self.thread_enabled:
+            self._to_thread()
 
     cdef int _receive(self, Py_ssize_t nbytes) except -1:
         cdef PduReader reader = self.reader
@@ -431,6 +490,187 @@ cdef class TcpFastPath:
             return False  # the connection's place callback refuses it (a framing error): Python's
         return self._serve(h, hlen, h + hlen if dlen else NULL, dlen, start)
 
+    # -- the queue's thread (docs/dataplane.md, "The target's threaded queue") -----------------------
+
+    cdef int _to_thread(self) except -1:
+        """Give the socket to the queue's thread when the queue is idle: bound to this path, no
+        command of the Python side in flight (none in the queue, no R2T pending or waiting),
+        nothing unsent (batcher, transport, pipe), no part of a PDU in the reader, not paused or
+        closing. Then nothing the loop does writes to the socket or reads it until the thread
+        hands it back (:meth:`_returned`), so the wire order is the reference's."""
+        conn = self.conn
+        cdef PduReader reader = self.reader
+        if (self.threaded or self._stopping or self._thread_done or not self._bound or self._off
+                or self.sock < 0 or conn.paused or conn.reader is not reader or reader._pl_dest is not None
+                or reader._end != reader._start or self.out._bufs or self.queue.in_flight
+                or conn.r2t_pending or conn._r2t_waiting or self.transport.is_closing() or self.write_buffer_size()):
+            return 0
+        pipe = conn.pipe
+        if pipe is not None and pipe.queued:
+            return 0
+        if self._thread is None:
+            # the thread's own descriptor: a close by the loop can never make it use a number
+            # reused by then (the loop ends it with shutdown(), which acts on the socket)
+            self._tfd = dup(self.sock)
+            if self._tfd < 0:
+                self._thread_done = True
+                return 0
+            self._loop = asyncio.get_running_loop()
+            self._wake = threading.Lock()
+            self._wake.acquire()
+            self._waiting = True
+            self._thread = threading.Thread(target=self._run, name=f"blockd-tcp-q{self.qid}", daemon=True)
+            self._thread.start()
+            log.info("I/O queue served by its own thread", qid=self.qid, peer=self.queue.peer)
+        elif not self._waiting:
+            return 0  # between its hand-back and its wait: the next idle receive gives it the socket
+        self.transport.pause_reading()
+        self.threaded = True
+        self.thread_entries += 1
+        self._waiting = False
+        self._wake.release()
+        return 0
+
+    def _run(self):
+        """The queue's thread: waits to be given the socket, serves steady Reads and in-capsule
+        Writes from it (:meth:`_serve_thread`), hands it back to the loop (:meth:`_returned`), and
+        waits again; ends when the connection ends (the loop's :meth:`stop_thread`, or the socket
+        did). The GIL is held for the per-command work and released around every system call."""
+        cdef int ended = 0
+        cdef int fd = self._tfd
+        cdef int flags
+        try:
+            while not ended:
+                self._wake.acquire()
+                if self._stopping:
+                    break
+                flags = fcntl(fd, F_GETFL)  # one open file with the loop's descriptor: shared flags
+                fcntl(fd, F_SETFL, flags & ~O_NONBLOCK)  # the loop neither reads nor writes it now
+                try:
+                    ended = self._serve_thread(fd)
+                finally:
+                    fcntl(fd, F_SETFL, flags | O_NONBLOCK)  # before the loop reads it again
+                    if self._stopping:  # stop_thread has been: it will not wake a wait any more
+                        ended = 1
+                    self._waiting = not ended
+                    try:
+                        self._loop.call_soon_threadsafe(self._returned)
+                    except RuntimeError:  # the loop is closed: the daemon has stopped
+                        ended = 1
+        finally:
+            self._thread_done = True
+            self._tfd = -1  # under the GIL, so the loop's shutdown() never sees a closed number
+            close(fd)
+
+    cdef int _serve_thread(self, int fd) except -1:
+        """Serve whole CapsuleCmds from the reader while it has them and receive more into it;
+        0: a PDU or command this thread does not serve (left whole or in part in the reader), or
+        the queue paused, closing or stopping: the loop goes on from there; 1: the socket ended."""
+        cdef PduReader reader = self.reader
+        cdef Py_ssize_t plen, pending, room, n
+        cdef const unsigned char* h
+        cdef unsigned char* p
+        conn = self.conn
+        transport = self.transport
+        while True:
+            while True:
+                if self._broken:
+                    return 1
+                if self._stopping or conn.paused or transport.is_closing():
+                    return 0
+                plen = reader.whole(_CAPSULE_CMD)
+                if plen >= 0:
+                    if not self._serve_staged(reader, plen):
+                        return 0
+                    reader.skip(plen)
+                    continue
+                pending = reader._end - reader._start
+                if pending >= _HDR and not self._awaited(reader._p + reader._start, pending, reader._size):
+                    return 0
+                break
+            reader.get_buffer(-1)  # room for the rest (moves the PDU begun to the front if need be)
+            p = reader._p + reader._end
+            room = reader._size - reader._end
+            if room <= 0:
+                return 0
+            with nogil:
+                n = recv(fd, p, room, 0)
+                while n < 0 and errno == EINTR:
+                    n = recv(fd, p, room, 0)
+            if n <= 0:
+                self._eof = n == 0  # else an error: the loop's read meets it too
+                return 1
+            reader.advance(n)
+
+    cdef bint _awaited(self, const unsigned char* h, Py_ssize_t pending, Py_ssize_t room) noexcept:
+        """Whether the begun PDU at ``h`` (its common header in) is a CapsuleCmd that
+        ``PduReader.whole`` will give whole once the rest is in, that this path may serve
+        (in-capsule data within the queue's size) and that staging holds: only then does the
+        thread wait for it. Any other header is the loop's to judge at once, as its reader
+        judges headers (a framing error comes when the header does, not when PLEN bytes have)."""
+        cdef Py_ssize_t hlen = h[_O_HLEN_CMD]
+        cdef Py_ssize_t plen = le32(h + _O_PLEN)
+        return (h[_O_TYPE] == _CAPSULE_CMD and not h[_O_HFLAGS] & _DIGEST_FLAGS and hlen == _SQE_AT + _SQE_SIZE
+                and hlen <= plen <= hlen + self.inline_size and (plen == hlen or h[_O_PDO] == hlen)
+                and pending < plen <= room)
+
+    def _returned(self):
+        """The thread handed the socket back (the loop's callback): what it left in the reader
+        goes the ordinary way (``_take``, the Python queue), then the loop reads again; the next
+        idle receive may give the socket to the thread again."""
+        self.threaded = False
+        conn = self.conn
+        if self.transport.is_closing() or conn.paused:
+            return  # closing: connection_lost follows; paused: resume_writing reads again
+        if self._eof:  # the host closed: what the loop does at end of stream, now (its QIDs free at once)
+            self.buffer_updated(0)
+            if not self.transport.is_closing():
+                self.transport.close()
+            return
+        self.transport.resume_reading()
+        self.buffer_updated(0)
+
+    cdef int _emit(self, bytes reply) except -1:
+        """A reply of a command served on the thread, to the socket before the next command is
+        received (a host not reading its replies blocks this thread only, the GIL released)."""
+        cdef const char* p = PyBytes_AS_STRING(reply)
+        cdef Py_ssize_t n = len(reply)
+        cdef int fd = self._tfd
+        cdef bint ok
+        self.thread_served += 1  # counted before the host can see the reply (the tests read it then)
+        with nogil:
+            ok = _send_all(fd, p, n)
+        if not ok:
+            self._broken = True  # the socket failed: the thread ends, the loop sees the error
+        return 0
+
+    def stop_thread(self):
+        """End the queue's thread (the connection closes): ``shutdown`` wakes it from ``recv``
+        or ``send``, then the loop waits for it to leave, so no file descriptor or system call
+        of it outlives the connection (namespaces close after their connections at stop)."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        if self._tfd >= 0:
+            shutdown(self._tfd, SHUT_RDWR)
+        if self._waiting:
+            self._waiting = False
+            self._wake.release()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(THREAD_JOIN_TIMEOUT)
+
+    cdef int _hold_namespace(self, nsobj) except -1:
+        """Hold a namespace across a thread's ``pread``/``pwrite`` (the GIL released: the loop may
+        remove it meanwhile), so that its file closes only after (``TargetQueue`` holds it so)."""
+        nsobj.in_flight += 1
+        return 0
+
+    cdef int _release_namespace(self, nsobj) except -1:
+        nsobj.in_flight -= 1
+        if nsobj.removed:  # its last holder closes its file: on the loop, as the queue does
+            self._loop.call_soon_threadsafe(self.conn.target.namespace_released, nsobj)
+        return 0
+
     # -- serving one capsule -----------------------------------------------------------------------------
 
     cdef bint _bind(self) except -1:
@@ -459,6 +699,7 @@ cdef class TcpFastPath:
         self.sock = self.conn._sock
         self.by_reference_min = file_send.BY_REFERENCE_MIN
         self.r2t_per_queue = self.conn.limits.r2t_budget
+        self.thread_enabled = self.sock >= 0 and self.reader is not None and self.conn.target.threaded_queues
         # a write capsule is received whole into staging and written to the file from there
         # (placing it would copy what arrived with its header: docs/dataplane.md, large transfers)
         if self.reader is not None:  # only the compiled loop serves from staging
@@ -538,23 +779,32 @@ cdef class TcpFastPath:
         if not queue_ready(queue, ctrl, self.pool) or self.transport.is_closing():
             return False
         if opcode == _READ:
-            return self._read(ns, f.fd, <off_t>(slba << ns.lba_shift), length, cid, start)
+            return self._read(entry, ns, f.fd, <off_t>(slba << ns.lba_shift), length, cid, start)
         if f.read_only:
             return False
         if sgl_id == _SGL_TRANSPORT:
+            if self.threaded:
+                return False  # R2T writes hand back to the loop (their R2T budget wake-ups are the loop's)
             return self._send_r2t(entry, ns, <off_t>(slba << ns.lba_shift), length, cid, header, start)
-        return self._write(ns, f.fd, <off_t>(slba << ns.lba_shift), length, cid, data, start)
+        return self._write(entry, ns, f.fd, <off_t>(slba << ns.lba_shift), length, cid, data, start)
 
-    cdef bint _read(self, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
+    cdef bint _read(self, nsobj, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
                     long long start) except -1:
         if self._by_reference(length):
+            if self.threaded:
+                return False  # reads by reference hand back to the loop (their pipe spills to the transport)
             return self._read_by_reference(ns, fd, offset, length, cid, start)
         cdef Py_ssize_t total = _DATA_HLEN + length + (0 if self.sqhd_disabled else _RESP_LEN)
         cdef bytes reply = PyBytes_FromStringAndSize(NULL, total)
         cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(reply)
         cdef Py_ssize_t got
+        cdef bint threaded = self.threaded
+        if threaded:
+            self._hold_namespace(nsobj)
         with nogil:
             got = pread(fd, p + _DATA_HLEN, length, offset)
+        if threaded:
+            self._release_namespace(nsobj)
         if got != length:
             return False  # the Python path reads again and reports the error
         if self.sqhd_disabled:
@@ -564,6 +814,9 @@ cdef class TcpFastPath:
             _capsule_resp(p + _DATA_HLEN + length, self._next_sqhd(), self.qid, cid)
         self.ctrl.traffic_seen = True
         self._complete(ns, _KIND_READ, length, start)
+        self.served += 1
+        if threaded:
+            return self._emit(reply) >= 0
         self.out._send((reply,))
         conn = self.conn
         batched = conn._batched + length
@@ -572,7 +825,6 @@ cdef class TcpFastPath:
             self.out._flush()
         else:
             conn._batched = batched
-        self.served += 1
         return True
 
     # -- reads by reference (target/file_send.py: why, and the Python twin of each step) ------------
@@ -660,19 +912,26 @@ cdef class TcpFastPath:
         self.by_reference += 1
         return True
 
-    cdef bint _write(self, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
+    cdef bint _write(self, nsobj, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
                      const unsigned char* data, long long start) except -1:
         cdef Py_ssize_t done
+        cdef bint threaded = self.threaded
+        if threaded:
+            self._hold_namespace(nsobj)
         with nogil:
             done = _pwrite_all(fd, data, length, offset)
+        if threaded:
+            self._release_namespace(nsobj)
         if done != length:
             return False  # the Python path writes again and reports the error
         cdef bytes resp = PyBytes_FromStringAndSize(NULL, _RESP_LEN)
         _capsule_resp(<unsigned char*>PyBytes_AS_STRING(resp), self._next_sqhd(), self.qid, cid)
         self.ctrl.traffic_seen = True
         self._complete(ns, _KIND_WRITE, length, start)
-        self.out._send((resp,))
         self.served += 1
+        if threaded:
+            return self._emit(resp) >= 0
+        self.out._send((resp,))
         return True
 
     # -- R2T writes ----------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ Example::
     max_unsent_total = "256MiB"
     rdma_recv_total = "256MiB"
     auth_timeout = 120.0
+    threaded_queues = false   # true: steady NVMe/TCP I/O queues served by a thread each (docs/dataplane.md)
 
     [control]
     socket = "/run/blockd/target.sock"   # root-only; "" turns the control socket off
@@ -282,6 +283,10 @@ class TargetConfig:
     ana: tuple[AnaConfig, ...] = ()
     """ANA states set by the configuration; every other (port, group) is optimized."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    threaded_queues: bool = False
+    """Steady NVMe/TCP I/O queues served by a thread each (compiled plane only; docs/dataplane.md,
+    "The target's threaded queue", says why it is off by default); False keeps every queue on
+    the event loop."""
 
 
 def load(path: str) -> TargetConfig:
@@ -337,11 +342,12 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
     if log_format not in ("console", "json"):
         raise ConfigError(f"{source} [logging]: format must be 'console' or 'json'")
     target_t = take(raw, "target", dict, source, {})
-    unknown(target_t, {"max_io_queues", *_LIMIT_KINDS}, f"{source} [target]")
+    unknown(target_t, {"max_io_queues", "threaded_queues", *_LIMIT_KINDS}, f"{source} [target]")
     max_io_queues = take(target_t, "max_io_queues", int, f"{source} [target]", 16)
     if not 1 <= max_io_queues <= 1024:
         raise ConfigError(f"{source} [target]: max_io_queues must be 1..1024")
     limits = _limits(target_t, f"{source} [target]")
+    threaded_queues = take(target_t, "threaded_queues", bool, f"{source} [target]", False)
     control_t = take(raw, "control", dict, source, {})
     unknown(control_t, {"socket"}, f"{source} [control]")
     control_socket = take(control_t, "socket", str, f"{source} [control]", DEFAULT_CONTROL_SOCKET)
@@ -405,7 +411,7 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
                           "its state is not configurable")
     return TargetConfig(tuple(ports), tuple(subsystems), log_format,
                         take(logging_t, "level", str, f"{source} [logging]", "info"), max_io_queues,
-                        limits, control_socket, metrics, ana)
+                        limits, control_socket, metrics, ana, threaded_queues=threaded_queues)
 
 
 def _namespace(n: dict[str, Any], where: str, default_nsid: int) -> NamespaceConfig:

@@ -93,7 +93,8 @@ class TargetService:
     def __init__(self, config: TargetConfig, open_replica: ReplicaOpener | None = None) -> None:
         self.config = config
         self.open_replica = open_replica
-        self.target = Target(max_io_queues=config.max_io_queues, limits=config.limits)
+        self.target = Target(max_io_queues=config.max_io_queues, limits=config.limits,
+                             threaded_queues=config.threaded_queues)
         self.listeners: dict[int, Listener] = {}
         self.standby: dict[tuple[str, int], str] = {}
         """(subsystem NQN, nsid) of each failover pair's namespace -> its standby subsystem's NQN."""

@@ -50,12 +50,15 @@ class PortInfo:
 class Target:
     """Everything the transports share; transports call into it, never the reverse."""
 
-    def __init__(self, max_io_queues: int = 16, limits: Limits = Limits()) -> None:
+    def __init__(self, max_io_queues: int = 16, limits: Limits = Limits(), threaded_queues: bool = False) -> None:
         self.subsystems: dict[str, Subsystem] = {DISCOVERY_NQN: Subsystem(DISCOVERY_NQN, serial="discovery", model="blockd discovery")}
         self.controllers: dict[int, Controller] = {}
         self.ports: dict[int, PortInfo] = {}
         self.max_io_queues = max_io_queues
         self.limits = limits
+        self.threaded_queues = threaded_queues
+        """NVMe/TCP I/O queues in the steady state are served by a thread of their own (the
+        compiled plane only; docs/dataplane.md, "The target's threaded queue")."""
         self.rejections = Rejections()
         """Hostile or over-limit input refused, by reason (a metric)."""
         self.connections = ConnectionCount(limits.max_connections, limits.max_connections_per_host,

@@ -196,6 +196,8 @@ class TcpTargetConnection(PduProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.queue is None:  # refused at accept
             return
+        if self.fast is not None:
+            self.fast.stop_thread()
         if exc is None:
             self.queue.note_teardown("peer disconnect")
         else:
@@ -251,7 +253,8 @@ class TcpTargetConnection(PduProtocol):
         self.paused = paused
         if paused:
             self.transport.pause_reading()
-        elif not self.transport.is_closing():
+        elif not self.transport.is_closing() and not (self.fast is not None and self.fast.threaded):
+            # (a queue's thread sees the pause itself and hands back; its return reads again)
             self.transport.resume_reading()
             asyncio.get_running_loop().call_soon(self._take_waiting)
 
@@ -515,6 +518,8 @@ class TcpTargetConnection(PduProtocol):
         if self.transport is not None and not self.transport.is_closing():
             if self.queue is not None:
                 self.queue.note_teardown("local shutdown")
+            if self.fast is not None:
+                self.fast.stop_thread()  # before the namespaces it may be using can close
             self.out.flush()
             self.transport.close()
 

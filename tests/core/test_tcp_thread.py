@@ -1,0 +1,203 @@
+"""The target's threaded NVMe/TCP queue (target/_io_fast.pyx, ``TcpFastPath._run``): an idle I/O
+queue goes to a thread of its own, which serves steady Reads and in-capsule Writes blocking in the
+socket and hands everything else back to the loop; every way a connection ends leaves no thread
+and no descriptor behind, and a host that stops reading its replies holds only its own queue.
+
+(The answers themselves are compared with the Python queue's in test_io_fast.py's differential
+test, in both modes.)"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from protocol.constants import IoOpcode, SglId
+from protocol.nvme import build_sgl_data_block, build_sqe
+from target.io_fast import TcpFastPath
+
+from .conftest import RawConn, capsule, config, fill_file, free_port, ns, raw_admin, run, serving, sub
+
+pytestmark = pytest.mark.skipif(
+    TcpFastPath is None, reason="the compiled data plane is not in use (BLOCKD_PURE=1 or not built)")
+
+SIZE = 4 << 20
+
+
+def _read(cid: int, slba: int = 0, blocks: int = 8) -> bytes:
+    return build_sqe(IoOpcode.READ, cid, nsid=1, dptr=build_sgl_data_block(
+        SglId.TRANSPORT_DATA_BLOCK, 0, blocks * 512), cdw10=slba, cdw12=blocks - 1)
+
+
+def _write(cid: int, slba: int, length: int) -> bytes:
+    return build_sqe(IoOpcode.WRITE, cid, nsid=1, dptr=build_sgl_data_block(
+        SglId.DATA_BLOCK_OFFSET, 0, length), cdw10=slba, cdw12=length // 512 - 1)
+
+
+def _queue_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("blockd-tcp-q")]
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _cfg(tmp: Path, port: int, **target: Any) -> Any:
+    """One namespace of ``SIZE`` bytes; threaded queues on unless ``target`` says otherwise."""
+    path = tmp / "vol.img"
+    fill_file(path, SIZE)
+    return config([port], [sub(namespaces=[ns(path, size=SIZE)])], target={"threaded_queues": True, **target})
+
+
+async def _io_queue(port: int, cntlid: int, qid: int = 1) -> RawConn:
+    io = await RawConn.open(port)
+    await io.initialize()
+    await io.connect_io(cntlid, qid)
+    return io
+
+
+async def _threaded(service: Any, cntlid: int, io: RawConn, qid: int = 1) -> Any:
+    """Make queue ``qid`` idle on its thread (one read answered on the loop gives it the socket)."""
+    fast = service.target.controllers[cntlid].queues[qid].transport.fast
+    status, *_ = await io.command(_read(1))
+    assert status == 0
+    for _ in range(100):
+        if fast.threaded:
+            return fast
+        await asyncio.sleep(0.01)
+    raise AssertionError("the queue did not go to its thread")
+
+
+def test_a_queue_goes_to_its_thread_and_back(tmp_path: Path) -> None:
+    """Reads and in-capsule writes are served on the thread; a Flush (not served there) goes
+    back to the loop and the Python queue, after which the queue is on its thread again; the
+    data written on the thread reads back."""
+    port = free_port()
+
+    async def main() -> None:
+        async with serving(_cfg(tmp_path, port)) as service:
+            admin, cntlid = await raw_admin(port)
+            io = await _io_queue(port, cntlid)
+            fast = await _threaded(service, cntlid, io)
+            served = fast.thread_served
+            for cid in range(2, 12):
+                status, _, got, data = await io.command(_write(cid, cid * 8, 4096), bytes([cid]) * 4096)
+                assert (status, got) == (0, cid)
+                status, _, got, data = await io.command(_read(cid + 100, cid * 8))
+                assert (status, got, data) == (0, cid + 100, bytes([cid]) * 4096)
+            assert fast.thread_served == served + 20, (fast.thread_served, served, fast.thread_entries, fast.served)
+            entries = fast.thread_entries
+            status, _, got, _ = await io.command(build_sqe(IoOpcode.FLUSH, 50, nsid=1))
+            assert (status, got) == (0, 50)
+            status, *_ = await io.command(_read(51))
+            assert status == 0
+            for _ in range(100):
+                if fast.threaded and fast.thread_entries > entries:
+                    break
+                await asyncio.sleep(0.01)
+            assert fast.threaded and fast.thread_entries > entries  # back on the thread after the Flush
+            assert [t.name for t in _queue_threads()] == ["blockd-tcp-q1"]
+            await io.close()
+            await admin.close()
+
+    run(main(), timeout=30)
+
+
+@pytest.mark.parametrize("table", [{"threaded_queues": False}, {}], ids=["off", "default"])
+def test_the_switch_keeps_queues_on_the_loop(tmp_path: Path, table: dict[str, Any]) -> None:
+    """``[target] threaded_queues = false``, the default: no queue goes to a thread."""
+    port = free_port()
+    path = tmp_path / "vol.img"
+    fill_file(path, SIZE)
+
+    async def main() -> None:
+        async with serving(config([port], [sub(namespaces=[ns(path, size=SIZE)])], target=table)) as service:
+            admin, cntlid = await raw_admin(port)
+            io = await _io_queue(port, cntlid)
+            for cid in range(1, 6):
+                status, *_ = await io.command(_read(cid))
+                assert status == 0
+            fast = service.target.controllers[cntlid].queues[1].transport.fast
+            assert fast.served == 5 and not fast.threaded and fast.thread_entries == 0
+            assert not _queue_threads()
+            await io.close()
+            await admin.close()
+
+    run(main(), timeout=30)
+
+
+@pytest.mark.parametrize("end", ["host disconnects", "controller deleted", "pdu timeout", "daemon stop"])
+def test_every_end_leaves_no_thread_and_no_descriptor(tmp_path: Path, end: str) -> None:
+    """The host closes, the controller is torn down (as at KATO expiry), the host stops in the
+    middle of a capsule (the PDU timeout), or the daemon stops, all while the queue's thread
+    waits in ``recv``: its thread ends and its descriptor is closed."""
+    port = free_port()
+    before = _fds()
+
+    async def main() -> None:
+        async with serving(_cfg(tmp_path, port, hello_timeout=0.5, pdu_timeout=0.3)) as service:
+            admin, cntlid = await raw_admin(port)
+            io = await _io_queue(port, cntlid)
+            await _threaded(service, cntlid, io)
+            assert len(_queue_threads()) == 1
+            conn = service.target.controllers[cntlid].queues[1].transport
+            if end == "host disconnects":
+                await io.close()
+            elif end == "controller deleted":
+                service.target.controllers[cntlid].shutdown("keep-alive timeout")
+                assert await io.closed()
+            elif end == "pdu timeout":
+                io.send(capsule(_read(7))[:30])  # the thread has begun a PDU and waits for the rest
+                assert await io.closed(timeout=5)
+            if end != "daemon stop":
+                for _ in range(200):
+                    if not _queue_threads() and conn.transport.is_closing():
+                        break
+                    await asyncio.sleep(0.01)
+                assert not _queue_threads(), end
+            await io.close()
+            await admin.close()
+        assert not _queue_threads(), end
+
+    run(main(), timeout=30)
+    assert _fds() <= before, end
+
+
+def test_a_host_not_reading_its_replies_holds_only_its_queue(tmp_path: Path) -> None:
+    """A host that sends reads and never reads the replies blocks its queue's thread in
+    ``send`` (the GIL released): another queue of the daemon goes on being served, and the
+    daemon still stops at once, ending the blocked thread."""
+    port = free_port()
+
+    async def main() -> None:
+        async with serving(_cfg(tmp_path, port)) as service:
+            admin, cntlid = await raw_admin(port)
+            stuck = await _io_queue(port, cntlid, qid=1)
+            fast = await _threaded(service, cntlid, stuck, qid=1)
+            stuck.writer.transport.pause_reading()  # this host reads nothing from now on
+            reads = b"".join(capsule(_read(cid % 60000, 0, 120)) for cid in range(2, 802))  # 48 MiB asked
+            stuck.send(reads)
+            other = await _io_queue(port, cntlid, qid=2)
+            for _ in range(50):
+                served = fast.thread_served
+                await asyncio.sleep(0.05)
+                if fast.thread_served == served:
+                    break
+            assert fast.threaded and fast.thread_served < 800  # blocked in send, not done
+            start = time.monotonic()
+            for cid in range(1, 50):
+                status, *_ = await other.command(_read(cid, cid * 8), timeout=2)
+                assert status == 0
+            assert time.monotonic() - start < 5
+            assert fast.thread_served < 800
+            await other.close()
+            await admin.close()
+        assert not _queue_threads()
+        await stuck.close()
+
+    run(main(), timeout=60)
