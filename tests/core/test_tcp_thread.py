@@ -21,7 +21,7 @@ from protocol.constants import IoOpcode, SglId
 from protocol.nvme import build_sgl_data_block, build_sqe
 from target.io_fast import TcpFastPath
 
-from .conftest import RawConn, capsule, config, fill_file, free_port, ns, raw_admin, run, serving, sub
+from .conftest import NQN, RawConn, capsule, config, fill_file, free_port, ns, raw_admin, run, serving, sub
 
 pytestmark = pytest.mark.skipif(
     TcpFastPath is None, reason="the compiled data plane is not in use (BLOCKD_PURE=1 or not built)")
@@ -201,3 +201,27 @@ def test_a_host_not_reading_its_replies_holds_only_its_queue(tmp_path: Path) -> 
         await stuck.close()
 
     run(main(), timeout=60)
+
+
+def test_a_namespace_removed_while_threaded_is_the_loops(tmp_path: Path) -> None:
+    """A namespace removed while its queue is on the thread closes at once (no command holds it)
+    and its next read is refused by the Python queue, as on the loop; the queue carries on."""
+    port = free_port()
+
+    async def main() -> None:
+        async with serving(_cfg(tmp_path, port)) as service:
+            admin, cntlid = await raw_admin(port)
+            io = await _io_queue(port, cntlid)
+            fast = await _threaded(service, cntlid, io)
+            target = service.target
+            subsystem = target.subsystems[NQN]
+            namespace = subsystem.namespaces[1]
+            target.remove_namespace(subsystem, 1)
+            assert namespace.fast.file.fd == -1 and namespace.in_flight == 0
+            served = fast.served
+            status, *_ = await io.command(_read(9))
+            assert status != 0 and fast.served == served  # Invalid Namespace, from the Python queue
+            await io.close()
+            await admin.close()
+
+    run(main(), timeout=30)
