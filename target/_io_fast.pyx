@@ -659,17 +659,29 @@ cdef class TcpFastPath:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(THREAD_JOIN_TIMEOUT)
 
-    cdef int _hold_namespace(self, nsobj) except -1:
+    cdef int _hold_namespace(self, nsobj, FastNamespace ns) except -2:
         """Hold a namespace across a thread's ``pread``/``pwrite`` (the GIL released: the loop may
-        remove it meanwhile), so that its file closes only after (``TargetQueue`` holds it so)."""
+        remove it meanwhile), so that its file closes only after (``TargetQueue`` holds it so); the
+        descriptor read again under the hold (the checks before it ran Python code, where the GIL
+        may have gone to the loop), or -1, nothing held: withdrawn since (the loop's to answer)."""
         nsobj.in_flight += 1
-        return 0
+        cdef int fd = ns.file.fd
+        if fd < 0 or not ns.accessible or nsobj.backend is not ns.backend:
+            self._release_namespace(nsobj)
+            return -1
+        return fd
 
     cdef int _release_namespace(self, nsobj) except -1:
         nsobj.in_flight -= 1
-        if nsobj.removed:  # its last holder closes its file: on the loop, as the queue does
-            self._loop.call_soon_threadsafe(self.conn.target.namespace_released, nsobj)
+        if nsobj.removed and not nsobj.in_flight:  # the last holder closes its file: on the loop
+            self._loop.call_soon_threadsafe(self._namespace_released, nsobj)
         return 0
+
+    def _namespace_released(self, nsobj):
+        """``Target.namespace_released`` unless the namespace closed meanwhile (the target stopped)."""
+        target = self.conn.target
+        if nsobj in target.draining:
+            target.namespace_released(nsobj)
 
     # -- serving one capsule -----------------------------------------------------------------------------
 
@@ -800,7 +812,9 @@ cdef class TcpFastPath:
         cdef Py_ssize_t got
         cdef bint threaded = self.threaded
         if threaded:
-            self._hold_namespace(nsobj)
+            fd = self._hold_namespace(nsobj, ns)
+            if fd < 0:
+                return False
         with nogil:
             got = pread(fd, p + _DATA_HLEN, length, offset)
         if threaded:
@@ -917,7 +931,9 @@ cdef class TcpFastPath:
         cdef Py_ssize_t done
         cdef bint threaded = self.threaded
         if threaded:
-            self._hold_namespace(nsobj)
+            fd = self._hold_namespace(nsobj, ns)
+            if fd < 0:
+                return False
         with nogil:
             done = _pwrite_all(fd, data, length, offset)
         if threaded:

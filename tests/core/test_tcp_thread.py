@@ -9,11 +9,12 @@ test, in both modes.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import pytest
 
@@ -21,7 +22,7 @@ from protocol.constants import IoOpcode, SglId
 from protocol.nvme import build_sgl_data_block, build_sqe
 from target.io_fast import TcpFastPath
 
-from .conftest import RawConn, capsule, config, fill_file, free_port, ns, raw_admin, run, serving, sub
+from .conftest import NQN, RawConn, capsule, config, fill_file, free_port, ns, raw_admin, run, serving, sub
 
 pytestmark = pytest.mark.skipif(
     TcpFastPath is None, reason="the compiled data plane is not in use (BLOCKD_PURE=1 or not built)")
@@ -73,17 +74,26 @@ async def _threaded(service: Any, cntlid: int, io: RawConn, qid: int = 1) -> Any
     raise AssertionError("the queue did not go to its thread")
 
 
+@contextlib.asynccontextmanager
+async def _on_thread(tmp: Path) -> AsyncIterator[tuple[Any, RawConn, Any]]:
+    """A target with threaded queues and one I/O queue on its thread: (service, host, fast path)."""
+    port = free_port()
+    async with serving(_cfg(tmp, port)) as service:
+        admin, cntlid = await raw_admin(port)
+        io = await _io_queue(port, cntlid)
+        try:
+            yield service, io, await _threaded(service, cntlid, io)
+        finally:
+            await io.close()
+            await admin.close()
+
+
 def test_a_queue_goes_to_its_thread_and_back(tmp_path: Path) -> None:
     """Reads and in-capsule writes are served on the thread; a Flush (not served there) goes
     back to the loop and the Python queue, after which the queue is on its thread again; the
     data written on the thread reads back."""
-    port = free_port()
-
     async def main() -> None:
-        async with serving(_cfg(tmp_path, port)) as service:
-            admin, cntlid = await raw_admin(port)
-            io = await _io_queue(port, cntlid)
-            fast = await _threaded(service, cntlid, io)
+        async with _on_thread(tmp_path) as (service, io, fast):
             served = fast.thread_served
             for cid in range(2, 12):
                 status, _, got, data = await io.command(_write(cid, cid * 8, 4096), bytes([cid]) * 4096)
@@ -102,8 +112,6 @@ def test_a_queue_goes_to_its_thread_and_back(tmp_path: Path) -> None:
                 await asyncio.sleep(0.01)
             assert fast.threaded and fast.thread_entries > entries  # back on the thread after the Flush
             assert [t.name for t in _queue_threads()] == ["blockd-tcp-q1"]
-            await io.close()
-            await admin.close()
 
     run(main(), timeout=30)
 
@@ -201,3 +209,20 @@ def test_a_host_not_reading_its_replies_holds_only_its_queue(tmp_path: Path) -> 
         await stuck.close()
 
     run(main(), timeout=60)
+
+
+def test_a_namespace_removed_while_threaded_is_the_loops(tmp_path: Path) -> None:
+    """A namespace removed while its queue is on the thread closes at once (no command holds it)
+    and its next read is refused by the Python queue, as on the loop; the queue carries on."""
+    async def main() -> None:
+        async with _on_thread(tmp_path) as (service, io, fast):
+            target = service.target
+            subsystem = target.subsystems[NQN]
+            namespace = subsystem.namespaces[1]
+            target.remove_namespace(subsystem, 1)
+            assert namespace.fast.file.fd == -1 and namespace.in_flight == 0
+            served = fast.served
+            status, *_ = await io.command(_read(9))
+            assert status != 0 and fast.served == served  # Invalid Namespace, from the Python queue
+
+    run(main(), timeout=30)

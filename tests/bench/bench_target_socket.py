@@ -1,0 +1,109 @@
+"""Micro-benchmark for instruction counts: a real target on a real loopback socket at QD1.
+
+``bench_target_io.py`` feeds the connection without a socket, so the target's threaded queue
+(``[target] threaded_queues``, docs/dataplane.md "The target's threaded queue") never engages
+there. Here a :class:`target.service.TargetService` runs on uvloop in a thread of this process
+and a blocking-socket host in the main thread sends N 4 KiB Reads or in-capsule Writes one at a
+time. Run it under callgrind twice with different N; the difference of the two totals divided by
+the difference of N is the whole process's instructions per I/O (the host's share is the same in
+both modes, so the difference between modes is the target's)::
+
+    valgrind --tool=callgrind --callgrind-out-file=cg.1000 .venv/bin/python \\
+        tests/bench/bench_target_socket.py 1000 read thread
+
+``mode``: ``thread`` or ``loop`` (the key set in ``[target]``), or ``default`` (no key: for a
+tree that does not know it). Not a test (pytest does not collect bench_*.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+# the tree measured is the one on PYTHONPATH (main's, to compare), its tests/ for the helpers
+sys.path.insert(0, os.path.join(os.environ.get("PYTHONPATH", "").split(":")[0] or os.getcwd(), "tests"))
+
+import uvloop  # noqa: E402
+
+from core.conftest import capsule, config, connect_data, connect_sqe, fill_file, free_port, icreq, ns, prop_sqe, sub  # noqa: E402
+from protocol.constants import IoOpcode, SglId  # noqa: E402
+from protocol.nvme import build_sgl_data_block, build_sqe  # noqa: E402
+from protocol.tcp import PduType  # noqa: E402
+from target.service import TargetService  # noqa: E402
+
+SIZE = 16 << 20
+IO = 4096
+
+
+def _recv_pdu(s: socket.socket) -> bytes:
+    head = b""
+    while len(head) < 8:
+        head += s.recv(8 - len(head))
+    plen = struct.unpack_from("<I", head, 4)[0]
+    rest = bytearray()
+    while len(rest) < plen - 8:
+        rest += s.recv(plen - 8 - len(rest))
+    return head + bytes(rest)
+
+
+def _command(s: socket.socket, sqe: bytes, data: bytes = b"") -> bytes:
+    s.sendall(capsule(sqe, data))
+    while True:
+        pdu = _recv_pdu(s)
+        if pdu[0] == PduType.CAPSULE_RESP:
+            return pdu
+
+
+def _connect(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.sendall(icreq())
+    _recv_pdu(s)
+    return s
+
+
+def main() -> None:
+    n, kind, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    path = Path(tempfile.mkdtemp(dir="/dev/shm")) / "vol.img"
+    fill_file(path, SIZE)
+    port = free_port()
+    table = None if mode == "default" else {"threaded_queues": mode == "thread"}
+    cfg = config([port], [sub(namespaces=[ns(path, size=SIZE)])], target=table)
+    loop = uvloop.new_event_loop()
+    ready = threading.Event()
+    services: list[TargetService] = []
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        service = TargetService(cfg)
+        loop.run_until_complete(service.start())
+        services.append(service)
+        ready.set()
+        loop.run_forever()
+
+    threading.Thread(target=serve, daemon=True).start()
+    ready.wait()
+    admin = _connect(port)
+    cntlid = struct.unpack_from("<H", _command(admin, connect_sqe(), connect_data()), 8)[0]
+    _command(admin, prop_sqe(1, False, 0x14, value=0x00460001))  # CC.EN
+    io = _connect(port)
+    _command(io, connect_sqe(qid=1, sqsize=127), connect_data(cntlid=cntlid))
+    opcode, sgl = (IoOpcode.READ, SglId.TRANSPORT_DATA_BLOCK) if kind == "read" else (IoOpcode.WRITE, SglId.DATA_BLOCK_OFFSET)
+    sqe = build_sqe(opcode, 1, nsid=1, dptr=build_sgl_data_block(sgl, 0, IO), cdw12=IO // 4096 * 8 - 1)
+    data = b"" if kind == "read" else b"\x5a" * IO
+    for _ in range(n):
+        _command(io, sqe, data)
+    fast = services[0].target.controllers[cntlid].queues[1].transport.fast
+    print(f"{n} {kind}s, {fast.served} served in C, {fast.thread_served if hasattr(fast, 'thread_served') else 0} "
+          f"on the queue's thread", file=sys.stderr)
+    os._exit(0)  # the daemon thread and its loop end with the process
+
+
+if __name__ == "__main__":
+    main()
