@@ -1,7 +1,7 @@
 """The VM benchmark's work inside the guest (started by tests/bench/run_rdma_bench.py).
 
 ``rdma_bench_guest.py OUT.json [--transport tcp|rdma|both] [--size-mib N] [--runtime S] [--no-fuse]
-[--profile]``.
+[--profile] [--jobs KEY,...] [--threaded-queues]``.
 One boot: the kernel's nvmet target and ``blockd target`` (from a TOML config with a port per
 transport) each export an equal pre-filled file on tmpfs (4 KiB blocks). Per transport in turn:
 RDMA on rxe0/rxe1 over a veth pair, TCP on the guest's loopback (nvmet-tcp vs blockd target);
@@ -178,6 +178,8 @@ def run_transport(transport: str, work: Path, args: argparse.Namespace, target: 
         daemons = {"nvmet": {}, "blockd": {"target": target.proc.pid},
                    "fuse": {"target": target.proc.pid, "initiator": fuse[0].proc.pid} if fuse else {}}
         for key, rw, bs, depth in JOBS:
+            if args.jobs and key not in args.jobs:
+                continue
             for system, dev in devs.items():
                 r = measured(dev, rw, bs, depth, args.runtime, args.size_mib << 20, daemons[system])
                 out["jobs"].setdefault(key, {})[system] = r  # type: ignore[union-attr]
@@ -204,6 +206,9 @@ def main() -> int:
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--no-fuse", action="store_true")
     ap.add_argument("--profile", action="store_true", help="perf record a 4 KiB QD1 read on each kernel-host device")
+    ap.add_argument("--jobs", type=lambda v: v.split(","), default=None,
+                    help=f"only these jobs (comma-separated, of {', '.join(j[0] for j in JOBS)})")
+    ap.add_argument("--threaded-queues", action="store_true", help="[target] threaded_queues = true for blockd's")
     args = ap.parse_args()
     transports = ["rdma", "tcp"] if args.transport == "both" else [args.transport]
     work = Path("/dev/shm/rdma-bench")
@@ -231,6 +236,9 @@ def main() -> int:
     cfg.write_text(f"""
 [logging]
 level = "info"
+
+[target]
+threaded_queues = {str(args.threaded_queues).lower()}
 {ports}
 [[subsystem]]
 nqn = "{BLOCKD_NQN}"
