@@ -268,7 +268,8 @@ class Target:
             return Status.CONNECT_INVALID_PARAMETERS, IPO_CONNECT_QID, None
         if sqsize > MQES:
             return Status.CONNECT_INVALID_PARAMETERS, IPO_CONNECT_SQSIZE, None
-        if qid in ctrl.queues:
+        old = ctrl.queues.get(qid)
+        if old is not None and not old.transport.settle():  # a queue whose host is gone lets go now
             return Status.COMMAND_SEQUENCE_ERROR, 0, None
         ctrl.queues[qid] = queue
         ctrl.restart_keep_alive()

@@ -226,3 +226,25 @@ def test_a_namespace_removed_while_threaded_is_the_loops(tmp_path: Path) -> None
             assert status != 0 and fast.served == served  # Invalid Namespace, from the Python queue
 
     run(main(), timeout=30)
+
+
+def test_a_host_reconnecting_at_once_gets_its_queue(tmp_path: Path) -> None:
+    """A host closes its I/O queue while the queue is on its thread and at once connects one
+    with the same QID, 30 times: every Connect succeeds (the thread has seen the end of stream
+    but may be waiting for the GIL while the loop serves the new Connect: the connection is
+    settled, ``TcpTargetConnection.settle``), and no thread is left behind."""
+    port = free_port()
+
+    async def main() -> None:
+        async with serving(_cfg(tmp_path, port)) as service:
+            admin, cntlid = await raw_admin(port)
+            for _ in range(30):
+                io = await _io_queue(port, cntlid)  # asserts SUCCESS
+                await _threaded(service, cntlid, io)
+                await io.close()
+            await io.close()
+            await admin.close()
+        assert not _queue_threads()
+
+    run(main(), timeout=60)
+
