@@ -19,7 +19,8 @@ from typing import Any, AsyncIterator
 import pytest
 
 from protocol.constants import IoOpcode, SglId
-from protocol.nvme import build_sgl_data_block, build_sqe
+from protocol.nvme import CQE_FAST, build_sgl_data_block, build_sqe
+from protocol.tcp import PduType
 from target.io_fast import TcpFastPath
 
 from .conftest import NQN, RawConn, capsule, config, fill_file, free_port, ns, raw_admin, run, serving, sub
@@ -248,3 +249,22 @@ def test_a_host_reconnecting_at_once_gets_its_queue(tmp_path: Path) -> None:
 
     run(main(), timeout=60)
 
+
+def test_the_thread_sends_one_receives_replies_together(tmp_path: Path) -> None:
+    """32 Reads that arrive in one write are served on the thread and their replies leave in
+    a few sends, not one each (as the loop sends one batch per receive), in order."""
+    async def main() -> None:
+        async with _on_thread(tmp_path) as (service, io, fast):
+            served, sends = fast.thread_served, fast.thread_sends
+            io.send(b"".join(capsule(_read(cid, cid * 8)) for cid in range(100, 132)))
+            cids = []
+            while len(cids) < 32:
+                pdu = await io.recv()
+                assert pdu is not None
+                if pdu.ptype == PduType.CAPSULE_RESP:
+                    cids.append(CQE_FAST.unpack_from(pdu.header, 8)[4])
+            assert cids == list(range(100, 132))
+            assert fast.thread_served == served + 32
+            assert fast.thread_sends - sends <= 4, fast.thread_sends - sends
+
+    run(main(), timeout=30)
