@@ -50,7 +50,7 @@ class PortInfo:
 class Target:
     """Everything the transports share; transports call into it, never the reverse."""
 
-    def __init__(self, max_io_queues: int = 16, limits: Limits = Limits(), threaded_queues: bool = False) -> None:
+    def __init__(self, max_io_queues: int = 16, limits: Limits = Limits(), threaded_queues: bool = True) -> None:
         self.subsystems: dict[str, Subsystem] = {DISCOVERY_NQN: Subsystem(DISCOVERY_NQN, serial="discovery", model="blockd discovery")}
         self.controllers: dict[int, Controller] = {}
         self.ports: dict[int, PortInfo] = {}

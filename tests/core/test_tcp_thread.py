@@ -117,9 +117,11 @@ def test_a_queue_goes_to_its_thread_and_back(tmp_path: Path) -> None:
     run(main(), timeout=30)
 
 
-@pytest.mark.parametrize("table", [{"threaded_queues": False}, {}], ids=["off", "default"])
-def test_the_switch_keeps_queues_on_the_loop(tmp_path: Path, table: dict[str, Any]) -> None:
-    """``[target] threaded_queues = false``, the default: no queue goes to a thread."""
+@pytest.mark.parametrize(("table", "threaded"), [({"threaded_queues": False}, False), ({}, True)],
+                         ids=["off", "default"])
+def test_the_switch(tmp_path: Path, table: dict[str, Any], threaded: bool) -> None:
+    """``[target] threaded_queues = false`` keeps every queue on the loop; the default (true)
+    gives an idle I/O queue its thread."""
     port = free_port()
     path = tmp_path / "vol.img"
     fill_file(path, SIZE)
@@ -132,8 +134,12 @@ def test_the_switch_keeps_queues_on_the_loop(tmp_path: Path, table: dict[str, An
                 status, *_ = await io.command(_read(cid))
                 assert status == 0
             fast = service.target.controllers[cntlid].queues[1].transport.fast
-            assert fast.served == 5 and not fast.threaded and fast.thread_entries == 0
-            assert not _queue_threads()
+            if threaded:
+                assert await _threaded(service, cntlid, io) is fast and fast.thread_entries >= 1
+                assert [t.name for t in _queue_threads()] == ["blockd-tcp-q1"]
+            else:
+                assert fast.served == 5 and not fast.threaded and fast.thread_entries == 0
+                assert not _queue_threads()
             await io.close()
             await admin.close()
 
