@@ -65,7 +65,7 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.errno cimport EINTR, errno
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from posix.fcntl cimport F_GETFL, F_SETFL, O_NONBLOCK, fcntl
 from posix.types cimport off_t
 from posix.unistd cimport close, dup, pread, read, write
@@ -96,8 +96,17 @@ cdef extern from "<fcntl.h>" nogil:
     Py_ssize_t splice(int fd_in, off_t* off_in, int fd_out, off_t* off_out, size_t n, unsigned int flags)
     unsigned int SPLICE_F_NONBLOCK
 
+cdef extern from "<sys/uio.h>" nogil:
+    struct iovec:
+        void* iov_base
+        size_t iov_len
+
 cdef extern from "<sys/socket.h>" nogil:
+    struct msghdr:
+        iovec* msg_iov
+        size_t msg_iovlen
     Py_ssize_t send(int fd, const void* buf, size_t n, int flags)
+    Py_ssize_t sendmsg(int fd, const msghdr* msg, int flags)
     Py_ssize_t recv(int fd, void* buf, size_t n, int flags)
     int shutdown(int fd, int how)
     int MSG_DONTWAIT
@@ -105,6 +114,9 @@ cdef extern from "<sys/socket.h>" nogil:
     int SHUT_RDWR
 
 log = structlog.get_logger("blockd.target.tcp")
+
+cdef enum:
+    _IOV_BATCH = 64  # replies per sendmsg of the queue's thread (well under IOV_MAX, 1024)
 
 THREAD_JOIN_TIMEOUT = 5.0
 """Seconds a closing connection waits for its queue's thread to leave (it is woken by
@@ -238,18 +250,28 @@ cdef inline Py_ssize_t _splice_all(int fd_in, off_t* off_in, int fd_out, Py_ssiz
     return done
 
 
-cdef inline bint _send_all(int fd, const char* p, Py_ssize_t n) noexcept nogil:
-    """Send ``n`` bytes on the blocking socket ``fd``; False if the socket failed (the host
-    reset or shut down the connection, or the loop shut it down to end the queue's thread)."""
+cdef inline bint _sendv_all(int fd, iovec* v, Py_ssize_t n) noexcept nogil:
+    """Send the ``n`` buffers at ``v`` on the blocking socket ``fd`` (the vector is advanced
+    past what each call took); False if the socket failed (the host reset or shut down the
+    connection, or the loop shut it down to end the queue's thread)."""
+    cdef msghdr m
     cdef Py_ssize_t k
+    memset(&m, 0, sizeof(m))
     while n > 0:
-        k = send(fd, p, n, MSG_NOSIGNAL)
+        m.msg_iov = v
+        m.msg_iovlen = n
+        k = sendmsg(fd, &m, MSG_NOSIGNAL)
         if k < 0:
             if errno == EINTR:
                 continue
             return False
-        p += k
-        n -= k
+        while n > 0 and <size_t>k >= v[0].iov_len:
+            k -= v[0].iov_len
+            v += 1
+            n -= 1
+        if n > 0:
+            v[0].iov_base = <char*>v[0].iov_base + k
+            v[0].iov_len -= k
     return True
 
 
@@ -397,10 +419,16 @@ cdef class TcpFastPath:
     cdef object _thread
     cdef object _wake
     cdef object _loop
+    cdef list _replies
+    """Replies of the commands the thread served since its last send (:meth:`_send_replies`)."""
+    cdef Py_ssize_t _gathered
+    """Their bytes."""
     cdef public unsigned long long thread_entries
     """Times the queue went to its thread."""
     cdef public unsigned long long thread_served
     """Commands served on the thread (also counted in ``served``)."""
+    cdef public unsigned long long thread_sends
+    """Batches of their replies the thread sent (:meth:`_send_replies`)."""
 
     def __init__(self, conn, Py_ssize_t max_transfer):
         self.conn = conn
@@ -565,7 +593,16 @@ cdef class TcpFastPath:
     cdef int _serve_thread(self, int fd) except -1:
         """Serve whole CapsuleCmds from the reader while it has them and receive more into it;
         0: a PDU or command this thread does not serve (left whole or in part in the reader), or
-        the queue paused, closing or stopping: the loop goes on from there; 1: the socket ended."""
+        the queue paused, closing or stopping: the loop goes on from there; 1: the socket ended.
+        The replies it gathered are sent before it hands back (the loop's come after them)."""
+        self._replies = []
+        self._gathered = 0
+        try:
+            return self._serve_received(fd)
+        finally:
+            self._send_replies()
+
+    cdef int _serve_received(self, int fd) except -1:
         cdef PduReader reader = self.reader
         cdef Py_ssize_t plen, pending, room, n
         cdef const unsigned char* h
@@ -588,6 +625,12 @@ cdef class TcpFastPath:
                 if pending >= _HDR and not self._awaited(reader._p + reader._start, pending, reader._size):
                     return 0
                 break
+            # every whole capsule received is served: their replies go in one sendmsg, as the
+            # loop sends one batch per receive (one send per reply cost the VM bed's QD32 a
+            # quarter of its IOPS in system time, 221 -> 348 us per I/O)
+            self._send_replies()
+            if self._broken:
+                return 1
             reader.get_buffer(-1)  # room for the rest (moves the PDU begun to the front if need be)
             p = reader._p + reader._end
             room = reader._size - reader._end
@@ -631,17 +674,42 @@ cdef class TcpFastPath:
         self.buffer_updated(0)
 
     cdef int _emit(self, bytes reply) except -1:
-        """A reply of a command served on the thread, to the socket before the next command is
-        received (a host not reading its replies blocks this thread only, the GIL released)."""
-        cdef const char* p = PyBytes_AS_STRING(reply)
-        cdef Py_ssize_t n = len(reply)
-        cdef int fd = self._tfd
-        cdef bint ok
+        """A reply of a command served on the thread, gathered for :meth:`_send_replies`; sent
+        at once when the gathered ones pass the connection's ``flush_at`` (what the loop lets
+        read data build up to before a send), so that what a host makes the thread hold stays
+        bounded."""
         self.thread_served += 1  # counted before the host can see the reply (the tests read it then)
-        with nogil:
-            ok = _send_all(fd, p, n)
+        self._replies.append(reply)
+        self._gathered += len(reply)
+        if self._gathered > self.flush_at:
+            self._send_replies()
+        return 0
+
+    cdef int _send_replies(self) except -1:
+        """The gathered replies to the socket, in order, ``_IOV_BATCH`` per ``sendmsg``, before the
+        thread receives again or hands back (a host not reading its replies blocks this thread
+        only, the GIL released); a failed socket ends the thread (the loop sees the error)."""
+        cdef list replies = self._replies
+        cdef iovec vec[_IOV_BATCH]
+        cdef Py_ssize_t count = len(replies), done = 0, n, i
+        cdef int fd = self._tfd
+        cdef bint ok = True
+        cdef bytes reply
+        if count:
+            self.thread_sends += 1
+        while ok and done < count:
+            n = min(count - done, _IOV_BATCH)
+            for i in range(n):
+                reply = <bytes>replies[done + i]
+                vec[i].iov_base = PyBytes_AS_STRING(reply)
+                vec[i].iov_len = len(reply)
+            with nogil:  # (the list holds the bytes meanwhile)
+                ok = _sendv_all(fd, vec, n)
+            done += n
         if not ok:
-            self._broken = True  # the socket failed: the thread ends, the loop sees the error
+            self._broken = True
+        del replies[:]
+        self._gathered = 0
         return 0
 
     def stop_thread(self):

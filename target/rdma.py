@@ -596,6 +596,12 @@ class RdmaTargetConnection:
             self.queue.note_teardown("CM event", cm_event=ev or "none", cm_status=str(conn.end_status))
         self.close()
 
+    def settle(self) -> bool:
+        """``TargetTransport.settle``: False. :meth:`close` detaches the queue at once, so a
+        closing connection holds no QID; a host's disconnect not yet handled is a CM event still
+        in the channel, which this does not look ahead for."""
+        return False
+
     def close(self) -> None:
         """End the connection (host gone, fatal error, controller shut down)."""
         if self.closing:

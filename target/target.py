@@ -50,7 +50,7 @@ class PortInfo:
 class Target:
     """Everything the transports share; transports call into it, never the reverse."""
 
-    def __init__(self, max_io_queues: int = 16, limits: Limits = Limits(), threaded_queues: bool = False) -> None:
+    def __init__(self, max_io_queues: int = 16, limits: Limits = Limits(), threaded_queues: bool = True) -> None:
         self.subsystems: dict[str, Subsystem] = {DISCOVERY_NQN: Subsystem(DISCOVERY_NQN, serial="discovery", model="blockd discovery")}
         self.controllers: dict[int, Controller] = {}
         self.ports: dict[int, PortInfo] = {}
@@ -268,7 +268,8 @@ class Target:
             return Status.CONNECT_INVALID_PARAMETERS, IPO_CONNECT_QID, None
         if sqsize > MQES:
             return Status.CONNECT_INVALID_PARAMETERS, IPO_CONNECT_SQSIZE, None
-        if qid in ctrl.queues:
+        old = ctrl.queues.get(qid)
+        if old is not None and not old.transport.settle():  # a queue whose host is gone lets go now
             return Status.COMMAND_SEQUENCE_ERROR, 0, None
         ctrl.queues[qid] = queue
         ctrl.restart_keep_alive()

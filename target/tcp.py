@@ -9,6 +9,7 @@ completions with an NVMe status, and the other queues carry on.
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 from collections import deque
 
@@ -162,6 +163,8 @@ class TcpTargetConnection(PduProtocol):
         self.pipe: ReplyPipe | None = None
         """The pipe of reads sent by reference (:mod:`target.file_send`), made at the first."""
         self._timer: asyncio.TimerHandle | None = None
+        self._released = False
+        """``connection_lost``'s work is done (by :meth:`settle`, before asyncio calls it)."""
         self._seen = -1
         """``reader.completed`` at the last PDU-timeout tick if a PDU was in progress, else -1."""
 
@@ -194,8 +197,9 @@ class TcpTargetConnection(PduProtocol):
         self._timer = asyncio.get_running_loop().call_later(self.limits.hello_timeout, self._hello_expired)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.queue is None:  # refused at accept
+        if self.queue is None or self._released:  # refused at accept, or settled already
             return
+        self._released = True
         if self.fast is not None:
             self.fast.stop_thread()
         if exc is None:
@@ -512,6 +516,35 @@ class TcpTargetConnection(PduProtocol):
         self.queue.close()
         self._timer.cancel()
         self._timer = asyncio.get_running_loop().call_later(TERM_LINGER, self.close)
+
+    def settle(self) -> bool:
+        """``TargetTransport.settle``: a connection the host has closed (or reset) or that is
+        closing is released now, with what ``connection_lost`` does (which then does nothing).
+
+        Without this, a host that closes an I/O queue and at once connects a new one with the
+        same QID could get Command Sequence Error: the old connection's end of stream reaches
+        the core only after the loop has read it and asyncio has called ``connection_lost``, and
+        the new Connect can come first when the end is read in the same loop round after it, or
+        when the queue's thread (``TcpFastPath._run``) has seen it but waits for the GIL. The
+        socket says whether the host is gone without reading it: ``poll`` with ``POLLRDHUP``
+        (the host's FIN, even behind commands not read yet; ``POLLHUP``/``POLLERR`` for a reset)."""
+        if self._released or self.transport is None:
+            return False
+        if not self.transport.is_closing():  # (once closing, the socket's number may be closed)
+            if not self._peer_ended():
+                return False
+            self.queue.note_teardown("peer disconnect")
+            self.close()  # ends the queue's thread first (it joins: the thread needs only the GIL)
+        self.connection_lost(None)
+        return True
+
+    def _peer_ended(self) -> bool:
+        """The host has shut down its side of the socket, or the socket failed."""
+        if self._sock < 0:
+            return False
+        poller = select.poll()
+        poller.register(self._sock, select.POLLRDHUP)
+        return bool(poller.poll(0))
 
     def close(self) -> None:
         """Send what is queued, then close."""

@@ -15,7 +15,9 @@ The core drives each request; a transport only frames bytes and moves data:
   ``queue.data_failed(req)``;
 * on :meth:`TargetTransport.queue_response` it sends ``req.reply`` if there is one (C2HData,
   RDMA WRITE) and the completion ``req.cqe`` (CapsuleResp, SEND), then calls
-  ``queue.response_sent(req)`` once the response has left.
+  ``queue.response_sent(req)`` once the response has left;
+* on :meth:`TargetTransport.settle` (an I/O Connect finds the queue's QID taken) it says whether
+  the connection has in fact ended and, if so, detaches its queue at once.
 """
 
 from __future__ import annotations
@@ -78,6 +80,16 @@ class TargetTransport(Protocol):
 
     def close(self) -> None:
         """End the connection (the controller is torn down, or the host misbehaved)."""
+
+    def settle(self) -> bool:
+        """The connection has ended, though the core has not been told (its host closed it, or
+        the target is closing it, and the transport's teardown is still on its way): detach the
+        queue from its controller now (``queue.close()``) and return True; False if it is live.
+
+        Called when an I/O Connect names this queue's QID, so that a host reconnecting at once
+        gets its queue rather than a Command Sequence Error for a queue that is already dead.
+        (nvmet has no such operation: its queues are released by a work item, and a Connect in
+        between gets Command Sequence Error with DNR.)"""
 
 
 class Listener(Protocol):

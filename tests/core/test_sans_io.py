@@ -74,6 +74,9 @@ class FakeTransport:
     def close(self) -> None:
         self.closed = True
 
+    def settle(self) -> bool:
+        return False  # a fake connection ends only when a test closes it
+
 
 def make_target(backend: Any = None) -> tuple[Target, Any]:
     """A target with one subsystem whose namespace 1 is ``backend`` (a RAM one by default)."""

@@ -19,7 +19,8 @@ from typing import Any, AsyncIterator
 import pytest
 
 from protocol.constants import IoOpcode, SglId
-from protocol.nvme import build_sgl_data_block, build_sqe
+from protocol.nvme import CQE_FAST, build_sgl_data_block, build_sqe
+from protocol.tcp import PduType
 from target.io_fast import TcpFastPath
 
 from .conftest import NQN, RawConn, capsule, config, fill_file, free_port, ns, raw_admin, run, serving, sub
@@ -116,9 +117,11 @@ def test_a_queue_goes_to_its_thread_and_back(tmp_path: Path) -> None:
     run(main(), timeout=30)
 
 
-@pytest.mark.parametrize("table", [{"threaded_queues": False}, {}], ids=["off", "default"])
-def test_the_switch_keeps_queues_on_the_loop(tmp_path: Path, table: dict[str, Any]) -> None:
-    """``[target] threaded_queues = false``, the default: no queue goes to a thread."""
+@pytest.mark.parametrize(("table", "threaded"), [({"threaded_queues": False}, False), ({}, True)],
+                         ids=["off", "default"])
+def test_the_switch(tmp_path: Path, table: dict[str, Any], threaded: bool) -> None:
+    """``[target] threaded_queues = false`` keeps every queue on the loop; the default (true)
+    gives an idle I/O queue its thread."""
     port = free_port()
     path = tmp_path / "vol.img"
     fill_file(path, SIZE)
@@ -131,8 +134,12 @@ def test_the_switch_keeps_queues_on_the_loop(tmp_path: Path, table: dict[str, An
                 status, *_ = await io.command(_read(cid))
                 assert status == 0
             fast = service.target.controllers[cntlid].queues[1].transport.fast
-            assert fast.served == 5 and not fast.threaded and fast.thread_entries == 0
-            assert not _queue_threads()
+            if threaded:
+                assert await _threaded(service, cntlid, io) is fast and fast.thread_entries >= 1
+                assert [t.name for t in _queue_threads()] == ["blockd-tcp-q1"]
+            else:
+                assert fast.served == 5 and not fast.threaded and fast.thread_entries == 0
+                assert not _queue_threads()
             await io.close()
             await admin.close()
 
@@ -224,5 +231,46 @@ def test_a_namespace_removed_while_threaded_is_the_loops(tmp_path: Path) -> None
             served = fast.served
             status, *_ = await io.command(_read(9))
             assert status != 0 and fast.served == served  # Invalid Namespace, from the Python queue
+
+    run(main(), timeout=30)
+
+
+def test_a_host_reconnecting_at_once_gets_its_queue(tmp_path: Path) -> None:
+    """A host closes its I/O queue while the queue is on its thread and at once connects one
+    with the same QID, 30 times: every Connect succeeds (the thread has seen the end of stream
+    but may be waiting for the GIL while the loop serves the new Connect: the connection is
+    settled, ``TcpTargetConnection.settle``), and no thread is left behind."""
+    port = free_port()
+
+    async def main() -> None:
+        async with serving(_cfg(tmp_path, port)) as service:
+            admin, cntlid = await raw_admin(port)
+            for _ in range(30):
+                io = await _io_queue(port, cntlid)  # asserts SUCCESS
+                await _threaded(service, cntlid, io)
+                await io.close()
+            await io.close()
+            await admin.close()
+        assert not _queue_threads()
+
+    run(main(), timeout=60)
+
+
+def test_the_thread_sends_one_receives_replies_together(tmp_path: Path) -> None:
+    """32 Reads that arrive in one write are served on the thread and their replies leave in
+    a few sends, not one each (as the loop sends one batch per receive), in order."""
+    async def main() -> None:
+        async with _on_thread(tmp_path) as (service, io, fast):
+            served, sends = fast.thread_served, fast.thread_sends
+            io.send(b"".join(capsule(_read(cid, cid * 8)) for cid in range(100, 132)))
+            cids = []
+            while len(cids) < 32:
+                pdu = await io.recv()
+                assert pdu is not None
+                if pdu.ptype == PduType.CAPSULE_RESP:
+                    cids.append(CQE_FAST.unpack_from(pdu.header, 8)[4])
+            assert cids == list(range(100, 132))
+            assert fast.thread_served == served + 32
+            assert fast.thread_sends - sends <= 4, fast.thread_sends - sends
 
     run(main(), timeout=30)
