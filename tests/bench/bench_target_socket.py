@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import struct
 import sys
 import tempfile
 import threading
@@ -31,41 +30,19 @@ sys.path.insert(0, os.path.join(os.environ.get("PYTHONPATH", "").split(":")[0] o
 
 import uvloop  # noqa: E402
 
-from core.conftest import capsule, config, connect_data, connect_sqe, fill_file, free_port, icreq, ns, prop_sqe, sub  # noqa: E402
+from bench.blocking_host import completion, connect  # noqa: E402
+from core.conftest import capsule, config, connect_data, connect_sqe, fill_file, free_port, ns, prop_sqe, sub  # noqa: E402
 from protocol.constants import IoOpcode, SglId  # noqa: E402
 from protocol.nvme import build_sgl_data_block, build_sqe  # noqa: E402
-from protocol.tcp import PduType  # noqa: E402
 from target.service import TargetService  # noqa: E402
 
 SIZE = 16 << 20
 IO = 4096
 
 
-def _recv_pdu(s: socket.socket) -> bytes:
-    head = b""
-    while len(head) < 8:
-        head += s.recv(8 - len(head))
-    plen = struct.unpack_from("<I", head, 4)[0]
-    rest = bytearray()
-    while len(rest) < plen - 8:
-        rest += s.recv(plen - 8 - len(rest))
-    return head + bytes(rest)
-
-
-def _command(s: socket.socket, sqe: bytes, data: bytes = b"") -> bytes:
+def _command(s: socket.socket, sqe: bytes, data: bytes = b"") -> dict:
     s.sendall(capsule(sqe, data))
-    while True:
-        pdu = _recv_pdu(s)
-        if pdu[0] == PduType.CAPSULE_RESP:
-            return pdu
-
-
-def _connect(port: int) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port))
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    s.sendall(icreq())
-    _recv_pdu(s)
-    return s
+    return completion(s)
 
 
 def main() -> None:
@@ -89,10 +66,10 @@ def main() -> None:
 
     threading.Thread(target=serve, daemon=True).start()
     ready.wait()
-    admin = _connect(port)
-    cntlid = struct.unpack_from("<H", _command(admin, connect_sqe(), connect_data()), 8)[0]
+    admin = connect(port)
+    cntlid = _command(admin, connect_sqe(), connect_data())["dw0"] & 0xFFFF
     _command(admin, prop_sqe(1, False, 0x14, value=0x00460001))  # CC.EN
-    io = _connect(port)
+    io = connect(port)
     _command(io, connect_sqe(qid=1, sqsize=127), connect_data(cntlid=cntlid))
     opcode, sgl = (IoOpcode.READ, SglId.TRANSPORT_DATA_BLOCK) if kind == "read" else (IoOpcode.WRITE, SglId.DATA_BLOCK_OFFSET)
     sqe = build_sqe(opcode, 1, nsid=1, dptr=build_sgl_data_block(sgl, 0, IO), cdw12=IO // 4096 * 8 - 1)

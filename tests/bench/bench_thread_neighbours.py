@@ -20,7 +20,6 @@ import multiprocessing
 import os
 import random
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -29,50 +28,20 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.environ.get("PYTHONPATH", "").split(":")[0] or os.getcwd(), "tests"))
 
-from core.conftest import NQN, capsule, connect_data, connect_sqe, fill_file, icreq, prop_sqe  # noqa: E402
+from bench.blocking_host import completion, connect  # noqa: E402
+from core.conftest import NQN, capsule, connect_data, connect_sqe, fill_file, prop_sqe  # noqa: E402
 from fuse.blockd_stack import free_port, tool, wait_tcp  # noqa: E402
 from protocol.constants import IoOpcode, SglId  # noqa: E402
 from protocol.nvme import build_sgl_data_block, build_sqe  # noqa: E402
-from protocol.tcp import PduType  # noqa: E402
 
 SIZE = 64 << 20
 BLOCK = 512
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("target closed")
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv_pdu(s: socket.socket) -> bytes:
-    head = _recv_exact(s, 8)
-    return head + _recv_exact(s, struct.unpack_from("<I", head, 4)[0] - 8)
-
-
-def _completion(s: socket.socket) -> bytes:
-    while True:
-        pdu = _recv_pdu(s)
-        if pdu[0] == PduType.CAPSULE_RESP:
-            return pdu
-
-
-def _connect(port: int) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port))
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    s.sendall(icreq())
-    _recv_pdu(s)
-    return s
-
-
 def _io_queue(port: int, cntlid: int, qid: int) -> socket.socket:
-    s = _connect(port)
+    s = connect(port)
     s.sendall(capsule(connect_sqe(qid=qid, sqsize=127), connect_data(cntlid=cntlid)))
-    assert struct.unpack_from("<H", _completion(s), 22)[0] == 0, "I/O Connect failed"
+    assert completion(s)["status"] == 0, "I/O Connect failed"
     return s
 
 
@@ -90,7 +59,7 @@ def _neighbour(port: int, cntlid: int, length: int, stop: multiprocessing.Event,
     s.sendall(b"".join(_read(cid, length, rng) for cid in range(32)))
     n = 0
     while not stop.is_set():
-        _completion(s)
+        completion(s)
         n += 1
         s.sendall(_read(n % 32, length, rng))
     done.value = n
@@ -135,11 +104,11 @@ block_size = {BLOCK}
                               stdout=subprocess.DEVNULL, stderr=open(work / "target.log", "wb"))
     try:
         wait_tcp(port, target)
-        admin = _connect(port)
+        admin = connect(port)
         admin.sendall(capsule(connect_sqe(), connect_data()))
-        cntlid = struct.unpack_from("<H", _completion(admin), 8)[0]
+        cntlid = completion(admin)["dw0"] & 0xFFFF
         admin.sendall(capsule(prop_sqe(1, False, 0x14, value=0x00460001)))  # CC.EN
-        _completion(admin)
+        completion(admin)
         probe = _io_queue(port, cntlid, 1)
         stop, done = multiprocessing.Event(), multiprocessing.Value("q", 0)
         other = None
@@ -155,7 +124,7 @@ block_size = {BLOCK}
         while time.monotonic() < end:
             start = time.perf_counter_ns()
             probe.sendall(_read(1, 4096, rng))
-            _completion(probe)
+            completion(probe)
             lat.append(time.perf_counter_ns() - start)
         cpu = _cpu(target.pid) - cpu0
         elapsed = time.monotonic() - t0
