@@ -1,7 +1,7 @@
 """The VM benchmark's work inside the guest (started by tests/bench/run_rdma_bench.py).
 
 ``rdma_bench_guest.py OUT.json [--transport tcp|rdma|both] [--size-mib N] [--runtime S] [--no-fuse]
-[--profile] [--jobs KEY,...] [--threaded-queues]``.
+[--profile] [--jobs KEY,...] [--loop-queues]``.
 One boot: the kernel's nvmet target and ``blockd target`` (from a TOML config with a port per
 transport) each export an equal pre-filled file on tmpfs (4 KiB blocks). Per transport in turn:
 RDMA on rxe0/rxe1 over a veth pair, TCP on the guest's loopback (nvmet-tcp vs blockd target);
@@ -208,7 +208,7 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="perf record a 4 KiB QD1 read on each kernel-host device")
     ap.add_argument("--jobs", type=lambda v: v.split(","), default=None,
                     help=f"only these jobs (comma-separated, of {', '.join(j[0] for j in JOBS)})")
-    ap.add_argument("--threaded-queues", action="store_true", help="[target] threaded_queues = true for blockd's")
+    ap.add_argument("--loop-queues", action="store_true", help="[target] threaded_queues = false for blockd's")
     args = ap.parse_args()
     transports = ["rdma", "tcp"] if args.transport == "both" else [args.transport]
     work = Path("/dev/shm/rdma-bench")
@@ -238,7 +238,7 @@ def main() -> int:
 level = "info"
 
 [target]
-threaded_queues = {str(args.threaded_queues).lower()}
+threaded_queues = {str(not args.loop_queues).lower()}
 {ports}
 [[subsystem]]
 nqn = "{BLOCKD_NQN}"

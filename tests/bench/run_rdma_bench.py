@@ -4,7 +4,7 @@ the VM, per transport (RDMA and TCP).
 Run (root, with the VM bed set up: docs/vm-testbed.md)::
 
     .venv/bin/python tests/bench/run_rdma_bench.py [--transport tcp|rdma|both] [--size-mib 256]
-        [--runtime 10] [--no-fuse] [--profile] [--jobs rr4k_qd1,...] [--threaded-queues] [--no-docs]
+        [--runtime 10] [--no-fuse] [--profile] [--jobs rr4k_qd1,...] [--loop-queues] [--no-docs]
 
 One VM boot (tests/vm/harness.py) runs tests/bench/rdma_bench_guest.py in the guest: fio
 (libaio, direct=1) from the kernel host (``nvme connect -t TRANSPORT``, /dev/nvmeXnY) at 4 KiB
@@ -159,8 +159,9 @@ def main() -> int:
                     help="perf record -a in the guest over a 4 KiB QD1 read on each kernel-host device; "
                          "the reports go to results/bench-rdma/profile-TRANSPORT-SYSTEM.txt")
     ap.add_argument("--jobs", help=f"only these jobs, comma-separated (of {', '.join(LABELS)})")
-    ap.add_argument("--threaded-queues", action="store_true",
-                    help="blockd target with [target] threaded_queues = true (docs/dataplane.md)")
+    ap.add_argument("--loop-queues", action="store_true",
+                    help="blockd target with [target] threaded_queues = false (its default is true: "
+                         "docs/dataplane.md, \"The target's threaded queue\")")
     ap.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md alone")
     ap.add_argument("--from-json", help="format an earlier run's JSON instead of running")
     a = ap.parse_args()
@@ -169,7 +170,7 @@ def main() -> int:
         (f" --size-mib {a.size_mib}" if a.size_mib != 256 else "") + \
         (f" --runtime {a.runtime}" if a.runtime != 10 else "") + (" --no-fuse" if a.no_fuse else "") + \
         (" --profile" if a.profile else "") + (f" --jobs {a.jobs}" if a.jobs else "") + \
-        (" --threaded-queues" if a.threaded_queues else "")
+        (" --loop-queues" if a.loop_queues else "")
     out_dir = REPO / "results" / "bench-rdma"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "rdma-bench.json"
@@ -178,7 +179,7 @@ def main() -> int:
     else:
         guest = [sys.executable, "tests/bench/rdma_bench_guest.py", str(out),
                  "--transport", a.transport, "--size-mib", str(a.size_mib), "--runtime", str(a.runtime)]
-        guest += ["--no-fuse"] * a.no_fuse + ["--profile"] * a.profile + ["--threaded-queues"] * a.threaded_queues
+        guest += ["--no-fuse"] * a.no_fuse + ["--profile"] * a.profile + ["--loop-queues"] * a.loop_queues
         guest += ["--jobs", a.jobs] if a.jobs else []
         out.unlink(missing_ok=True)
         jobs = (len(a.jobs.split(",") if a.jobs else LABELS) * (2 if a.no_fuse else 3) + 2 * a.profile) * (2 if a.transport == "both" else 1)
