@@ -404,6 +404,14 @@ def main() -> int:
     ap.add_argument("--metrics", action="store_true",
                     help="turn on both blockd daemons' Prometheus endpoints and scrape them every second")
     args = ap.parse_args()
+    # An unknown name used to run nothing for it, silently (a helper asked for "randread-4k-1.fio").
+    known = {w[0].removesuffix(".fio") for w in WORKLOADS}
+    unknown = sorted(set(args.workloads.split(",")) - known - {""})
+    if unknown:
+        ap.error(f"unknown workload {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    unknown = sorted(set(args.systems.split(",")) - set(SYSTEMS) - {""})
+    if unknown:
+        ap.error(f"unknown system {', '.join(unknown)} (known: {', '.join(SYSTEMS)})")
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
         return 0 if chart(saved["results"], [s for s in SYSTEMS if any(s in r for r in saved["results"].values())],

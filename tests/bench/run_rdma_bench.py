@@ -165,6 +165,9 @@ def main() -> int:
     ap.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md alone")
     ap.add_argument("--from-json", help="format an earlier run's JSON instead of running")
     a = ap.parse_args()
+    unknown = sorted(set(a.jobs.split(",")) - set(LABELS) - {""}) if a.jobs else []
+    if unknown:  # the guest would skip them silently, after a boot
+        ap.error(f"unknown job {', '.join(unknown)} (known: {', '.join(LABELS)})")
     command = ".venv/bin/python tests/bench/run_rdma_bench.py" + \
         (f" --transport {a.transport}" if a.transport != "both" else "") + \
         (f" --size-mib {a.size_mib}" if a.size_mib != 256 else "") + \
