@@ -123,17 +123,20 @@ def _commands(seed: int, count: int) -> list[tuple[str, int, int, int]]:
 
 
 def _exchange(tmp: Path, commands: list[tuple[str, int, int, int]], loop: str, slow: bool, cattr: int,
-              flush_often: bool) -> tuple[list[bytes], tuple[int, int, int], bytes]:
+              flush_often: bool, threads: bool) -> tuple[list[bytes], tuple[int, int, int, int], bytes]:
     """Send all ``commands`` in one write on a fresh target whose socket has a small send buffer
     (with ``slow`` the host reads nothing for a while, so the target's socket is full; with
     ``flush_often`` a 32 KiB read's data is past the batch's flush point, so its reply goes to
     the transport at once, where uvloop keeps it until the end of the loop iteration); every
-    PDU received, (by reference, of those spilled, served compiled), the file."""
+    PDU received, (by reference, of those spilled, served compiled, served on the queue's thread),
+    the file. ``threads``: ``[target] threaded_queues``."""
     tmp.mkdir()
     image = tmp / "rw.img"
     fill_file(image, SIZE, seed=5)
     port = free_port()
-    limits = {"max_unsent": 65536} if flush_often else None  # flushed past a quarter of it
+    limits: dict[str, Any] = {"threaded_queues": threads}
+    if flush_often:
+        limits["max_unsent"] = 65536  # flushed past a quarter of it
     cfg = config([port], [sub(namespaces=[ns(image, size=SIZE, block_size=BLOCK)])], target=limits)
     made = target.tcp.TcpTargetConnection.connection_made
 
@@ -175,7 +178,8 @@ def _exchange(tmp: Path, commands: list[tuple[str, int, int, int]], loop: str, s
             out["stats"] = (
                 (fast.by_reference if fast else 0) + (pipe.sent if pipe else 0),
                 (fast.spilled if fast else 0) + (pipe.spilled if pipe else 0),
-                fast.served if fast else 0)
+                fast.served if fast else 0,
+                fast.thread_served if fast else 0)
             out["wire"] = wire
             await io.close()
             await admin.close()
@@ -189,27 +193,33 @@ def _exchange(tmp: Path, commands: list[tuple[str, int, int, int]], loop: str, s
     return out["wire"], out["stats"], image.read_bytes()
 
 
-@pytest.mark.parametrize("twin", TWINS)
+@pytest.mark.parametrize("twin,threads", [("python", False), pytest.param("compiled", False, marks=TWINS[1].marks),
+                                           pytest.param("compiled", True, marks=TWINS[1].marks)])
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 @pytest.mark.parametrize("slow,cattr,flush_often", [
     (False, 0, False), (True, 0, False), (True, CATTR_DISABLE_SQFLOW, False), (False, 0, True)])
 def test_large_reads_keep_their_order_among_queued_replies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           twin: str, loop: str, slow: bool, cattr: int,
-                                                           flush_often: bool) -> None:
+                                                           twin: str, threads: bool, loop: str, slow: bool,
+                                                           cattr: int, flush_often: bool) -> None:
     """Large reads, each after a write's or a smaller read's reply still queued, all in one
-    receive: the same bytes as the ordinary path, the data the file's; with a host that reads
-    late, some replies did not fit in the socket and their rest went through the transport."""
+    receive: the same bytes as the ordinary path, the data the file's. On the loop, with a host
+    that reads late, some replies did not fit in the socket and their rest went through the
+    transport; on the queue's thread (``threads``) they are served there, the blocking socket
+    taking each reply whole, and the thread keeps the socket throughout."""
     _twin(monkeypatch, twin)
     commands = _commands(21 + slow, 40)
     monkeypatch.setattr(file_send, "BY_REFERENCE_MIN", 65536)
-    got, stats, image = _exchange(tmp_path / "by_reference", commands, loop, slow, cattr, flush_often)
+    got, stats, image = _exchange(tmp_path / "by_reference", commands, loop, slow, cattr, flush_often, threads)
     monkeypatch.setattr(file_send, "BY_REFERENCE_MIN", OFF)
-    want, ordinary, _ = _exchange(tmp_path / "ordinary", commands, loop, slow, cattr, flush_often)
+    want, ordinary, _ = _exchange(tmp_path / "ordinary", commands, loop, slow, cattr, flush_often, threads)
     assert ordinary[:2] == (0, 0)
     assert stats[0] == 40  # every large read (some meet a transport with bytes queued: all through it)
     if twin == "compiled":
         assert stats[2] == len(commands)
-    if slow:
+    if threads:
+        assert stats[3] == len(commands), "a large read handed the socket back to the loop"
+        assert stats[1] == 0  # nothing spills from a blocking socket
+    elif slow:
         assert stats[1] > 0, "the socket never filled: the fallback did not run"
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
