@@ -89,14 +89,15 @@ def measured(filename: str, rw: str, bs: str, depth: int, runtime: int, size: in
     return r
 
 
-def profile(work: Path, dev: str, runtime: int, size: int) -> dict[str, str]:
-    """``perf record -a`` (software clock: TCG has no PMU) over a 4 KiB QD1 random read on
-    ``dev``: the guest's samples by command and library, and by library and symbol."""
+def profile(work: Path, dev: str, runtime: int, size: int, job: str) -> dict[str, str]:
+    """``perf record -a`` (software clock: TCG has no PMU) over fio's ``job`` (a key of ``JOBS``)
+    on ``dev``: the guest's samples by command and library, and by library and symbol."""
+    _, rw, bs, depth = next(j for j in JOBS if j[0] == job)
     data = work / "perf.data"
     rec = subprocess.Popen(["perf", "record", "-F", "499", "-a", "-o", str(data), "--", "sleep", str(runtime)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        fio(dev, "randread", "4k", 1, runtime, size)
+        fio(dev, rw, bs, depth, runtime, size)
     finally:
         rec.wait(runtime * 4 + 60)
     out = {}
@@ -187,7 +188,7 @@ def run_transport(transport: str, work: Path, args: argparse.Namespace, target: 
                       f"{r['lat_mean_us']:>8,.0f} / {r['lat_p99_us']:,.0f} us, guest busy "
                       f"{r['guest_busy_pct']:.0f} %, {r['cpu_us_per_io']}", flush=True)
         if args.profile:
-            out["profile"] = {system: profile(work, devs[system], args.runtime, args.size_mib << 20)
+            out["profile"] = {system: profile(work, devs[system], args.runtime, args.size_mib << 20, args.profile_job)
                               for system in ("nvmet", "blockd")}
     finally:
         if fuse is not None:
@@ -205,7 +206,8 @@ def main() -> int:
     ap.add_argument("--runtime", type=int, default=10)
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--no-fuse", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="perf record a 4 KiB QD1 read on each kernel-host device")
+    ap.add_argument("--profile", action="store_true", help="perf record a fio job on each kernel-host device")
+    ap.add_argument("--profile-job", default="rr4k_qd1", choices=[j[0] for j in JOBS], help="the job --profile runs")
     ap.add_argument("--jobs", type=lambda v: v.split(","), default=None,
                     help=f"only these jobs (comma-separated, of {', '.join(j[0] for j in JOBS)})")
     ap.add_argument("--loop-queues", action="store_true", help="[target] threaded_queues = false for blockd's")

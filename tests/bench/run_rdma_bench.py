@@ -156,8 +156,10 @@ def main() -> int:
     ap.add_argument("--runtime", type=int, default=10, help="seconds per fio job")
     ap.add_argument("--no-fuse", action="store_true", help="skip the FUSE mount column")
     ap.add_argument("--profile", action="store_true",
-                    help="perf record -a in the guest over a 4 KiB QD1 read on each kernel-host device; "
-                         "the reports go to results/bench-rdma/profile-TRANSPORT-SYSTEM.txt")
+                    help="perf record -a in the guest over a fio job (--profile-job) on each kernel-host "
+                         "device; the reports go to results/bench-rdma/profile-TRANSPORT-SYSTEM.txt")
+    ap.add_argument("--profile-job", default="rr4k_qd1", choices=LABELS,
+                    help="the job --profile records (default: the 4 KiB QD1 read)")
     ap.add_argument("--jobs", help=f"only these jobs, comma-separated (of {', '.join(LABELS)})")
     ap.add_argument("--loop-queues", action="store_true",
                     help="blockd target with [target] threaded_queues = false (its default is true: "
@@ -172,7 +174,9 @@ def main() -> int:
         (f" --transport {a.transport}" if a.transport != "both" else "") + \
         (f" --size-mib {a.size_mib}" if a.size_mib != 256 else "") + \
         (f" --runtime {a.runtime}" if a.runtime != 10 else "") + (" --no-fuse" if a.no_fuse else "") + \
-        (" --profile" if a.profile else "") + (f" --jobs {a.jobs}" if a.jobs else "") + \
+        (" --profile" if a.profile else "") + \
+        (f" --profile-job {a.profile_job}" if a.profile and a.profile_job != "rr4k_qd1" else "") + \
+        (f" --jobs {a.jobs}" if a.jobs else "") + \
         (" --loop-queues" if a.loop_queues else "")
     out_dir = REPO / "results" / "bench-rdma"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -182,7 +186,8 @@ def main() -> int:
     else:
         guest = [sys.executable, "tests/bench/rdma_bench_guest.py", str(out),
                  "--transport", a.transport, "--size-mib", str(a.size_mib), "--runtime", str(a.runtime)]
-        guest += ["--no-fuse"] * a.no_fuse + ["--profile"] * a.profile + ["--loop-queues"] * a.loop_queues
+        guest += ["--no-fuse"] * a.no_fuse + ["--profile", "--profile-job", a.profile_job] * a.profile
+        guest += ["--loop-queues"] * a.loop_queues
         guest += ["--jobs", a.jobs] if a.jobs else []
         out.unlink(missing_ok=True)
         jobs = (len(a.jobs.split(",") if a.jobs else LABELS) * (2 if a.no_fuse else 3) + 2 * a.profile) * (2 if a.transport == "both" else 1)
