@@ -252,7 +252,10 @@ cdef inline Py_ssize_t _splice_all(int fd_in, off_t* off_in, int fd_out, Py_ssiz
 
 cdef inline bint _splice_out(int pipe_r, int sock, Py_ssize_t length) noexcept nogil:
     """Move ``length`` bytes, all in the pipe, to the blocking socket ``sock`` (the queue's
-    thread's); False if the socket failed (as ``_sendv_all``)."""
+    thread's); False if the socket failed (as ``_sendv_all``). Not ``_splice_all``: that one
+    stops at the first short call, which is right for the loop's non-blocking socket (the rest
+    spills to the transport) but would end the thread's connection on a signal's EINTR; here
+    the socket blocks until it has taken everything, and only a failed socket stops it."""
     cdef Py_ssize_t n
     while length > 0:
         n = splice(pipe_r, NULL, sock, NULL, length, 0)
