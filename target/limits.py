@@ -9,6 +9,7 @@ many queues, or many hosts, cannot add up to more than the configured total (iss
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Callable, Protocol
 
 from target.rejections import CONNECTIONS_PER_HOST, CONNECTIONS_TOTAL, Rejections
@@ -19,40 +20,56 @@ class DataBudget:
 
     A queue that cannot get its share now leaves a ``wake`` callback and asks again when
     another queue gives bytes back (in the order they asked): new writes wait, nothing fails.
+
+    The queues' threads (``target/_io_fast.pyx``: R2T writes served on a queue's thread) take
+    and give bytes too, so the count changes under a lock; the wake-ups (which send R2Ts on
+    other connections' transports) run only on the event loop: a thread gives with
+    :meth:`free` and has the loop run ``give(0)`` when someone waits.
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
+        self._lock = threading.Lock()
         self._waiting: dict[Callable[[], None], None] = {}
         """Callbacks of the queues waiting, in the order they asked (a dict: each once)."""
 
     def take(self, nbytes: int, wake: Callable[[], None]) -> bool:
         """Hold ``nbytes`` if the budget has them; else remember ``wake`` and say no."""
-        if self.used + nbytes > self.limit:
-            self._waiting[wake] = None
-            return False
-        self.used += nbytes
-        return True
+        with self._lock:
+            if self.used + nbytes > self.limit:
+                self._waiting[wake] = None
+                return False
+            self.used += nbytes
+            return True
 
     def try_take(self, nbytes: int) -> bool:
         """Hold ``nbytes`` if the budget has them now, without waiting for them."""
-        if self.used + nbytes > self.limit:
-            return False
-        self.used += nbytes
-        return True
+        with self._lock:
+            if self.used + nbytes > self.limit:
+                return False
+            self.used += nbytes
+            return True
+
+    def free(self, nbytes: int) -> bool:
+        """``nbytes`` are free again, nobody woken: True if queues wait for bytes (then
+        ``give(0)`` wakes them, on the loop)."""
+        with self._lock:
+            self.used -= nbytes
+            return bool(self._waiting)
 
     def give(self, nbytes: int) -> None:
         """``nbytes`` are free again: every waiting queue asks again, first come first."""
-        self.used -= nbytes
-        if self._waiting:
-            waiting, self._waiting = self._waiting, {}
+        if self.free(nbytes):
+            with self._lock:
+                waiting, self._waiting = self._waiting, {}
             for wake in waiting:
                 wake()
 
     def forget(self, wake: Callable[[], None]) -> None:
         """A queue that was waiting is gone."""
-        self._waiting.pop(wake, None)
+        with self._lock:
+            self._waiting.pop(wake, None)
 
 
 class ConnectionCount:
