@@ -443,9 +443,9 @@ cdef class TcpFastPath:
     cdef object _wake
     cdef object _loop
     cdef list _replies
+    """Replies of the commands the thread served since its last send (:meth:`_send_replies`)."""
     cdef list _handoff
     """Tags of R2T writes the thread received whole and left to the loop to write (:meth:`_returned`)."""
-    """Replies of the commands the thread served since its last send (:meth:`_send_replies`)."""
     cdef Py_ssize_t _gathered
     """Their bytes."""
     cdef public unsigned long long thread_entries
@@ -589,9 +589,10 @@ cdef class TcpFastPath:
 
     def _run(self):
         """The queue's thread: waits to be given the socket, serves steady Reads and Writes
-        (in-capsule or by R2T) from it (:meth:`_serve_thread`), hands it back to the loop (:meth:`_returned`), and
-        waits again; ends when the connection ends (the loop's :meth:`stop_thread`, or the socket
-        did). The GIL is held for the per-command work and released around every system call."""
+        (in-capsule or by R2T) from it (:meth:`_serve_thread`), hands it back to the loop
+        (:meth:`_returned`), and waits again; ends when the connection ends (the loop's
+        :meth:`stop_thread`, or the socket did). The GIL is held for the per-command work and
+        released around every system call."""
         cdef int ended = 0
         cdef int fd = self._tfd
         cdef int flags
@@ -1287,28 +1288,28 @@ cdef class TcpFastPath:
         cdef bytes resp = PyBytes_FromStringAndSize(NULL, _RESP_LEN)
         _capsule_resp(<unsigned char*>PyBytes_AS_STRING(resp), self._next_sqhd(), self.qid, cid)
         self._complete(ns, _KIND_WRITE, length, start)
-        conn = self.conn
-        budget = conn.target.r2t_budget
         if threaded:
             self._release_namespace(nsobj)
-            if held:
-                conn._r2t_held -= held
-                if budget.free(held):
-                    self._loop.call_soon_threadsafe(budget.give, 0)
-            self.queue.in_flight -= 1
-            self.served += 1
-            return self._emit(resp) >= 0
-        # a removed namespace's copy is withdrawn (not accessible) before anything else, so the
-        # queue, not this, gives back the last hold of one and closes its file
-        nsobj.in_flight -= 1
+        else:
+            # a removed namespace's copy is withdrawn (not accessible) before anything else, so
+            # the queue, not this, gives back the last hold of one and closes its file
+            nsobj.in_flight -= 1
         # TcpTargetConnection.queue_response: the buffer's budget back (and the R2Ts that lets go
         # out before this CapsuleResp), then the CapsuleResp; TargetQueue.response_sent: the slot
+        conn = self.conn
         if held:
             conn._r2t_held -= held
-            budget.give(held)
-            if conn._r2t_waiting:
-                conn._send_r2ts()
-        self.out._send((resp,))
+            budget = conn.target.r2t_budget
+            if not threaded:
+                budget.give(held)
+                if conn._r2t_waiting:
+                    conn._send_r2ts()
+            elif budget.free(held):
+                self._loop.call_soon_threadsafe(budget.give, 0)
+        if threaded:
+            self._emit(resp)
+        else:
+            self.out._send((resp,))
         self.queue.in_flight -= 1
         self.served += 1
         return True

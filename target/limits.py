@@ -60,11 +60,11 @@ class DataBudget:
 
     def give(self, nbytes: int) -> None:
         """``nbytes`` are free again: every waiting queue asks again, first come first."""
-        if self.free(nbytes):
-            with self._lock:
-                waiting, self._waiting = self._waiting, {}
-            for wake in waiting:
-                wake()
+        with self._lock:
+            self.used -= nbytes
+            waiting, self._waiting = self._waiting, {}
+        for wake in waiting:
+            wake()
 
     def forget(self, wake: Callable[[], None]) -> None:
         """A queue that was waiting is gone."""

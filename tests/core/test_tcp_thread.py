@@ -1,7 +1,8 @@
 """The target's threaded NVMe/TCP queue (target/_io_fast.pyx, ``TcpFastPath._run``): an idle I/O
 queue goes to a thread of its own, which serves steady Reads and Writes blocking in the socket
-(R2T writes: test_tcp_thread_r2t.py) and hands everything else back to the loop; every way a connection ends leaves no thread
-and no descriptor behind, and a host that stops reading its replies holds only its own queue.
+(R2T writes: test_tcp_thread_r2t.py) and hands everything else back to the loop; every way a
+connection ends leaves no thread and no descriptor behind, and a host that stops reading its
+replies holds only its own queue.
 
 (The answers themselves are compared with the Python queue's in test_io_fast.py's differential
 test, in both modes.)"""
