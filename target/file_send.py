@@ -65,7 +65,8 @@ class ReplyPipe:
     """A connection's pipe for reads sent by reference: non-blocking, empty between replies, sized
     on demand for the largest read that used it (a size the kernel refuses, above
     ``/proc/sys/fs/pipe-max-size`` or the user's pipe pages, leaves larger reads to the ordinary
-    path)."""
+    path). A queue's thread also passes large R2T writes' data through it, socket to file
+    (``TcpFastPath._h2c_on_thread``), and leaves it empty as well."""
 
     def __init__(self) -> None:
         self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -83,7 +84,12 @@ class ReplyPipe:
     def room_for(self, length: int) -> bool:
         """Whether a read of ``length`` bytes fits with its header and CapsuleResp (growing the
         pipe if it must)."""
-        need = length + _SPARE_SLOTS * _PAGE
+        return self.holds(length + _SPARE_SLOTS * _PAGE)
+
+    def holds(self, need: int) -> bool:
+        """Whether ``need`` bytes fit, growing the pipe if they do not: a reply's (``room_for``)
+        or, on a queue's thread, an R2T write's data on its way from the socket to the file
+        (``TcpFastPath._pipe_holds``), which needs no slot beyond its pages."""
         if need <= self.size:
             return True
         if need >= self.refused:

@@ -12,19 +12,25 @@ never went back to the loop where it should not have).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import resource
+import signal
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from blockd.tcp_pdu import PduWriter
 from protocol.constants import IoOpcode
 from protocol.nvme import CQE_FAST, build_sqe
+from protocol.status import Status
 from protocol.tcp import DATA_PDU_HEADER_FAST, PduFlags, PduType
 
 from .conftest import NQN, RawConn, capsule, free_port, raw_admin, run, serving, transport_sgl
 from .test_hostile import expect_termination
 from .test_r2t import BAD_SEQUENCES, CID, LENGTH, SLBA, h2c, write_asking_r2t
-from .test_tcp_thread import _cfg, _io_queue, _on_thread, _queue_threads, _read, _threaded
+from .test_tcp_thread import _cfg, _io_queue, _on_thread, _queue_threads, _read, _threaded, _write
 from .test_tcp_thread import pytestmark  # noqa: F401  (skipped, as there, without the compiled plane)
 
 
@@ -68,7 +74,7 @@ def test_r2t_writes_are_taken_on_the_thread(tmp_path: Path, cuts: tuple[int, ...
 
     async def main() -> None:
         async with _on_thread(tmp_path) as (service, io, fast):
-            entries, served, taken = fast.thread_entries, fast.thread_served, fast.thread_data
+            entries, served, taken, spliced = fast.thread_entries, fast.thread_served, fast.thread_data, fast.thread_spliced
             writes = {20: (SLBA, _payload(3)), 21: (SLBA + 2 * LENGTH // 512, _payload(11))}
             io.send(b"".join(capsule(_r2t_write(cid, slba)) for cid, (slba, _) in writes.items()))
             tags = dict(await _r2ts(io, 2))
@@ -83,6 +89,7 @@ def test_r2t_writes_are_taken_on_the_thread(tmp_path: Path, cuts: tuple[int, ...
             assert await _statuses(io, 2) == {20: 0, 21: 0}
             assert fast.thread_data == taken + len(pieces)
             assert fast.thread_served == served + 2
+            assert fast.thread_spliced == spliced + (0 if cuts else 2)  # one PDU each: socket to file by the pipe
             assert fast.thread_entries == entries and fast.threaded
             assert service.target.r2t_budget.used == 0
             for cid, (slba, data) in writes.items():
@@ -176,8 +183,9 @@ def test_an_r2t_write_whose_namespace_goes_meanwhile_is_answered_as_on_the_loop(
 
 def test_a_host_stopping_in_the_middle_of_h2c_data_is_timed_out(tmp_path: Path) -> None:
     """A host that sends an H2CData header and part of its data and stops, while the queue is
-    on its thread (blocked receiving into the write's buffer), is ended by the PDU timeout as
-    on the loop: no thread left, the budget and the namespace given back."""
+    on its thread (blocked receiving the data into the connection's pipe), is ended by the PDU
+    timeout as on the loop: no thread left, the budget and the namespace given back, nothing of
+    the write in the file."""
     port = free_port()
 
     async def main() -> None:
@@ -185,6 +193,7 @@ def test_a_host_stopping_in_the_middle_of_h2c_data_is_timed_out(tmp_path: Path) 
             admin, cntlid = await raw_admin(port)
             io = await _io_queue(port, cntlid)
             fast = await _threaded(service, cntlid, io)
+            before = (tmp_path / "vol.img").read_bytes()
             ttag = await write_asking_r2t(io, digests=False)
             io.send(h2c(PduWriter(), ttag, 0, b"\x77" * LENGTH, True)[:24 + LENGTH // 2])
             assert await io.closed(timeout=5)
@@ -196,7 +205,86 @@ def test_a_host_stopping_in_the_middle_of_h2c_data_is_timed_out(tmp_path: Path) 
             assert fast.thread_data == 0  # (it never completed)
             assert service.target.r2t_budget.used == 0
             assert service.target.subsystems[NQN].namespaces[1].in_flight == 0
+            assert (tmp_path / "vol.img").read_bytes() == before  # (its data waited in the pipe)
             await io.close()
             await admin.close()
 
     run(main(), timeout=30)
+
+
+def test_a_write_the_pipe_cannot_hold_whole_is_taken_into_its_buffer(tmp_path: Path) -> None:
+    """A write whose data comes in more pieces than the connection's pipe has slots (here: the
+    pipe shrunk to one page behind the path's back) is received into its buffer, what the pipe
+    took first included, and written from there, as a write too small for the pipe is."""
+    async def main() -> None:
+        async with _on_thread(tmp_path) as (service, io, fast):
+            writer = PduWriter()
+            ttag = await write_asking_r2t(io, digests=False)
+            io.send(h2c(writer, ttag, 0, _payload(5), True))
+            assert (await _statuses(io, 1))[CID] == 0
+            spliced, taken = fast.thread_spliced, fast.thread_data
+            assert spliced  # the first went by the pipe, which now says it holds the next
+            (controller,) = service.target.controllers.values()
+            pipe = controller.queues[1].transport.pipe
+            fcntl.fcntl(pipe.w, fcntl.F_SETPIPE_SZ, 4096)
+            ttag = await write_asking_r2t(io, digests=False)
+            io.send(h2c(writer, ttag, 0, _payload(9), True))
+            assert (await _statuses(io, 1))[CID] == 0
+            assert (fast.thread_spliced, fast.thread_data) == (spliced, taken + 1)
+            assert fast.threaded and service.target.r2t_budget.used == 0
+            status, _, _, got = await io.command(_read(40, SLBA, LENGTH // 512))
+            assert status == 0 and got == _payload(9)
+
+    run(main(), timeout=30)
+
+
+@contextlib.contextmanager
+def _file_size_limit(limit: int) -> Iterator[None]:
+    """Writes of this process at or past ``limit`` fail with EFBIG (RLIMIT_FSIZE, without the
+    SIGXFSZ that would end the process): for both ``splice`` and ``pwrite``."""
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+async def _write_past_limit(tmp_path: Path, threaded: bool) -> tuple[int, bytes, int]:
+    """A one-PDU R2T write that the file takes only half of: its status, the file after it,
+    and how many writes the thread spliced to the file (0 on the loop)."""
+    port = free_port()
+    tmp_path.mkdir()
+    async with serving(_cfg(tmp_path, port, threaded_queues=threaded)) as service:
+        admin, cntlid = await raw_admin(port)
+        io = await _io_queue(port, cntlid)
+        try:
+            fast = await _threaded(service, cntlid, io) if threaded else (
+                service.target.controllers[cntlid].queues[1].transport.fast)
+            ttag = await write_asking_r2t(io, digests=False)
+            with _file_size_limit(SLBA * 512 + LENGTH // 2):
+                io.send(h2c(PduWriter(), ttag, 0, _payload(13), True))
+                status = (await _statuses(io, 1))[CID]
+            status2, *_ = await io.command(_write(41, 0, 4096), b"\x42" * 4096)  # the queue goes on
+            assert status2 == 0
+            assert service.target.r2t_budget.used == 0
+            assert service.target.subsystems[NQN].namespaces[1].in_flight == 0
+            return status, (tmp_path / "vol.img").read_bytes(), fast.thread_spliced
+        finally:
+            await io.close()
+            await admin.close()
+
+
+def test_a_write_the_file_refuses_part_way_is_answered_as_on_the_loop(tmp_path: Path) -> None:
+    """The file takes the first half of a write's data from the pipe and refuses the rest: the
+    thread puts the data back in the write's buffer (the rest out of the pipe, the first half
+    read back from the file) and leaves it to the loop, whose queue writes again and answers
+    Write Fault, as the loop-only target does, with the same bytes in the file."""
+    on_loop, loop_file, _ = run(_write_past_limit(tmp_path / "loop", False), timeout=30)
+    on_thread, thread_file, spliced = run(_write_past_limit(tmp_path / "thread", True), timeout=30)
+    assert on_thread == on_loop, (hex(on_thread), hex(on_loop))
+    assert on_loop >> 1 & 0x7FF == Status.WRITE_FAULT
+    assert thread_file == loop_file
+    assert spliced == 0
