@@ -1461,12 +1461,12 @@ cdef class TcpFastPath:
                     conn._send_r2ts()
             elif budget.free(held):
                 self._loop.call_soon_threadsafe(budget.give, 0)
+        self.served += 1  # before the reply can reach the host (_emit may send at once)
         if threaded:
             self._emit(resp)
         else:
             self.out._send((resp,))
         self.queue.in_flight -= 1
-        self.served += 1
         return 0
 
     cdef unsigned int _next_sqhd(self) except? 0xFFFFFFFF:

@@ -17,7 +17,7 @@ import fcntl
 import resource
 import signal
 from pathlib import Path
-from typing import Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import pytest
 
@@ -135,38 +135,45 @@ def test_bad_sequences_cover_what_the_thread_takes() -> None:
     assert sorted(TAKEN_BEFORE) == sorted(BAD_SEQUENCES)
 
 
-async def _write_across_removal(tmp_path: Path, threaded: bool) -> tuple[int, int]:
-    """An R2T write whose namespace is removed between the R2T and the data: its status, and
-    the H2CData PDUs a queue thread took (0 on the loop)."""
+@contextlib.asynccontextmanager
+async def _one_queue(tmp_path: Path, threaded: bool) -> AsyncIterator[tuple[Any, RawConn, Any]]:
+    """A target with one I/O queue, idle on its thread or (``threaded`` false) served by the
+    loop alone: (service, host, fast path)."""
     port = free_port()
     tmp_path.mkdir()
     async with serving(_cfg(tmp_path, port, threaded_queues=threaded)) as service:
         admin, cntlid = await raw_admin(port)
         io = await _io_queue(port, cntlid)
         try:
-            fast = await _threaded(service, cntlid, io) if threaded else (
-                service.target.controllers[cntlid].queues[1].transport.fast)
-            taken = fast.thread_data
-            target = service.target
-            subsystem = target.subsystems[NQN]
-            namespace = subsystem.namespaces[1]
-            ttag = await write_asking_r2t(io, digests=False)
-            target.remove_namespace(subsystem, 1)
-            assert namespace.fast.file.fd >= 0  # the write holds it open
-            io.send(h2c(PduWriter(), ttag, 0, b"\x55" * LENGTH, True))
-            status = (await _statuses(io, 1))[CID]
-            for _ in range(200):  # the last hold closes it, on the loop
-                if namespace.fast.file.fd < 0:
-                    break
-                await asyncio.sleep(0.01)
-            assert namespace.fast.file.fd < 0 and namespace.in_flight == 0
-            assert target.r2t_budget.used == 0
-            status2, *_ = await io.command(_read(30))  # the queue goes on (the namespace is gone)
-            assert status2 != 0
-            return status, fast.thread_data - taken
+            yield service, io, (await _threaded(service, cntlid, io) if threaded else
+                                service.target.controllers[cntlid].queues[1].transport.fast)
         finally:
             await io.close()
             await admin.close()
+
+
+async def _write_across_removal(tmp_path: Path, threaded: bool) -> tuple[int, int]:
+    """An R2T write whose namespace is removed between the R2T and the data: its status, and
+    the H2CData PDUs a queue thread took (0 on the loop)."""
+    async with _one_queue(tmp_path, threaded) as (service, io, fast):
+        taken = fast.thread_data
+        target = service.target
+        subsystem = target.subsystems[NQN]
+        namespace = subsystem.namespaces[1]
+        ttag = await write_asking_r2t(io, digests=False)
+        target.remove_namespace(subsystem, 1)
+        assert namespace.fast.file.fd >= 0  # the write holds it open
+        io.send(h2c(PduWriter(), ttag, 0, b"\x55" * LENGTH, True))
+        status = (await _statuses(io, 1))[CID]
+        for _ in range(200):  # the last hold closes it, on the loop
+            if namespace.fast.file.fd < 0:
+                break
+            await asyncio.sleep(0.01)
+        assert namespace.fast.file.fd < 0 and namespace.in_flight == 0
+        assert target.r2t_budget.used == 0
+        status2, *_ = await io.command(_read(30))  # the queue goes on (the namespace is gone)
+        assert status2 != 0
+        return status, fast.thread_data - taken
 
 
 def test_an_r2t_write_whose_namespace_goes_meanwhile_is_answered_as_on_the_loop(tmp_path: Path) -> None:
@@ -255,26 +262,16 @@ def _file_size_limit(limit: int) -> Iterator[None]:
 async def _write_past_limit(tmp_path: Path, threaded: bool) -> tuple[int, bytes, int]:
     """A one-PDU R2T write that the file takes only half of: its status, the file after it,
     and how many writes the thread spliced to the file (0 on the loop)."""
-    port = free_port()
-    tmp_path.mkdir()
-    async with serving(_cfg(tmp_path, port, threaded_queues=threaded)) as service:
-        admin, cntlid = await raw_admin(port)
-        io = await _io_queue(port, cntlid)
-        try:
-            fast = await _threaded(service, cntlid, io) if threaded else (
-                service.target.controllers[cntlid].queues[1].transport.fast)
-            ttag = await write_asking_r2t(io, digests=False)
-            with _file_size_limit(SLBA * 512 + LENGTH // 2):
-                io.send(h2c(PduWriter(), ttag, 0, _payload(13), True))
-                status = (await _statuses(io, 1))[CID]
-            status2, *_ = await io.command(_write(41, 0, 4096), b"\x42" * 4096)  # the queue goes on
-            assert status2 == 0
-            assert service.target.r2t_budget.used == 0
-            assert service.target.subsystems[NQN].namespaces[1].in_flight == 0
-            return status, (tmp_path / "vol.img").read_bytes(), fast.thread_spliced
-        finally:
-            await io.close()
-            await admin.close()
+    async with _one_queue(tmp_path, threaded) as (service, io, fast):
+        ttag = await write_asking_r2t(io, digests=False)
+        with _file_size_limit(SLBA * 512 + LENGTH // 2):
+            io.send(h2c(PduWriter(), ttag, 0, _payload(13), True))
+            status = (await _statuses(io, 1))[CID]
+        status2, *_ = await io.command(_write(41, 0, 4096), b"\x42" * 4096)  # the queue goes on
+        assert status2 == 0
+        assert service.target.r2t_budget.used == 0
+        assert service.target.subsystems[NQN].namespaces[1].in_flight == 0
+        return status, (tmp_path / "vol.img").read_bytes(), fast.thread_spliced
 
 
 def test_a_write_the_file_refuses_part_way_is_answered_as_on_the_loop(tmp_path: Path) -> None:
