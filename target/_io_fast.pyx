@@ -814,6 +814,8 @@ cdef class TcpFastPath:
                 else:  # the pipe filled first: what it holds into the buffer, the rest received there
                     with nogil:
                         lost = _read_pipe(pr, dst + have, piped) != piped
+                    if lost:
+                        self.pipe.discard()  # (never left holding bytes for the next reply)
                     got += piped
                     piped = 0
                 rest = datal - got
@@ -906,7 +908,10 @@ cdef class TcpFastPath:
             out = _read_pipe(pr, dst + have + moved, rest - moved)
             if moved:
                 back = pread(fd, dst + have, moved, offset + have)
-        return 0 if out == rest - moved and back == moved else -1
+        if out != rest - moved:
+            self.pipe.discard()  # (never left holding bytes for the next reply)
+            return -1
+        return 0 if back == moved else -1
 
     cdef bint _awaited(self, const unsigned char* h, Py_ssize_t pending, Py_ssize_t room) noexcept:
         """Whether the begun PDU at ``h`` (its common header in) is a CapsuleCmd that
