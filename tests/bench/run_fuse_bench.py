@@ -63,6 +63,7 @@ WORKLOADS = [  # job file, label, metric
     ("randread-4k-4.fio", "4k randread 4 jobs", "iops"),
     ("randwrite-4k-1.fio", "4k randwrite 1 job", "iops"),
     ("randwrite-4k-4.fio", "4k randwrite 4 jobs", "iops"),
+    ("randwrite-4k-fsync.fio", "4k randwrite + fsync", "iops"),
     ("seqread-128k.fio", "128k seqread", "mbs"),
     ("seqwrite-1m.fio", "1M seqwrite", "mbs"),
 ]

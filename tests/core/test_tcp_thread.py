@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator
 import pytest
 
 from protocol.constants import IoOpcode, SglId
-from protocol.nvme import CQE_FAST, build_sgl_data_block, build_sqe
+from protocol.nvme import CQE_FAST, NSID_ALL, build_sgl_data_block, build_sqe
 from protocol.tcp import PduType
 from target.io_fast import TcpFastPath
 
@@ -91,9 +91,9 @@ async def _on_thread(tmp: Path) -> AsyncIterator[tuple[Any, RawConn, Any]]:
 
 
 def test_a_queue_goes_to_its_thread_and_back(tmp_path: Path) -> None:
-    """Reads and in-capsule writes are served on the thread; a Flush (not served there) goes
-    back to the loop and the Python queue, after which the queue is on its thread again; the
-    data written on the thread reads back."""
+    """Reads and in-capsule writes are served on the thread; a Flush of every namespace (not
+    served there) goes back to the loop and the Python queue, after which the queue is on its
+    thread again; the data written on the thread reads back."""
     async def main() -> None:
         async with _on_thread(tmp_path) as (service, io, fast):
             served = fast.thread_served
@@ -104,7 +104,7 @@ def test_a_queue_goes_to_its_thread_and_back(tmp_path: Path) -> None:
                 assert (status, got, data) == (0, cid + 100, bytes([cid]) * 4096)
             assert fast.thread_served == served + 20, (fast.thread_served, served, fast.thread_entries, fast.served)
             entries = fast.thread_entries
-            status, _, got, _ = await io.command(build_sqe(IoOpcode.FLUSH, 50, nsid=1))
+            status, _, got, _ = await io.command(build_sqe(IoOpcode.FLUSH, 50, nsid=NSID_ALL))
             assert (status, got) == (0, 50)
             status, *_ = await io.command(_read(51))
             assert status == 0
@@ -116,6 +116,55 @@ def test_a_queue_goes_to_its_thread_and_back(tmp_path: Path) -> None:
             assert [t.name for t in _queue_threads()] == ["blockd-tcp-q1"]
 
     run(main(), timeout=30)
+
+
+FLUSHES = {
+    "one namespace": build_sqe(IoOpcode.FLUSH, 60, nsid=1),
+    "every namespace": build_sqe(IoOpcode.FLUSH, 61, nsid=NSID_ALL),
+    "no such namespace": build_sqe(IoOpcode.FLUSH, 62, nsid=7),
+    "with a data length": build_sqe(IoOpcode.FLUSH, 63, nsid=1, dptr=build_sgl_data_block(
+        SglId.TRANSPORT_DATA_BLOCK, 0, 4096)),
+    "not an SGL": build_sqe(IoOpcode.FLUSH, 64, nsid=1, flags=0),
+}
+"""Flush capsules, of which the queue's thread serves the first alone."""
+
+
+async def _flushes(tmp: Path, threaded: bool) -> tuple[dict[str, int], int, int, int]:
+    """Each of ``FLUSHES`` on a queue on its thread or on the loop: the statuses, the commands
+    the thread served, its entries after the first (0: it never handed the socket back before
+    the others), and the flushes the namespace counted."""
+    port = free_port()
+    tmp.mkdir()
+    async with serving(_cfg(tmp, port, threaded_queues=threaded)) as service:
+        admin, cntlid = await raw_admin(port)
+        io = await _io_queue(port, cntlid)
+        try:
+            fast = await _threaded(service, cntlid, io) if threaded else (
+                service.target.controllers[cntlid].queues[1].transport.fast)
+            served, entries = fast.thread_served, fast.thread_entries
+            statuses = {}
+            for name, sqe in FLUSHES.items():
+                statuses[name], *_ = await io.command(sqe)
+                if name == "one namespace":
+                    first = (fast.thread_served - served, fast.thread_entries - entries)
+            counters = service.target.subsystems[NQN].namespaces[1].counters.snapshot()
+            return statuses, *first, counters["ops"]["flush"]
+        finally:
+            await io.close()
+            await admin.close()
+
+
+def test_a_flush_is_served_on_the_thread_as_the_loop_answers_it(tmp_path: Path) -> None:
+    """A Flush of one namespace is served on the queue's thread (``fdatasync`` there, the
+    socket never handed back); every other Flush goes to the loop. Each gets the status the
+    loop-only target gives it, and the namespace counts the same flushes."""
+    on_loop, _, _, loop_flushes = run(_flushes(tmp_path / "loop", False), timeout=30)
+    on_thread, served, entries, thread_flushes = run(_flushes(tmp_path / "thread", True), timeout=30)
+    assert on_thread == on_loop, (on_thread, on_loop)
+    assert on_loop["one namespace"] == on_loop["every namespace"] == 0
+    assert all(on_loop[name] for name in ("no such namespace", "with a data length", "not an SGL")), on_loop
+    assert (served, entries) == (1, 0)
+    assert thread_flushes == loop_flushes == 1
 
 
 @pytest.mark.parametrize(("table", "threaded"), [({"threaded_queues": False}, False), ({}, True)],
