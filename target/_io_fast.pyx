@@ -67,11 +67,11 @@ Every offset comes from ``protocol/`` at import and is checked there against hea
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from libc.errno cimport EAGAIN, EINTR, errno
+from libc.errno cimport EAGAIN, EINTR, EIO, errno
 from libc.string cimport memcpy, memset
 from posix.fcntl cimport F_GETFL, F_SETFL, O_NONBLOCK, fcntl
 from posix.types cimport off_t
-from posix.unistd cimport close, dup, fdatasync, pread, read, write
+from posix.unistd cimport close, dup, pread, read, write
 
 from blockd._iostats cimport IoCounters, now_ns
 from blockd._le cimport le16, le32, le64, st16, st32
@@ -79,6 +79,7 @@ from blockd._output cimport OutputBatcher
 from blockd._pdu_reader cimport PduReader
 
 import asyncio
+import os
 import threading
 
 import structlog
@@ -275,40 +276,62 @@ cdef inline bint _splice_out(int pipe_r, int sock, Py_ssize_t length) noexcept n
     return True
 
 
-cdef inline Py_ssize_t _splice_in_whole(int sock, int pipe_w, Py_ssize_t length, int* ended) noexcept nogil:
-    """Splice ``length`` bytes of the blocking socket ``sock`` (the queue's thread's) into the
-    empty pipe; the bytes the pipe holds on return: all of them, or fewer if the pipe filled
-    first (EAGAIN: the data came in more pieces than it has slots) or the socket ended
-    (``*ended``: 1 if the host closed it, 2 if it failed; 0 otherwise)."""
-    cdef Py_ssize_t got = 0, n
-    ended[0] = 0
-    while got < length:
-        n = splice(sock, NULL, pipe_w, NULL, length - got, 0)
-        if n > 0:
-            got += n
-        elif n < 0 and errno == EINTR:
-            continue
-        else:
-            if n < 0 and errno == EAGAIN:  # (the socket blocks: only the pipe says EAGAIN)
-                break
-            ended[0] = 1 if n == 0 else 2
-            break
-    return got
+cdef enum:
+    _SPLICED = 0  # all of the data in the file
+    _HOST_CLOSED = 1
+    _SOCKET_FAILED = 2
+    _FILE_REFUSED = 3
+
+cdef int _devnull = file_send.DEVNULL
 
 
-cdef inline Py_ssize_t _splice_to_file(int pipe_r, int fd, off_t offset, Py_ssize_t length) noexcept nogil:
-    """Move ``length`` bytes, all in the pipe, to the file at ``offset``; the bytes moved before
-    a call failed (ENOSPC, EIO, a file system that cannot splice)."""
-    cdef Py_ssize_t done = 0, n
-    cdef off_t pos = offset  # (advanced by each call)
-    while done < length:
-        n = splice(pipe_r, NULL, fd, &pos, length - done, 0)
-        if n < 0 and errno == EINTR:
-            continue
-        if n <= 0:
-            break
-        done += n
-    return done
+cdef inline int _splice_write(int sock, int pipe_r, int pipe_w, int fd, off_t offset, const unsigned char* staged,
+                              Py_ssize_t have, Py_ssize_t length, int* error) noexcept nogil:
+    """An H2CData PDU's data into the file at ``offset``: the ``have`` bytes that came with its
+    header (``staged``) and the ``length - have`` still in the blocking socket ``sock``.
+    - The socket's bytes go into the empty pipe first, and from it into the file once the
+      last has come, so a host that stops part way leaves the file as it was.
+    - If the pipe fills first (the data came in more pieces than it has slots), what it holds
+      goes to the file each time it fills, as the data comes.
+    - What the file refuses (``*error``: its errno) is received all the same, into
+      ``/dev/null``, so the stream stays whole.
+    The pipe's content is only ever spliced on, never read: a ``read`` of pages spliced in
+    from a socket can fail with EFAULT (seen in the VM bed: Debian's 6.1 kernel over veth).
+    Returns ``_SPLICED``; ``_HOST_CLOSED`` or ``_SOCKET_FAILED`` (the pipe may hold bytes: the
+    caller empties it); or ``_FILE_REFUSED``, the pipe empty."""
+    cdef Py_ssize_t rest = length - have, inpipe = 0, n
+    cdef off_t pos = offset + have  # (advanced by each splice to the file)
+    cdef bint refused = False, staged_out = False
+    error[0] = 0
+    while rest > 0 or inpipe > 0:
+        if rest > 0:
+            n = splice(sock, NULL, pipe_w, NULL, rest, 0)
+            if n > 0:
+                rest -= n
+                inpipe += n
+                if rest > 0:
+                    continue  # more to come: it waits in the pipe
+            elif n < 0 and errno == EINTR:
+                continue
+            elif not (n < 0 and errno == EAGAIN):  # (EAGAIN: the pipe is full; the socket blocks)
+                return _HOST_CLOSED if n == 0 else _SOCKET_FAILED
+        if not staged_out:  # the file is written in order, as one pwrite would (up to where it refuses)
+            staged_out = True
+            if _pwrite_all(fd, staged, have, offset) != have:
+                refused = True
+                error[0] = errno or EIO
+        while inpipe > 0:
+            n = splice(pipe_r, NULL, _devnull if refused else fd, NULL if refused else &pos, inpipe, 0)
+            if n > 0:
+                inpipe -= n
+            elif n < 0 and errno == EINTR:
+                continue
+            elif refused:
+                return _SOCKET_FAILED  # (/dev/null refusing: never; end the connection)
+            else:
+                refused = True
+                error[0] = errno if n < 0 else EIO
+    return _FILE_REFUSED if refused else _SPLICED
 
 
 cdef inline Py_ssize_t _read_pipe(int pipe_r, unsigned char* p, Py_ssize_t length) noexcept nogil:
@@ -501,7 +524,7 @@ cdef class TcpFastPath:
     """Replies of the commands the thread served since its last send (:meth:`_send_replies`)."""
     cdef list _handoff
     """R2T writes the thread received whole and did not write, left to the loop (:meth:`_returned`):
-    (tag, whether the write's buffer holds its data) each."""
+    (tag, 0) each, its data in its buffer; or (tag, errno) for one the file refused by splice."""
     cdef Py_ssize_t _gathered
     """Their bytes."""
     cdef public unsigned long long thread_entries
@@ -514,7 +537,7 @@ cdef class TcpFastPath:
     """H2CData PDUs the thread took (:meth:`_h2c_on_thread`)."""
     cdef public unsigned long long thread_spliced
     """Of the R2T writes it wrote, those whose data went from the socket to the file through
-    the pipe (:meth:`_written_from_pipe`)."""
+    the pipe (:meth:`_h2c_by_reference`)."""
 
     def __init__(self, conn, Py_ssize_t max_transfer):
         self.conn = conn
@@ -666,6 +689,10 @@ cdef class TcpFastPath:
                 fcntl(fd, F_SETFL, flags & ~O_NONBLOCK)  # the loop neither reads nor writes it now
                 try:
                     ended = self._serve_thread(fd)
+                except Exception:  # a bug: the connection ends, never left with a stream cut part way
+                    log.exception("I/O queue thread failed; ending the connection", qid=self.qid)
+                    shutdown(fd, SHUT_RDWR)
+                    ended = 1
                 finally:
                     fcntl(fd, F_SETFL, flags | O_NONBLOCK)  # before the loop reads it again
                     if self._stopping:  # stop_thread has been: it will not wake a wait any more
@@ -756,8 +783,8 @@ cdef class TcpFastPath:
         (:meth:`_written`) once its last PDU is in. 1: taken; 0: any other PDU or case, left
         whole in the reader for the loop (``TcpTargetConnection._place`` and ``_h2c_data`` judge
         it as ever, the write still in ``r2t_pending``); -1: the socket ended. A large write in
-        one PDU goes through the connection's pipe instead, socket to file, when the pipe can
-        hold it (:meth:`_written_from_pipe`).
+        one PDU goes through the connection's pipe instead, socket to file
+        (:meth:`_h2c_by_reference`).
 
         What is taken here is exactly what ``PduReader._next``, ``_place`` and ``_h2c_data``
         accept without a word: no digest or other flag but LAST_PDU, and that one on the last
@@ -773,12 +800,12 @@ cdef class TcpFastPath:
         cdef Py_ssize_t plen = le32(h + _O_PLEN)
         cdef Py_ssize_t datao = le32(h + _D_DATAO)
         cdef Py_ssize_t datal = le32(h + _D_DATAL)
-        cdef Py_ssize_t have, rest, n = 0, got, received, piped = 0
+        cdef Py_ssize_t have, rest, n = 0, got, received
         cdef unsigned int ttag
         cdef unsigned char* dst
         cdef R2tWrite w
-        cdef bint last, lost = False
-        cdef int ended = 0, pr, pw, written
+        cdef bint last
+        cdef int ffd
         conn = self.conn
         if (flags & ~_LAST or h[_O_HLEN_CMD] != _DATA_HLEN or h[_O_PDO] != _DATA_HLEN or datal <= 0
                 or plen != _DATA_HLEN + datal or datal > reader.max_data):
@@ -801,26 +828,11 @@ cdef class TcpFastPath:
             self._send_replies()  # what this receive served goes out before the thread waits
             if self._broken:
                 return -1
-            got = have
             if datao == 0 and last and rest >= self.by_reference_min and self._pipe_holds(rest):
-                pr = self.pipe_r
-                pw = self.pipe_w
-                with nogil:
-                    piped = _splice_in_whole(fd, pw, rest, &ended)
-                if ended:
-                    self.pipe.discard()  # (nothing was written)
-                    self._eof = ended == 1
-                    return -1
-                if piped == rest:
-                    got = datal
-                else:  # the pipe filled first: what it holds into the buffer, the rest received there
-                    with nogil:
-                        lost = _read_pipe(pr, dst + have, piped) != piped
-                    if lost:
-                        self.pipe.discard()  # (never left holding bytes for the next reply)
-                    got += piped
-                    piped = 0
-                rest = datal - got
+                ffd = self._write_fd(w.nsobj, w.ns)
+                if ffd >= 0:
+                    return self._h2c_by_reference(reader, fd, ffd, w, ttag, h + _DATA_HLEN, have)
+            got = have
             with nogil:
                 while rest > 0:
                     n = recv(fd, dst + got, rest, MSG_WAITALL)
@@ -837,23 +849,56 @@ cdef class TcpFastPath:
         reader.skip(_DATA_HLEN + have)
         self.thread_data += 1
         if self._stopping:
-            if piped:
-                self.pipe.discard()
             return -1  # the connection ends: connection_lost fails the write (r2t_pending)
         if not last:
             conn.r2t_pending[ttag] = (w, received + datal)
             return 1
         del conn.r2t_pending[ttag]
-        if piped:
-            written = self._written_from_pipe(w, dst, have)
-            if written > 0:
-                return 1
-            lost = written < 0
-        if not lost and self._written(w.nsobj, w.ns, w.offset, w.data, w.length, w.cid, w.start_ns, w.length):
+        if self._written(w.nsobj, w.ns, w.offset, w.data, w.length, w.cid, w.start_ns, w.length):
             return 1
         # the namespace changed or the write failed: the loop's data_ready, first thing on return
         conn.r2t_pending[ttag] = (w, w.length)
-        self._handoff.append((ttag, not lost))
+        self._handoff.append((ttag, 0))
+        return 0
+
+    cdef int _h2c_by_reference(self, PduReader reader, int sock, int fd, R2tWrite w, unsigned int ttag,
+                               const unsigned char* staged, Py_ssize_t have) except -2:
+        """A whole R2T write in one H2CData PDU, its first ``have`` bytes in staging after the
+        header, the rest in the socket: written to the file through the connection's pipe
+        (:func:`_splice_write`: one copy of the data, the file's own, where ``recv`` into the
+        buffer and ``pwrite`` make two) and answered as :meth:`_written` answers, 1. The
+        namespace was checked when the header came (as a capsule's is when it comes). If the
+        file refuses the data, the write goes back to ``r2t_pending`` for the loop's queue to
+        fail as its own failed write ends (``TargetQueue.write_failed``), 0; -1: the socket
+        ended, the write left to ``connection_lost``.
+
+        Measured before it (1 MiB on loopback TCP into tmpfs, pinned to one CPU as the FUSE
+        bench is, alternated): the receiver's system time 247-266 -> 189-210 us per MiB with
+        the data put whole in a 1 MiB pipe first, about the same as splicing to the file as the
+        data comes (186-211), which is kept for a pipe that fills only: a host that stops part
+        way would leave part of the write in the file (docs/dataplane.md, "R2T write data
+        through the pipe")."""
+        cdef int error = 0, how
+        cdef int pr = self.pipe_r, pw = self.pipe_w
+        cdef Py_ssize_t length = w.length
+        cdef off_t offset = w.offset
+        with nogil:
+            how = _splice_write(sock, pr, pw, fd, offset, staged, have, length, &error)
+        if how == _HOST_CLOSED or how == _SOCKET_FAILED:
+            self.pipe.discard()
+            self._eof = how == _HOST_CLOSED  # else an error: the loop's read meets it too
+            return -1
+        reader.skip(_DATA_HLEN + have)
+        self.thread_data += 1
+        if self._stopping:
+            return -1  # the connection ends: connection_lost fails the write (r2t_pending)
+        if how == _SPLICED:
+            del self.conn.r2t_pending[ttag]
+            self.thread_spliced += 1
+            self._answer_write(w.nsobj, w.ns, length, w.cid, w.start_ns, length)
+            return 1
+        self.conn.r2t_pending[ttag] = (w, length)
+        self._handoff.append((ttag, error))
         return 0
 
     cdef bint _pipe_holds(self, Py_ssize_t length) except -1:
@@ -877,44 +922,6 @@ cdef class TcpFastPath:
         self.pipe_data_room = length
         return True
 
-    cdef int _written_from_pipe(self, R2tWrite w, unsigned char* dst, Py_ssize_t have) except -2:
-        """A whole R2T write whose first ``have`` bytes are in ``dst`` (the write's buffer: they
-        came with the H2CData header) and the rest in the pipe, written (the pipe's pages
-        spliced to the file: the one copy, where the buffer costs two, ``recv`` and ``pwrite``)
-        and answered as :meth:`_written` answers: 1. Nothing reaches the file before all the
-        data is in, so a host that stops part way leaves it untouched, as the loop does.
-        When it is not written (the namespace changed since the R2T, or the file refused part
-        of it), the data is put in the buffer for the ordinary write to retry and report, 0: what
-        the pipe still holds, read out, and what had reached the file, read back; -1 if that
-        could not be had (the write then fails with Data Transfer Error, on the loop).
-
-        Measured before it (1 MiB on loopback TCP into tmpfs, pinned to one CPU as the FUSE
-        bench is, alternated): the receiver's system time 247-266 -> 189-210 us per MiB with
-        the data put whole in a 1 MiB pipe first, about the same as splicing to the file as the
-        data comes (186-211), which was not taken: a host that stops part way would leave part
-        of the write in the file (docs/dataplane.md, "R2T write data through the pipe")."""
-        cdef Py_ssize_t rest = w.length - have, done = 0, moved = 0, back = 0, out = 0
-        cdef int pr = self.pipe_r
-        cdef int fd = self._write_fd(w.nsobj, w.ns)
-        cdef off_t offset = w.offset
-        if fd >= 0:
-            with nogil:
-                done = _pwrite_all(fd, dst, have, offset)
-                if done == have:
-                    moved = _splice_to_file(pr, fd, offset + have, rest)
-            if moved == rest:
-                self.thread_spliced += 1
-                self._answer_write(w.nsobj, w.ns, w.length, w.cid, w.start_ns, w.length)
-                return 1
-        with nogil:
-            out = _read_pipe(pr, dst + have + moved, rest - moved)
-            if moved:
-                back = pread(fd, dst + have, moved, offset + have)
-        if out != rest - moved:
-            self.pipe.discard()  # (never left holding bytes for the next reply)
-            return -1
-        return 0 if back == moved else -1
-
     cdef bint _awaited(self, const unsigned char* h, Py_ssize_t pending, Py_ssize_t room) noexcept:
         """Whether the begun PDU at ``h`` (its common header in) is a CapsuleCmd that
         ``PduReader.whole`` will give whole once the rest is in, that this path may serve
@@ -935,14 +942,14 @@ cdef class TcpFastPath:
         conn = self.conn
         if self._handoff:  # R2T writes whose data the thread took and could not write
             handoff, self._handoff = self._handoff, []
-            for ttag, whole in handoff:
+            for ttag, error in handoff:
                 entry = conn.r2t_pending.pop(ttag, None)
                 if entry is None:
                     continue  # connection_lost failed it already
-                if whole:
+                if error:  # its data went to the file by splice, which refused it (_h2c_by_reference)
+                    self.queue.write_failed(self.request(entry[0]), OSError(error, os.strerror(error)))
+                else:
                     self.data_ready(entry[0])
-                else:  # its data could not be had back from the pipe and the file (_written_from_pipe)
-                    self.queue.data_failed(self.request(entry[0]))
         if self.transport.is_closing() or conn.paused:
             return  # closing: connection_lost follows; paused: resume_writing reads again
         if self._eof:  # the host closed: what the loop does at end of stream, now (its QIDs free at once)
@@ -1177,12 +1184,12 @@ cdef class TcpFastPath:
         cdef int fd = self._hold_namespace(entry, ns)
         if fd < 0:
             return False
-        cdef int rc
-        with nogil:
-            rc = fdatasync(fd)
-        self._release_namespace(entry)
-        if rc != 0:
+        try:
+            os.fdatasync(fd)  # (a Python call, as FileBackend.flush makes: it releases the GIL for the sync)
+        except OSError:
             return False
+        finally:
+            self._release_namespace(entry)
         cdef bytes resp = PyBytes_FromStringAndSize(NULL, _RESP_LEN)
         _capsule_resp(<unsigned char*>PyBytes_AS_STRING(resp), self._next_sqhd(), self.qid, cid)
         self.ctrl.traffic_seen = True

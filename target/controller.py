@@ -580,8 +580,14 @@ class Controller:
             else:
                 await backend.write(offset, req.data, bool(fua))
         except OSError as exc:
-            log.error("write failed", nsid=ns.nsid, offset=offset, error=str(exc))
-            req.status = _write_status(exc)
+            req.status = self.write_error(req, exc)
+
+    @staticmethod
+    def write_error(req: Request, exc: OSError) -> int:
+        """A write whose backend refused its data: logged, and the status it ends with."""
+        ns = req.ns
+        log.error("write failed", nsid=ns.nsid, offset=req.fields[IO_SLBA] << ns.lba_shift, error=str(exc))
+        return _write_status(exc)
 
     async def _flush(self, req: Request) -> None:
         if req.ns is not None:

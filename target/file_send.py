@@ -46,7 +46,11 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 _SPARE_SLOTS = 3
 """Pipe slots beyond the data's pages: the header's, the CapsuleResp's, and one more page when
 the file range does not start on a page (each spliced page and each write takes a slot)."""
-_DISCARD_CHUNK = 65536
+_DISCARD_CHUNK = 1 << 20
+DEVNULL = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+"""Where a pipe is emptied to: spliced there, its pages are dropped without a copy. Not ``read``:
+reading pages spliced in from a socket can fail with EFAULT (seen in the VM bed, Debian's 6.1
+kernel over veth, with R2T write data on a queue's thread: ``target/_io_fast.pyx``)."""
 
 
 class Batcher(Protocol):
@@ -105,7 +109,7 @@ class ReplyPipe:
         """Empty the pipe (what a failed fill or a reply that was never sent left in it)."""
         self.queued = 0
         try:
-            while os.read(self.r, _DISCARD_CHUNK):
+            while os.splice(self.r, DEVNULL, _DISCARD_CHUNK, flags=os.SPLICE_F_NONBLOCK):
                 pass
         except BlockingIOError:
             pass

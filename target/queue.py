@@ -265,6 +265,14 @@ class TargetQueue:
             raise IllegalTransition(req, _COMPLETING)
         self._fail(req, Status.DATA_TRANSFER_ERROR)
 
+    def write_failed(self, req: Request, exc: OSError) -> None:
+        """The transport wrote the host's data to the file itself and the file refused it (the
+        compiled path's R2T writes by splice, ``target/_io_fast.pyx``): the command ends as the
+        controller's write ends when its backend raises."""
+        if req.state is not _NEED_DATA:
+            raise IllegalTransition(req, _COMPLETING)
+        self._fail(req, self.controller.write_error(req, exc))
+
     def capsule_data_failed(self, sqe: bytes | memoryview, transport_ctx: object = None) -> None:
         """A command arrived with corrupt in-capsule data (data digest): it fails with Data
         Transfer Error (NVMe/TCP 7.4.6) and the queue carries on."""

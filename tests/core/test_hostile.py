@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 import pytest
 
 from protocol.constants import IoOpcode, SglId
-from protocol.nvme import CQE_FAST, build_sgl_data_block, build_sqe
+from protocol.nvme import CQE_FAST, NSID_ALL, build_sgl_data_block, build_sqe
 from protocol.status import Status, to_wire
 from protocol.tcp import COMMON_HEADER_SIZE, PduType
 from target.backend import FileBackend
@@ -405,7 +405,8 @@ def test_queue_depth_overflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     The pool is 2 x the negotiated SQ size, as nvmet-tcp's: a slot comes back only once its
     response has left, and a host may reuse an SQ entry as soon as it sees the CQE, before our
     side has seen the send complete. The commands must really be outstanding together, so each
-    is a Flush held at a gate in the file backend until the test has seen every refusal.
+    is a Flush (of every namespace) held at a gate in the file backend until the test has seen
+    every refusal.
     (nvmet-tcp tears the connection down when a capsule finds no free slot; we refuse the one
     command, a status the host can act on, and the queue lives.)"""
     gate = asyncio.Event()
@@ -425,7 +426,8 @@ def test_queue_depth_overflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
             await io.initialize()
             status, *_ = await io.command(connect_sqe(qid=1, sqsize=depth - 1), connect_data(cntlid=cntlid))
             assert status == 0
-            io.send(b"".join(capsule(_sqe(IoOpcode.FLUSH, cid)) for cid in range(sent)))
+            # (of every namespace: a queue's thread serves a one-namespace Flush itself, ungated)
+            io.send(b"".join(capsule(_sqe(IoOpcode.FLUSH, cid, nsid=NSID_ALL)) for cid in range(sent)))
             statuses = {}
             while len(statuses) < sent - pool:
                 pdu = await io.recv()

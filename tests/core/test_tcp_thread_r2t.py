@@ -219,10 +219,10 @@ def test_a_host_stopping_in_the_middle_of_h2c_data_is_timed_out(tmp_path: Path) 
     run(main(), timeout=30)
 
 
-def test_a_write_the_pipe_cannot_hold_whole_is_taken_into_its_buffer(tmp_path: Path) -> None:
+def test_a_write_the_pipe_cannot_hold_whole_goes_to_the_file_as_it_comes(tmp_path: Path) -> None:
     """A write whose data comes in more pieces than the connection's pipe has slots (here: the
-    pipe shrunk to one page behind the path's back) is received into its buffer, what the pipe
-    took first included, and written from there, as a write too small for the pipe is."""
+    pipe shrunk to one page behind the path's back) is spliced to the file each time the pipe
+    fills, and answered once all of it is there; the data reads back."""
     async def main() -> None:
         async with _on_thread(tmp_path) as (service, io, fast):
             writer = PduWriter()
@@ -237,7 +237,7 @@ def test_a_write_the_pipe_cannot_hold_whole_is_taken_into_its_buffer(tmp_path: P
             ttag = await write_asking_r2t(io, digests=False)
             io.send(h2c(writer, ttag, 0, _payload(9), True))
             assert (await _statuses(io, 1))[CID] == 0
-            assert (fast.thread_spliced, fast.thread_data) == (spliced, taken + 1)
+            assert (fast.thread_spliced, fast.thread_data) == (spliced + 1, taken + 1)
             assert fast.threaded and service.target.r2t_budget.used == 0
             status, _, _, got = await io.command(_read(40, SLBA, LENGTH // 512))
             assert status == 0 and got == _payload(9)
@@ -276,9 +276,9 @@ async def _write_past_limit(tmp_path: Path, threaded: bool) -> tuple[int, bytes,
 
 def test_a_write_the_file_refuses_part_way_is_answered_as_on_the_loop(tmp_path: Path) -> None:
     """The file takes the first half of a write's data from the pipe and refuses the rest: the
-    thread puts the data back in the write's buffer (the rest out of the pipe, the first half
-    read back from the file) and leaves it to the loop, whose queue writes again and answers
-    Write Fault, as the loop-only target does, with the same bytes in the file."""
+    thread receives the rest all the same (the queue goes on) and leaves the write to the
+    loop, whose queue answers Write Fault, as the loop-only target does, with the same bytes
+    in the file."""
     on_loop, loop_file, _ = run(_write_past_limit(tmp_path / "loop", False), timeout=30)
     on_thread, thread_file, spliced = run(_write_past_limit(tmp_path / "thread", True), timeout=30)
     assert on_thread == on_loop, (hex(on_thread), hex(on_loop))
