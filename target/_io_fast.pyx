@@ -910,17 +910,22 @@ cdef class TcpFastPath:
             return True
         if length >= self.pipe_data_refused:
             return False
-        pipe = self.conn.reply_pipe()
+        pipe = self._connection_pipe()
         if pipe.queued:
             return False
         if not pipe.holds(length):
             self.pipe_data_refused = length
             return False
+        self.pipe_data_room = length
+        return True
+
+    cdef object _connection_pipe(self):
+        """The connection's pipe (made on first use), its descriptors taken as C fields."""
+        pipe = self.conn.reply_pipe()
         self.pipe = pipe
         self.pipe_r = pipe.r
         self.pipe_w = pipe.w
-        self.pipe_data_room = length
-        return True
+        return pipe
 
     cdef bint _awaited(self, const unsigned char* h, Py_ssize_t pending, Py_ssize_t room) noexcept:
         """Whether the begun PDU at ``h`` (its common header in) is a CapsuleCmd that
@@ -1246,12 +1251,8 @@ cdef class TcpFastPath:
         if length < self.by_reference_min or self.sock < 0:
             return False
         if length > self.pipe_room:  # the first such read, or a larger one: a Python call
-            pipe = self.conn.reply_pipe()
-            if not pipe.room_for(length):
+            if not self._connection_pipe().room_for(length):
                 return False
-            self.pipe = pipe
-            self.pipe_r = pipe.r
-            self.pipe_w = pipe.w
             self.pipe_room = length
         return True
 

@@ -90,6 +90,23 @@ async def _on_thread(tmp: Path) -> AsyncIterator[tuple[Any, RawConn, Any]]:
             await admin.close()
 
 
+@contextlib.asynccontextmanager
+async def _one_queue(tmp_path: Path, threaded: bool) -> AsyncIterator[tuple[Any, RawConn, Any]]:
+    """A target with one I/O queue, idle on its thread or (``threaded`` false) served by the
+    loop alone: (service, host, fast path)."""
+    port = free_port()
+    tmp_path.mkdir()
+    async with serving(_cfg(tmp_path, port, threaded_queues=threaded)) as service:
+        admin, cntlid = await raw_admin(port)
+        io = await _io_queue(port, cntlid)
+        try:
+            yield service, io, (await _threaded(service, cntlid, io) if threaded else
+                                service.target.controllers[cntlid].queues[1].transport.fast)
+        finally:
+            await io.close()
+            await admin.close()
+
+
 def test_a_queue_goes_to_its_thread_and_back(tmp_path: Path) -> None:
     """Reads and in-capsule writes are served on the thread; a Flush of every namespace (not
     served there) goes back to the loop and the Python queue, after which the queue is on its
@@ -133,25 +150,15 @@ async def _flushes(tmp: Path, threaded: bool) -> tuple[dict[str, int], int, int,
     """Each of ``FLUSHES`` on a queue on its thread or on the loop: the statuses, the commands
     the thread served, its entries after the first (0: it never handed the socket back before
     the others), and the flushes the namespace counted."""
-    port = free_port()
-    tmp.mkdir()
-    async with serving(_cfg(tmp, port, threaded_queues=threaded)) as service:
-        admin, cntlid = await raw_admin(port)
-        io = await _io_queue(port, cntlid)
-        try:
-            fast = await _threaded(service, cntlid, io) if threaded else (
-                service.target.controllers[cntlid].queues[1].transport.fast)
-            served, entries = fast.thread_served, fast.thread_entries
-            statuses = {}
-            for name, sqe in FLUSHES.items():
-                statuses[name], *_ = await io.command(sqe)
-                if name == "one namespace":
-                    first = (fast.thread_served - served, fast.thread_entries - entries)
-            counters = service.target.subsystems[NQN].namespaces[1].counters.snapshot()
-            return statuses, *first, counters["ops"]["flush"]
-        finally:
-            await io.close()
-            await admin.close()
+    async with _one_queue(tmp, threaded) as (service, io, fast):
+        served, entries = fast.thread_served, fast.thread_entries
+        statuses = {}
+        for name, sqe in FLUSHES.items():
+            statuses[name], *_ = await io.command(sqe)
+            if name == "one namespace":
+                first = (fast.thread_served - served, fast.thread_entries - entries)
+        counters = service.target.subsystems[NQN].namespaces[1].counters.snapshot()
+        return statuses, *first, counters["ops"]["flush"]
 
 
 def test_a_flush_is_served_on_the_thread_as_the_loop_answers_it(tmp_path: Path) -> None:

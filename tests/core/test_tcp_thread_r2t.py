@@ -17,7 +17,7 @@ import fcntl
 import resource
 import signal
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -30,7 +30,7 @@ from protocol.tcp import DATA_PDU_HEADER_FAST, PduFlags, PduType
 from .conftest import NQN, RawConn, capsule, free_port, raw_admin, run, serving, transport_sgl
 from .test_hostile import expect_termination
 from .test_r2t import BAD_SEQUENCES, CID, LENGTH, SLBA, h2c, write_asking_r2t
-from .test_tcp_thread import _cfg, _io_queue, _on_thread, _queue_threads, _read, _threaded, _write
+from .test_tcp_thread import _cfg, _io_queue, _on_thread, _one_queue, _queue_threads, _read, _threaded, _write
 from .test_tcp_thread import pytestmark  # noqa: F401  (skipped, as there, without the compiled plane)
 
 
@@ -133,23 +133,6 @@ def test_a_bad_h2c_data_sequence_on_the_thread_ends_as_on_the_loop(tmp_path: Pat
 
 def test_bad_sequences_cover_what_the_thread_takes() -> None:
     assert sorted(TAKEN_BEFORE) == sorted(BAD_SEQUENCES)
-
-
-@contextlib.asynccontextmanager
-async def _one_queue(tmp_path: Path, threaded: bool) -> AsyncIterator[tuple[Any, RawConn, Any]]:
-    """A target with one I/O queue, idle on its thread or (``threaded`` false) served by the
-    loop alone: (service, host, fast path)."""
-    port = free_port()
-    tmp_path.mkdir()
-    async with serving(_cfg(tmp_path, port, threaded_queues=threaded)) as service:
-        admin, cntlid = await raw_admin(port)
-        io = await _io_queue(port, cntlid)
-        try:
-            yield service, io, (await _threaded(service, cntlid, io) if threaded else
-                                service.target.controllers[cntlid].queues[1].transport.fast)
-        finally:
-            await io.close()
-            await admin.close()
 
 
 async def _write_across_removal(tmp_path: Path, threaded: bool) -> tuple[int, int]:
