@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -107,6 +108,28 @@ def profile(work: Path, dev: str, runtime: int, size: int, job: str) -> dict[str
     return out
 
 
+_STRACE_ROW = re.compile(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?(\w+)\s*$", re.M)
+
+
+def syscalls(work: Path, dev: str, runtime: int, size: int, job: str, pid: int) -> dict[str, object]:
+    """``strace -c -f -p PID`` (every thread of blockd's target) over fio's ``job`` on ``dev``:
+    the target's system calls per I/O, by name. Counts, not times: ptrace slows the target, so
+    this run's IOPS are not the table's, but what it asks of the kernel per I/O is the same."""
+    _, rw, bs, depth = next(j for j in JOBS if j[0] == job)
+    report = work / "strace.txt"
+    tracer = subprocess.Popen(["strace", "-c", "-f", "-o", str(report), "-p", str(pid)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(2)  # attached to every thread
+        r = fio(dev, rw, bs, depth, runtime, size)
+    finally:
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(120)
+    ios = max(r["iops"] * (runtime + RAMP), 1)  # the ramp's I/Os were traced too
+    calls = {name: int(n) / ios for n, name in _STRACE_ROW.findall(report.read_text()) if name != "total"}
+    return {"job": job, "ios": ios, "per_io": dict(sorted(calls.items(), key=lambda kv: -kv[1]))}
+
+
 def perftest(binary: str, pattern: re.Pattern[str], extra: list[str]) -> list[str]:
     """Server on rxe0, client on rxe1 -> ADDR0 over rdma_cm; the client's result row."""
     srv = subprocess.Popen([binary, "-d", "rxe0", "-R", "-F", *extra],
@@ -187,6 +210,9 @@ def run_transport(transport: str, work: Path, args: argparse.Namespace, target: 
                 print(f"{transport:<5} {key:<10} {system:<7} {r['iops']:>9,} IOPS {r['mbs']:>8,.1f} MB/s "
                       f"{r['lat_mean_us']:>8,.0f} / {r['lat_p99_us']:,.0f} us, guest busy "
                       f"{r['guest_busy_pct']:.0f} %, {r['cpu_us_per_io']}", flush=True)
+        if args.syscalls:
+            out["syscalls"] = syscalls(work, devs["blockd"], args.runtime, args.size_mib << 20, args.syscalls,
+                                       target.proc.pid)
         if args.profile:
             out["profile"] = {system: profile(work, devs[system], args.runtime, args.size_mib << 20, args.profile_job)
                               for system in ("nvmet", "blockd")}
@@ -208,6 +234,8 @@ def main() -> int:
     ap.add_argument("--no-fuse", action="store_true")
     ap.add_argument("--profile", action="store_true", help="perf record a fio job on each kernel-host device")
     ap.add_argument("--profile-job", default="rr4k_qd1", choices=[j[0] for j in JOBS], help="the job --profile runs")
+    ap.add_argument("--syscalls", choices=[j[0] for j in JOBS],
+                    help="strace -c blockd's target over this job on its kernel-host device")
     ap.add_argument("--jobs", type=lambda v: v.split(","), default=None,
                     help=f"only these jobs (comma-separated, of {', '.join(j[0] for j in JOBS)})")
     ap.add_argument("--loop-queues", action="store_true", help="[target] threaded_queues = false for blockd's")

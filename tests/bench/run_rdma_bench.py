@@ -97,6 +97,11 @@ def transport_table(transport: str, run: dict) -> list[str]:
             if fuse:
                 row += [_busy(j.get("fuse")), _cpu(j.get("fuse"))]
             lines.append("| " + " | ".join(row) + " |")
+    traced = run.get("syscalls")
+    if traced:
+        lines += ["", f"blockd target's system calls per I/O over {LABELS[traced['job']][0]} (`strace -c -f`, "
+                  f"{traced['ios']:,} I/Os, in a run of its own): "
+                  + ", ".join(f"{name} {n:.2f}" for name, n in traced["per_io"].items() if n >= 0.01) + "."]
     where = ("Soft-RoCE (rxe) over a veth pair" if transport == "rdma" else "the guest's loopback (127.0.0.1)")
     queues = run.get("blockd_dev", {}).get("blk_mq_queues", "?")
     return [f"### NVMe/{transport.upper()}, on {where}; kernel host with {queues} I/O queues", "", *lines, ""]
@@ -160,6 +165,9 @@ def main() -> int:
                          "device; the reports go to results/bench-rdma/profile-TRANSPORT-SYSTEM.txt")
     ap.add_argument("--profile-job", default="rr4k_qd1", choices=LABELS,
                     help="the job --profile records (default: the 4 KiB QD1 read)")
+    ap.add_argument("--syscalls", choices=LABELS,
+                    help="strace -c -f blockd's target over this job (again, after the measured runs): "
+                         "its system calls per I/O, printed under the transport's table")
     ap.add_argument("--jobs", help=f"only these jobs, comma-separated (of {', '.join(LABELS)})")
     ap.add_argument("--loop-queues", action="store_true",
                     help="blockd target with [target] threaded_queues = false (its default is true: "
@@ -177,6 +185,7 @@ def main() -> int:
         (" --profile" if a.profile else "") + \
         (f" --profile-job {a.profile_job}" if a.profile and a.profile_job != "rr4k_qd1" else "") + \
         (f" --jobs {a.jobs}" if a.jobs else "") + \
+        (f" --syscalls {a.syscalls}" if a.syscalls else "") + \
         (" --loop-queues" if a.loop_queues else "")
     out_dir = REPO / "results" / "bench-rdma"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -189,8 +198,10 @@ def main() -> int:
         guest += ["--no-fuse"] * a.no_fuse + ["--profile", "--profile-job", a.profile_job] * a.profile
         guest += ["--loop-queues"] * a.loop_queues
         guest += ["--jobs", a.jobs] if a.jobs else []
+        guest += ["--syscalls", a.syscalls] if a.syscalls else []
         out.unlink(missing_ok=True)
-        jobs = (len(a.jobs.split(",") if a.jobs else LABELS) * (2 if a.no_fuse else 3) + 2 * a.profile) * (2 if a.transport == "both" else 1)
+        jobs = (len(a.jobs.split(",") if a.jobs else LABELS) * (2 if a.no_fuse else 3) + 2 * a.profile
+                + bool(a.syscalls)) * (2 if a.transport == "both" else 1)
         reports = 600 * a.profile  # perf report resolving symbols under TCG
         load = os.getloadavg()[0]
         r = harness.run(shlex.join(guest), rw=[out_dir], env={"BLOCKD_VM_RESULTS": str(out_dir)},
