@@ -1136,9 +1136,10 @@ cdef class TcpFastPath:
             if sgl_id != _SGL_TRANSPORT:
                 return False
         elif opcode == _WRITE:
-            # no FUA; in-capsule data, or a Transport Data Block (an R2T write: any data in the
-            # capsule is ignored, as TargetQueue._map_sgl does)
-            if control & _FUA:
+            # in-capsule data, or a Transport Data Block (an R2T write: any data in the capsule is
+            # ignored, as TargetQueue._map_sgl does); FUA only in the capsule on the queue's
+            # thread (_write: its fdatasync would stop the loop's every other connection)
+            if control & _FUA and not (self.threaded and sgl_id == _SGL_IN_CAPSULE):
                 return False
             if sgl_id != _SGL_TRANSPORT and (sgl_id != _SGL_IN_CAPSULE or address != 0 or length > self.inline_size
                                              or data == NULL or dlen < length):
@@ -1164,7 +1165,8 @@ cdef class TcpFastPath:
             return False
         if sgl_id == _SGL_TRANSPORT:
             return self._send_r2t(entry, ns, <off_t>(slba << ns.lba_shift), length, cid, header, start)
-        return self._write(entry, ns, f.fd, <off_t>(slba << ns.lba_shift), length, cid, data, start)
+        return self._write(entry, ns, f.fd, <off_t>(slba << ns.lba_shift), length, cid, data, start,
+                           control & _FUA)
 
     cdef bint _flush(self, unsigned int nsid, unsigned int cid, long long start) except -1:
         """A Flush of one namespace, on the queue's thread: ``fdatasync`` of its file under the
@@ -1351,17 +1353,29 @@ cdef class TcpFastPath:
         return True
 
     cdef bint _write(self, nsobj, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid,
-                     const unsigned char* data, long long start) except -1:
+                     const unsigned char* data, long long start, bint fua) except -1:
+        """An in-capsule Write, answered once written; with ``fua`` (on the queue's thread only)
+        once ``fdatasync`` of the file says it is durable, as ``FileBackend.write(fua=True)``
+        makes it. A FUA write used to hand the socket back to the loop, whose queue synced in the
+        executor; a journal commit from the kernel host (a Flush, then a FUA write) now stays on
+        the thread. False with nothing answered when the write or the sync fails: the Python
+        path writes again (and syncs) and reports the error."""
         cdef Py_ssize_t done
         cdef bint threaded = self.threaded
         if threaded:
             fd = self._hold_namespace(nsobj, ns)
             if fd < 0:
                 return False
-        with nogil:
-            done = _pwrite_all(fd, data, length, offset)
-        if threaded:
-            self._release_namespace(nsobj)
+        try:
+            with nogil:
+                done = _pwrite_all(fd, data, length, offset)
+            if fua and done == length:
+                os.fdatasync(fd)  # (a Python call, as FileBackend.write makes: it releases the GIL for the sync)
+        except OSError:
+            return False
+        finally:
+            if threaded:
+                self._release_namespace(nsobj)
         if done != length:
             return False  # the Python path writes again and reports the error
         cdef bytes resp = PyBytes_FromStringAndSize(NULL, _RESP_LEN)

@@ -12,9 +12,12 @@ import os
 import random
 import socket
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
+
+import pytest
 
 from target.config import parse
 from initiator.controller import ConnectParams, Controller
@@ -286,3 +289,23 @@ def comparable_counters(snapshot: dict[str, Any]) -> dict[str, Any]:
     runs of the same commands must agree on, with how many commands were timed."""
     return {k: v for k, v in snapshot.items() if k not in ("latency_ns", "buckets")} | {
         "timed": sum(snapshot["buckets"])}
+
+
+class SyncCounter:
+    """``os.fdatasync`` replaced by a wrapper that counts calls per descriptor (it runs in the
+    event loop's executor threads, hence the lock)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: dict[int, int] = {}
+        self._lock = threading.Lock()
+        real = os.fdatasync
+
+        def counting(fd: int) -> None:
+            real(fd)
+            with self._lock:
+                self.calls[fd] = self.calls.get(fd, 0) + 1
+        monkeypatch.setattr(os, "fdatasync", counting)
+
+    def of(self, service: Any, nsid: int) -> int:
+        fd = service.target.subsystems[NQN].namespaces[nsid].backend.fd
+        return self.calls.get(fd, 0)

@@ -9,8 +9,6 @@ Flush durable with it) and look at the commands as the target core gets them.
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -24,29 +22,9 @@ from target.filter import BackendFilter
 from target.queue import TargetQueue
 from target.service import TargetService
 
-from .conftest import NQN, config, connect, free_port, ns, run, serving, sub
+from .conftest import NQN, SyncCounter, config, connect, free_port, ns, run, serving, sub
 
 SIZE = 4 << 20
-
-
-class SyncCounter:
-    """``os.fdatasync`` replaced by a wrapper that counts calls per descriptor (it runs in the
-    event loop's executor threads, hence the lock)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls: dict[int, int] = {}
-        self._lock = threading.Lock()
-        real = os.fdatasync
-
-        def counting(fd: int) -> None:
-            real(fd)
-            with self._lock:
-                self.calls[fd] = self.calls.get(fd, 0) + 1
-        monkeypatch.setattr(os, "fdatasync", counting)
-
-    def of(self, service: Any, nsid: int) -> int:
-        fd = service.target.subsystems[NQN].namespaces[nsid].backend.fd
-        return self.calls.get(fd, 0)
 
 
 @contextlib.asynccontextmanager

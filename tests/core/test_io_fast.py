@@ -266,9 +266,9 @@ async def _small_target(tmp_path: Path, size: int = 64 << 10) -> AsyncIterator[t
 @compiled_only
 def test_what_the_compiled_path_leaves_to_python(tmp_path: Path) -> None:
     """A grown namespace is served up to its new end by the compiled path; a namespace whose
-    copy is marked inaccessible or whose backend was wrapped in a filter, a FUA write and a
-    removed namespace (its copy withdrawn, the descriptor given up) are answered by the Python
-    queue."""
+    copy is marked inaccessible or whose backend was wrapped in a filter and a removed namespace
+    (its copy withdrawn, the descriptor given up) are answered by the Python queue. (FUA writes:
+    test_tcp_thread.py, served on the queue's thread and by the Python queue on the loop.)"""
     async def main() -> None:
         async with _small_target(tmp_path) as (service, io, cntlid):
             await io.connect_io(cntlid)
@@ -291,10 +291,6 @@ def test_what_the_compiled_path_leaves_to_python(tmp_path: Path) -> None:
             status, _, _, data = await io.command(read_end)
             assert (status, data, fast.served) == (0, bytes(512), 1)  # the filter's read, in Python
             namespace.backend = plain
-            fua_write = build_sqe(IoOpcode.WRITE, 10, nsid=1, dptr=build_sgl_data_block(
-                SglId.DATA_BLOCK_OFFSET, 0, 512), cdw12=RW_CONTROL_FUA << 16)
-            status, *_ = await io.command(fua_write, b"\x01" * 512)
-            assert (status, fast.served) == (0, 1)  # FUA waits for the disk on the Python path's thread
             service.target.remove_namespace(sub_, 1)
             assert not namespace.fast.accessible and namespace.fast.file.fd == -1
             status, *_ = await io.command(read_end)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import threading
 import time
@@ -20,11 +21,12 @@ from typing import Any, AsyncIterator
 import pytest
 
 from protocol.constants import IoOpcode, SglId
-from protocol.nvme import CQE_FAST, NSID_ALL, build_sgl_data_block, build_sqe
+from protocol.nvme import CQE_FAST, NSID_ALL, RW_CONTROL_FUA, build_sgl_data_block, build_sqe
 from protocol.tcp import PduType
 from target.io_fast import TcpFastPath
 
-from .conftest import NQN, RawConn, capsule, config, fill_file, free_port, ns, raw_admin, run, serving, sub
+from .conftest import (NQN, RawConn, SyncCounter, capsule, config, fill_file, free_port, ns, raw_admin, run, serving,
+                       sub)
 
 pytestmark = pytest.mark.skipif(
     TcpFastPath is None, reason="the compiled data plane is not in use (BLOCKD_PURE=1 or not built)")
@@ -172,6 +174,69 @@ def test_a_flush_is_served_on_the_thread_as_the_loop_answers_it(tmp_path: Path) 
     assert all(on_loop[name] for name in ("no such namespace", "with a data length", "not an SGL")), on_loop
     assert (served, entries) == (1, 0)
     assert thread_flushes == loop_flushes == 1
+
+
+def _fua_write(cid: int, slba: int, length: int, nsid: int = 1) -> bytes:
+    return build_sqe(IoOpcode.WRITE, cid, nsid=nsid, dptr=build_sgl_data_block(SglId.DATA_BLOCK_OFFSET, 0, length),
+                     cdw10=slba, cdw12=(length // 512 - 1) | RW_CONTROL_FUA << 16)
+
+
+FUA_WRITES = {
+    "in the capsule": (_fua_write(70, 16, 4096), b"\x70" * 4096),
+    "past the namespace": (_fua_write(71, SIZE // 512 - 4, 4096), b"\x71" * 4096),
+    "no such namespace": (_fua_write(72, 0, 4096, nsid=7), b"\x72" * 4096),
+}
+"""FUA Write capsules, of which the queue's thread serves the first alone."""
+
+
+async def _fua_writes(tmp: Path, threaded: bool, monkeypatch: pytest.MonkeyPatch,
+                      sync_fails: bool) -> tuple[dict[str, int], int, int, int, bytes]:
+    """Each of ``FUA_WRITES`` on a queue on its thread or on the loop (every ``fdatasync``
+    failing with EIO when ``sync_fails``): the statuses, the commands the compiled path served
+    (on the thread or the loop) and the thread's entries after the first, the namespace file's
+    syncs, and what its file holds where the first wrote."""
+    syncs = SyncCounter(monkeypatch)
+    if sync_fails:
+        def failing(fd: int) -> None:
+            with syncs._lock:
+                syncs.calls[fd] = syncs.calls.get(fd, 0) + 1
+            raise OSError(errno.EIO, "injected")
+        monkeypatch.setattr(os, "fdatasync", failing)
+    async with _one_queue(tmp, threaded) as (service, io, fast):
+        served, entries = fast.served, fast.thread_entries
+        statuses = {}
+        for name, (sqe, data) in FUA_WRITES.items():
+            statuses[name], *_ = await io.command(sqe, data)
+            if name == "in the capsule":
+                first = (fast.served - served, fast.thread_entries - entries)
+        synced = syncs.of(service, 1)
+        monkeypatch.undo()  # the target's own sync when it stops is not counted (nor failed)
+        return statuses, *first, synced, (tmp / "vol.img").read_bytes()[16 * 512:16 * 512 + 4096]
+
+
+@pytest.mark.parametrize("sync_fails", [False, True])
+def test_a_fua_write_in_the_capsule_is_synced_on_the_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           sync_fails: bool) -> None:
+    """A FUA Write with its data in the capsule is written and synced (``fdatasync``, before its
+    answer) on the queue's thread, the socket never handed back; the others go to the loop and
+    get the status the loop-only target gives them. A sync that fails is the loop's to report:
+    its queue writes and syncs again, and answers as the loop-only target does."""
+    on_loop, loop_served, _, loop_syncs, loop_data = run(
+        _fua_writes(tmp_path / "loop", False, monkeypatch, sync_fails), timeout=30)
+    assert loop_served == 0  # on the loop, the Python queue's: its fdatasync runs in the executor
+    on_thread, served, entries, thread_syncs, thread_data = run(
+        _fua_writes(tmp_path / "thread", True, monkeypatch, sync_fails), timeout=30)
+    assert on_thread == on_loop, (on_thread, on_loop)
+    assert thread_data == loop_data == b"\x70" * 4096
+    assert all(on_loop[name] for name in ("past the namespace", "no such namespace")), on_loop
+    if sync_fails:
+        assert on_loop["in the capsule"], on_loop  # a Write Fault, not a success
+        assert served == 0  # handed back, not answered on the thread
+        assert (loop_syncs, thread_syncs) == (1, 2)  # the thread's sync, then the queue's
+    else:
+        assert on_loop["in the capsule"] == 0
+        assert (served, entries) == (1, 0)
+        assert thread_syncs == loop_syncs == 1
 
 
 @pytest.mark.parametrize(("table", "threaded"), [({"threaded_queues": False}, False), ({}, True)],
