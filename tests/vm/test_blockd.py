@@ -61,6 +61,10 @@ def test_khost_1mib_writes_take_the_r2t_path(guest_case):
     """1 MiB writes with verify, larger than the in-capsule limit: the R2T path."""
 
 
+def test_khost_dsync_writes_go_out_as_fua(guest_case):
+    """O_DSYNC direct writes with verify: Writes with FUA from the kernel host."""
+
+
 def test_khost_disconnect(guest_case):
     """nvme disconnect."""
 

@@ -47,7 +47,7 @@ VOL4K = "/tmp/vol4k.img"        # 16 MiB of 4096-byte blocks, on the TCP port on
 DISC_NQN = "nqn.2014-08.org.nvmexpress.discovery"
 # The kernel-host interop cases below write past IO (the first 16 MiB stay what fio wrote there,
 # for test_blockctl_reads_what_khost_wrote), a few MiB each: TCG is slow.
-LIBAIO_AT, TRIM_AT, R2T_AT, DIGEST_AT = 24 << 20, 32 << 20, 40 << 20, 48 << 20
+LIBAIO_AT, TRIM_AT, R2T_AT, DIGEST_AT, DSYNC_AT = 24 << 20, 32 << 20, 40 << 20, 48 << 20, 56 << 20
 
 TARGET_TOML = f"""\
 [[port]]
@@ -302,6 +302,19 @@ def test_khost_1mib_writes_take_the_r2t_path(khost):
     writes = after[STAT_WRITES] - before[STAT_WRITES]
     written = (after[STAT_WRITE_SECTORS] - before[STAT_WRITE_SECTORS]) * 512
     assert writes and written // writes > inline, (writes, written, inline)
+
+
+def test_khost_dsync_writes_go_out_as_fua(khost):
+    """O_DSYNC direct writes with verify: the target says it has a volatile write cache (VWC),
+    so the kernel host sends each as a Write with FUA (the queue's ``fua`` flag says it will),
+    which blockd's target serves on the queue's thread with an ``fdatasync`` before the answer
+    (docs/dataplane.md, "FUA writes in the capsule on the queue's thread"); fio reads back what
+    it wrote."""
+    ns = khost["dev"].rsplit("/", 1)[1]
+    assert sh(f"cat /sys/block/{ns}/queue/fua").strip() == "1"
+    sh(f"fio --name=dsync --filename={khost['dev']} --rw=randwrite --bs=4k --size=2M --offset={DSYNC_AT} "
+       "--direct=1 --sync=dsync --ioengine=psync --verify=crc32c --do_verify=1 --verify_fatal=1 "
+       "--output-format=terse --minimal >/dev/null", timeout=300)
 
 
 def test_khost_disconnect(khost):
