@@ -305,6 +305,43 @@ def test_every_end_leaves_no_thread_and_no_descriptor(tmp_path: Path, end: str) 
     assert _fds() <= before, end
 
 
+def test_a_failure_on_the_thread_ends_only_its_connection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception on a queue's thread that is not an I/O error (a bug; here the Flush's
+    ``fdatasync`` made to raise one) ends that connection, never left with a reply cut part
+    way: the host sees it close, the thread ends, its descriptor and the namespace's hold are
+    given back, and the daemon goes on serving another queue."""
+    port = free_port()
+    before = _fds()
+
+    def buggy(fd: int) -> None:
+        raise RuntimeError("injected")
+
+    async def main() -> None:
+        async with serving(_cfg(tmp_path, port)) as service:
+            admin, cntlid = await raw_admin(port)
+            broken = await _io_queue(port, cntlid, qid=1)
+            await _threaded(service, cntlid, broken, qid=1)
+            monkeypatch.setattr(os, "fdatasync", buggy)
+            broken.send(capsule(build_sqe(IoOpcode.FLUSH, 9, nsid=1)))
+            assert await broken.closed(timeout=5)
+            monkeypatch.undo()
+            for _ in range(200):
+                if not _queue_threads():
+                    break
+                await asyncio.sleep(0.01)
+            assert not _queue_threads()
+            assert service.target.subsystems[NQN].namespaces[1].in_flight == 0
+            other = await _io_queue(port, cntlid, qid=2)
+            status, *_ = await other.command(_read(1))
+            assert status == 0
+            await other.close()
+            await broken.close()
+            await admin.close()
+
+    run(main(), timeout=30)
+    assert _fds() <= before
+
+
 def test_a_host_not_reading_its_replies_holds_only_its_queue(tmp_path: Path) -> None:
     """A host that sends reads and never reads the replies blocks its queue's thread in
     ``send`` (the GIL released): another queue of the daemon goes on being served, and the
