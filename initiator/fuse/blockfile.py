@@ -221,8 +221,9 @@ class BlockFiles:
     def fsync(self, unique: int, nsid: int) -> None:
         """Send a Flush of the namespace through ``submit_io``, as READ and WRITE send theirs:
         the reply is written by its completion, an INTERRUPT answers it at once (``inflight``).
-        A Task per fsync cost the initiator ~20 µs of user time per write+fsync (fio
-        ``fsync=1``, docs/dataplane.md): three loop iterations before the reply."""
+        It was a Task, which sent the Flush one loop iteration late and replied one after the
+        completion: with the builder's cost, ~30 µs of the initiator's user CPU per fio
+        ``fsync=1`` write (docs/dataplane.md, "FSYNC on the host as a callback request")."""
         try:
             ctrl, info = self._target(nsid)
             self._inflight[unique] = True
