@@ -19,6 +19,11 @@ waiting for the freed id) to ``Controller._complete``. ``tests/core/test_lane_di
 drives a controller with the lane and one without through the same random calls and
 completions and compares every capsule sent, callback, exception and counter.
 
+The compiled FUSE loop's FSYNC sends its Flush (an SQE built by ``flush_command``) through
+:meth:`IoLane._submit_io`, ``Controller.submit_io`` in C on the same terms: the same send as a
+transfer's (``_send_sqe``), else the controller's own ``submit_io``
+(``tests/core/test_fuse_lane_differential.py`` mixes FSYNCs into its request batches).
+
 The command is the controller's :class:`~initiator._queue.Command`, made without its Python
 ``__init__`` (fields set in C); its SQE is built here from a template made by
 :func:`protocol.commands.read_command` / ``write_command`` at import, with NSID, SLBA, NLB and
@@ -135,7 +140,6 @@ cdef class IoLane:
         any other case."""
         cdef uint64_t off, length, bs, size
         cdef uint32_t ns
-        cdef Command cmd
         if not self.ready or type(nsid) is not int or type(offset) is not int:
             return False
         try:  # a negative or too large value: the reference's error
@@ -152,6 +156,21 @@ cdef class IoLane:
         if (not length or not bs or off % bs or length % bs or off > size or length > size - off
                 or length > self.max_transfer or length // bs - 1 > _NLB_MAX):
             return False
+        return self._send_sqe(_rw_sqe(write, ns, off // bs, <uint32_t>(length // bs - 1), fua),
+                              buf if write else None, None if write else buf, done)
+
+    cdef int _submit_io(self, sqe, data_out, data_in, done) except -1:
+        """``Controller.submit_io`` for C callers (the compiled FUSE loop's Flush): sent here on
+        a live association whose first I/O queue with room is open, else the controller's."""
+        if not (self.ready and self._send_sqe(sqe, data_out, data_in, done)):
+            self.ctrl.submit_io(sqe, data_out, data_in, done)
+        return 0
+
+    cdef bint _send_sqe(self, sqe, data_out, data_in, done) except -1:
+        """Send ``sqe`` on the first I/O queue with room, as ``Controller._submit`` and ``_send``
+        (the caller checked ``ready``); False, having done nothing, when none has room or it is
+        closed."""
+        cdef Command cmd
         conn = None
         for c in self.io:  # Controller._io_with_room
             q = (<TcpHostIo>c).queue if isinstance(c, TcpHostIo) else c.queue
@@ -166,11 +185,9 @@ cdef class IoLane:
         if (<TcpHostIo>conn).closed if tcp else conn.closed:
             return False
         cmd = Command.__new__(Command)
-        cmd.sqe = _rw_sqe(write, ns, off // bs, <uint32_t>(length // bs - 1), fua)
-        if write:
-            cmd.data_out = buf
-        else:
-            cmd.data_in = buf
+        cmd.sqe = sqe
+        cmd.data_out = data_out
+        cmd.data_in = data_in
         cmd.cid = -1
         cmd.on_done = self.on_done
         cmd.done = done

@@ -100,8 +100,18 @@ def write_command(nsid: int, slba: int, nlb0: int, fua: bool = False) -> bytearr
                               RW_CONTROL_FUA if fua else 0, 0))
 
 
+if SQE_FAST.names != ("opcode", "flags", "cid", "nsid", "cdw2", "cdw3", "mptr", "dptr",
+                      "cdw10", "cdw11", "cdw12", "cdw13", "cdw14", "cdw15"):
+    raise AssertionError(f"flush_command packs SQE_FAST positionally: {SQE_FAST.names}")
+_pack_sqe = SQE_FAST.pack
+_FLUSH = int(IoOpcode.FLUSH)
+
+
 def flush_command(nsid: int) -> bytearray:
-    return _generic(opcode=IoOpcode.FLUSH, nsid=nsid)
+    """Flush namespace ``nsid`` (NSID_ALL: every one). Per I/O (a FUSE fsync sends one), so
+    one pack, as the Read/Write builders: the by-name builder was a third of the host's Python
+    time per fsync (cProfile)."""
+    return bytearray(_pack_sqe(_FLUSH, _PSDT_SGL, 0, nsid, 0, 0, 0, _ZERO_SGL, 0, 0, 0, 0, 0, 0))
 
 
 def write_zeroes_command(nsid: int, slba: int, nlb0: int, deallocate: bool = False) -> bytearray:

@@ -6,8 +6,9 @@ Same behaviour as the Python reference in ``session.py`` and ``blockfile.py`` (`
 feeds both the same request streams): up to ``MAX_BATCH`` requests per readiness callback, sends
 held from the second one on; a block-aligned READ or WRITE inside the file sent to the controller
 from here (``BlockFiles.read``'s and ``write``'s common case, the reply written from a C
-completion object), every other READ and WRITE handed to the block files with their fields as C
-integers, every other opcode to the session's Python handler. What changes is the cost per
+completion object), and so is an FSYNC's Flush (``BlockFiles.fsync``'s common case); every other
+READ, WRITE and FSYNC handed to the block files with their fields as C integers, every other
+opcode to the session's Python handler. What changes is the cost per
 request: /dev/fuse is read with ``read(2)`` into a preallocated buffer (no FileIO call, no
 BlockingIOError object when nothing is queued), the request header and READ/WRITE arguments are
 read through a pointer instead of two ``struct.unpack_from`` tuples, and a reply is one
@@ -35,7 +36,8 @@ from initiator.fuse._rangelock cimport RangeLocks
 import os
 import struct
 
-from initiator.fuse.abi import IN_HEADER, OUT_HEADER, READ, RW_IN, WRITE, WRITE_OUT
+from initiator.fuse.abi import FSYNC, IN_HEADER, OUT_HEADER, READ, RW_IN, WRITE, WRITE_OUT
+from protocol.commands import flush_command
 
 
 def _offsets(layout: struct.Struct) -> list:
@@ -71,6 +73,7 @@ cdef uint32_t _READ = READ
 cdef Py_ssize_t _WRITE_OUT = WRITE_OUT.size
 cdef Py_ssize_t _O_WRITE_SIZE = _offsets(WRITE_OUT)[0]
 cdef uint32_t _WRITE = WRITE
+cdef uint32_t _FSYNC = FSYNC
 # The reads below take native 32/64-bit fields at those offsets (FUSE structs are the kernel's
 # native layout; abi.py spells them little-endian, as every host we run on is): a header packed
 # by abi.py must read back, and a reply header built here must unpack with OUT_HEADER.
@@ -110,6 +113,7 @@ cdef class FuseLoop:
     cdef object session
     cdef object files_read
     cdef object files_write
+    cdef object files_fsync
     cdef dict inflight
     cdef dict tasks
     cdef dict stats
@@ -143,6 +147,7 @@ cdef class FuseLoop:
         """Serve ``fd`` from now on (the session's block files exist by then)."""
         self.files_read = self.session.files.read
         self.files_write = self.session.files.write
+        self.files_fsync = self.session.files.fsync
         self.inflight = self.session.inflight
         self.tasks = self.session.tasks
         self.stats = self.session.stats
@@ -224,6 +229,8 @@ cdef class FuseLoop:
                 owned = self.buf
                 self._take(self.spare.pop() if self.spare else bytearray(self.cap))
             self._write(unique, nodeid - 1, _u64(p + _O_OFFSET), p + _RW_DATA, end - _RW_DATA, owned)
+        elif opcode == _FSYNC:
+            self._fsync(unique, nodeid - 1)
         else:
             self.session.serve_other(opcode, unique, nodeid, memoryview(self.buf)[_HDR:n])
 
@@ -260,14 +267,48 @@ cdef class FuseLoop:
         docs/dataplane.md); for any other (a multipath mount's, the Python plane's), the Python
         call. The lane of the last controller seen is kept (a controller's ``_lane`` is set
         once, in its ``__init__``), and looked up again when the mount's name maps to another."""
+        if self._lane_of(ctrl) is not None:
+            return self.lane._transfer(write, nsid, offset, buf, done, False)
+        ctrl.transfer(write, nsid, offset, buf, done)
+        return 0
+
+    cdef IoLane _lane_of(self, ctrl):
+        """The compiled lane of ``ctrl`` (None for a controller without one), kept for the last
+        controller seen (see ``_transfer``)."""
         if ctrl is not self.ctrl:
             lane = getattr(ctrl, "_lane", None)
             self.lane = lane if isinstance(lane, IoLane) else None
             self.ctrl = ctrl
-        if self.lane is not None:
-            return self.lane._transfer(write, nsid, offset, buf, done, False)
-        ctrl.transfer(write, nsid, offset, buf, done)
-        return 0
+        return self.lane
+
+    cdef _fsync(self, uint64_t unique, uint64_t nsid):
+        """``BlockFiles.fsync`` for a known namespace on a controller that has not given up: its
+        Flush, built by ``flush_command``, sent as ``submit_io`` (the lane's in C, as
+        ``_transfer``), the reply written by ``_FsyncDone``; every other case is the Python
+        one's."""
+        ctrl = self.connections.get(self.name)
+        if ctrl is None or ctrl.failed is not None or ctrl.namespaces.get(nsid) is None:
+            self.files_fsync(unique, nsid)
+            return
+        self.inflight[unique] = True
+        try:
+            sqe = flush_command(nsid)
+            if self._lane_of(ctrl) is not None:
+                self.lane._submit_io(sqe, None, None, _FsyncDone(self, unique))
+            else:
+                ctrl.submit_io(sqe, None, None, _FsyncDone(self, unique))
+        except Exception as exc:
+            self.inflight.pop(unique, None)
+            self.fail(unique, exc, "fsync")
+
+    cdef _fsync_done(self, uint64_t unique, exc):
+        """``BlockFiles._fsync_done``: the answer, unless an INTERRUPT gave it already."""
+        if not self.inflight.pop(unique, False):
+            return
+        if exc is not None:
+            self.fail(unique, exc, "fsync")
+            return
+        self._send_reply(unique, 0, NULL, 0)
 
     cdef _read_done(self, uint64_t unique, bytearray buf, exc):
         """``BlockFiles._read_done``: the answer, unless an INTERRUPT gave it already."""
@@ -407,3 +448,17 @@ cdef class _WriteDone:
 
     def __call__(self, exc):
         self.loop._write_done(self.unique, self.length, self.owned, self.locks, self.token, exc)
+
+
+cdef class _FsyncDone:
+    """The ``done`` of an FSYNC's Flush the loop sent itself (see ``_ReadDone``)."""
+
+    cdef FuseLoop loop
+    cdef uint64_t unique
+
+    def __cinit__(self, FuseLoop loop, uint64_t unique):
+        self.loop = loop
+        self.unique = unique
+
+    def __call__(self, exc):
+        self.loop._fsync_done(self.unique, exc)

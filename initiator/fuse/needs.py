@@ -1,7 +1,7 @@
 """What a mount needs from the controller of its connection: ``initiator.controller.Controller``
 is the one implementation, the tests' fakes are others. Every data request goes through
-``transfer`` (callback; it splits at the controller's max transfer); the rest are the awaitable
-wrappers over the same primitive."""
+``transfer`` (callback; it splits at the controller's max transfer), an fsync's Flush through
+``submit_io`` (callback), the primitive under it; the rest are the awaitable wrappers over it."""
 
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ class MountController(Protocol):
     async def write_bytes(self, nsid: int, offset: int, data: bytes | memoryview, fua: bool = False) -> None:
         """Write a block-aligned range of any length (through ``transfer``)."""
 
-    async def flush(self, nsid: int) -> None: ...
+    def submit_io(self, sqe: bytearray, data_out: bytes | memoryview | None, data_in: memoryview | None,
+                  done: IoDone) -> None:
+        """Send one command (fsync's Flush): the primitive ``transfer`` sends through."""
 
     async def write_zeroes(self, nsid: int, slba: int, nblocks: int, deallocate: bool = False) -> None: ...
 

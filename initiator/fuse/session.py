@@ -234,7 +234,7 @@ class FuseSession:
 
     def _other(self, opcode: int, unique: int, nodeid: int, arg: memoryview) -> None:
         if opcode == FSYNC:
-            self.spawn(unique, self.files.fsync(unique, nodeid - 1))
+            self.files.fsync(unique, nodeid - 1)
         elif opcode == FALLOCATE:
             _, offset, length, mode, _ = FALLOCATE_IN.unpack_from(arg)
             self.spawn(unique, self.files.fallocate(unique, nodeid - 1, offset, length, mode))

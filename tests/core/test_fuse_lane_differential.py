@@ -6,6 +6,8 @@ transport has closed and refuses, the controller failing, a rescan, another cont
 mount's name), the same FUSE replies
 in the same order and the same capsules on every queue, replaced ones included.
 
+FSYNC requests are among them (a Flush through ``submit_io``).
+
 ``test_fuse_differential.py`` runs both loops on a fake controller with a Python ``transfer``
 and ``test_lane_differential.py`` the lane without FUSE; here the C calls between them run."""
 
@@ -28,7 +30,7 @@ from protocol.status import Status, to_wire
 from protocol.tcp import PduFlags, PduType
 
 from .conftest import run
-from .test_fuse_loop import _read, _write
+from .test_fuse_loop import _fsync, _read, _write
 from .test_lane_differential import MAX_TRANSFER, NAMESPACES, TABLES, _Clock, _controller, _feed, _reconnect
 
 pytest.importorskip("initiator.fuse._loop", reason="compiled data plane not built")
@@ -101,7 +103,10 @@ class _Stack:
 
 def _request(rng: random.Random, unique: int) -> bytes:
     """A READ or WRITE on namespace 1 (512-byte blocks) or 2 (4 KiB), aligned or not, inside,
-    across the end or outside, one command or more than ``MAX_TRANSFER``."""
+    across the end or outside, one command or more than ``MAX_TRANSFER``; or an FSYNC of
+    namespace 1, 2 or 3 (which only some rescans find)."""
+    if rng.random() < 0.15:
+        return _fsync(unique, rng.choice([2, 3, 4]))
     nodeid = rng.choice([2, 2, 3])
     bs = NAMESPACES[nodeid - 1].block_size
     size = NAMESPACES[nodeid - 1].size

@@ -12,12 +12,21 @@ from typing import Any, Iterator
 import pytest
 
 from initiator.controller import NamespaceInfo
-from initiator.fuse.abi import IN_HEADER, INTERRUPT, INTERRUPT_IN, OUT_HEADER, READ, RW_IN, WRITE, WRITE_OUT
+from initiator.errors import NvmeError, QueueLost
+from initiator.fuse import blockfile
+from initiator.fuse import session as session_module
+from initiator.fuse.abi import (
+    FSYNC, FSYNC_IN, IN_HEADER, INTERRUPT, INTERRUPT_IN, OUT_HEADER, READ, RW_IN, WRITE, WRITE_OUT,
+)
 from initiator.fuse.session import MAX_BATCH, FuseSession
+from protocol.commands import flush_command
+from protocol.status import MORE, Status
 
-from .conftest import run
+from .conftest import config, connect, free_port, ns, run, serving, sub
 
 BS = 4096
+REPLY_TIMEOUT = 5.0
+"""How long the kernel's end waits for a reply: a missing one fails the test, never hangs it."""
 
 
 class _Ctrl:
@@ -63,12 +72,15 @@ def _write(unique: int, offset: int, data: bytes) -> bytes:
 
 
 @contextlib.contextmanager
-def _mount(ctrl: Any = None) -> Iterator[tuple[FuseSession, Any, socket.socket]]:
-    """A session watching our end of the pair; yields it, its controller and the kernel's end."""
+def _mount(ctrl: Any = None, compiled: bool | None = None) -> Iterator[tuple[FuseSession, Any, socket.socket]]:
+    """A session watching our end of the pair; yields it, its controller and the kernel's end.
+    ``compiled``: which request loop (default: the plane's)."""
     ctrl = ctrl or _Ctrl()
-    mount = FuseSession({"c": ctrl}, "c", "/nonexistent", 60.0)
+    mount = FuseSession({"c": ctrl}, "c", "/nonexistent", 60.0, compiled=compiled)
+    assert compiled is None or (mount.on_readable == mount.py_on_readable) is not compiled
     ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ours.setblocking(False)
+    kernel.settimeout(REPLY_TIMEOUT)
     mount.attach(ours.fileno())
     try:
         yield mount, ctrl, kernel
@@ -146,7 +158,7 @@ def test_a_request_with_nothing_in_flight_is_served_alone() -> None:
             kernel.setblocking(False)
             with pytest.raises(BlockingIOError):
                 kernel.recv(1 << 21)
-            kernel.setblocking(True)
+            kernel.settimeout(REPLY_TIMEOUT)
             mount.on_readable()
             assert _replies(kernel, 1) == [(2, 0, bytes([2]) * BS)]
             assert ctrl.holds == 0
@@ -336,3 +348,127 @@ def test_an_unmount_that_hangs_is_ended_by_aborting_the_connection(monkeypatch: 
         assert freed.wait(5)
     finally:
         kernel.close()
+
+
+# -- FSYNC: a callback request, as READ and WRITE -------------------------------------------------
+
+
+@pytest.fixture(params=[False, True], ids=["python-loop", "compiled-loop"])
+def compiled(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Each request loop: the compiled one even under BLOCKD_PURE=1 (when built), with the
+    compiled range locks it cimports, as ``test_fuse_differential.py`` runs it."""
+    if request.param:
+        loop = pytest.importorskip("initiator.fuse._loop", reason="compiled data plane not built")
+        monkeypatch.setattr(session_module, "FuseLoop", loop.FuseLoop)
+        monkeypatch.setattr(blockfile, "RangeLocks",
+                            pytest.importorskip("initiator.fuse._rangelock").RangeLocks)
+    return bool(request.param)
+
+
+class _FlushCtrl(_Ctrl):
+    """A controller whose ``submit_io`` keeps each command (its SQE, then ``done``) until the
+    test completes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.commands: list[tuple[bytes, Any]] = []
+
+    def submit_io(self, sqe: bytearray, data_out: Any, data_in: Any, done: Any) -> None:
+        assert data_out is None and data_in is None
+        self.commands.append((bytes(sqe), done))
+
+
+def _fsync(unique: int, nodeid: int = 2) -> bytes:
+    return IN_HEADER.pack(IN_HEADER.size + FSYNC_IN.size, FSYNC, unique, nodeid, 0, 0, 0, 0, 0) + \
+        FSYNC_IN.pack(0, 0, 0)
+
+
+def _no_reply(kernel: socket.socket) -> None:
+    kernel.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        kernel.recv(64)
+    kernel.settimeout(REPLY_TIMEOUT)
+
+
+def test_an_fsync_is_one_flush_answered_by_its_completion_without_a_task(compiled: bool) -> None:
+    """The Flush leaves from the request's own callback (no Task: nothing for the loop to run
+    first) and its completion writes the reply."""
+    async def main() -> None:
+        ctrl = _FlushCtrl()
+        with _mount(ctrl, compiled) as (mount, _, kernel):
+            kernel.send(_fsync(5))
+            mount.on_readable()
+            assert [sqe for sqe, _ in ctrl.commands] == [bytes(flush_command(1))]
+            assert not mount.tasks and list(mount.inflight) == [5]
+            _no_reply(kernel)
+            ctrl.commands[0][1](None)
+            assert _replies(kernel, 1) == [(5, 0, b"")]
+            assert not mount.inflight and not mount.tasks
+    run(main())
+
+
+@pytest.mark.parametrize("failure", [NvmeError(Status.WRITE_FAULT, "Flush"), QueueLost("gone")],
+                         ids=["status", "queue-lost"])
+def test_a_failed_flush_answers_eio(compiled: bool, failure: BaseException) -> None:
+    async def main() -> None:
+        ctrl = _FlushCtrl()
+        with _mount(ctrl, compiled) as (mount, _, kernel):
+            kernel.send(_fsync(6))
+            mount.on_readable()
+            ctrl.commands[0][1](failure)
+            assert _replies(kernel, 1) == [(6, -errno.EIO, b"")]
+            assert not mount.inflight and mount.stats["errors"] == 1
+    run(main())
+
+
+def test_an_fsync_without_a_controller_or_namespace_answers_eio_sending_nothing(compiled: bool) -> None:
+    async def main() -> None:
+        ctrl = _FlushCtrl()
+        with _mount(ctrl, compiled) as (mount, _, kernel):
+            kernel.send(_fsync(7, nodeid=9))  # no namespace 8
+            mount.on_readable()
+            ctrl.failed = QueueLost("gave up")
+            kernel.send(_fsync(8))
+            mount.on_readable()
+            assert _replies(kernel, 2) == [(7, -errno.EIO, b""), (8, -errno.EIO, b"")]
+            assert not ctrl.commands and not mount.inflight
+    run(main())
+
+
+def test_an_interrupted_fsync_is_answered_eintr_at_once_and_only_once(compiled: bool) -> None:
+    async def main() -> None:
+        ctrl = _FlushCtrl()
+        with _mount(ctrl, compiled) as (mount, _, kernel):
+            kernel.send(_fsync(9))
+            mount.on_readable()
+            kernel.send(_interrupt(10, 9))
+            mount.on_readable()
+            assert _replies(kernel, 1) == [(9, -errno.EINTR, b"")]
+            ctrl.commands[0][1](None)  # the Flush completes after all: no second answer
+            _no_reply(kernel)
+            assert not mount.inflight and not mount.tasks
+    run(main())
+
+
+def test_an_fsync_through_a_controller_answers_the_targets_status(compiled: bool, tmp_path: Any) -> None:
+    """On a real controller and target: the Flush of namespace 1 succeeds; one of a namespace
+    the host believes in but the target has not comes back Invalid Namespace, answered EIO."""
+    port = free_port()
+    cfg = config([port], [sub(namespaces=[ns(tmp_path / "a.img")])])
+
+    async def main() -> None:
+        async with serving(cfg):
+            ctrl = await connect(port)
+            try:
+                ctrl._set_namespaces({**ctrl.namespaces, 7: NamespaceInfo(7, 16, 512, False)})
+                with _mount(ctrl, compiled) as (mount, _, kernel):
+                    kernel.send(_fsync(1))
+                    mount.on_readable()
+                    kernel.send(_fsync(2, nodeid=8))
+                    mount.on_readable()
+                    assert not mount.tasks
+                    assert sorted(await _await_replies(kernel, 2)) == [(1, 0, b""), (2, -errno.EIO, b"")]
+                    assert {s & ~MORE: n for s, n in ctrl.counters.errors.items()} == {Status.INVALID_NS: 1}
+            finally:
+                await ctrl.close()
+    run(main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import ctypes.util
 import errno
@@ -107,6 +108,28 @@ def test_fsync_and_fdatasync(stack: Stack) -> None:
     finally:
         os.close(fd)
     assert backing(stack, 5 << 20, 700) == b"durable" * 100
+
+
+def test_an_fsync_waits_out_a_reconnect_and_fails_eio_once_the_controller_gives_up(fresh_stack: Stack) -> None:
+    """An fsync is a Flush the controller holds while it reconnects: the caller waits, then
+    gets its answer; once ``ctrl_loss_tmo`` passes without the target, EIO."""
+    s = fresh_stack.start()
+    fd = os.open(s.file, os.O_RDWR)
+    try:
+        os.fsync(fd)
+        s.stop_target(signal.SIGKILL)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(os.fsync, fd)
+            time.sleep(1)
+            assert not waiting.done()
+            s.start_target()
+            assert waiting.result(timeout=30) is None
+            s.stop_target(signal.SIGKILL)
+            with pytest.raises(OSError) as exc:
+                pool.submit(os.fsync, fd).result(timeout=30)
+            assert exc.value.errno == errno.EIO
+    finally:
+        os.close(fd)
 
 
 def test_punch_hole_deallocates_on_the_target(stack: Stack) -> None:
