@@ -293,17 +293,21 @@ def comparable_counters(snapshot: dict[str, Any]) -> dict[str, Any]:
 
 class SyncCounter:
     """``os.fdatasync`` replaced by a wrapper that counts calls per descriptor (it runs in the
-    event loop's executor threads, hence the lock)."""
+    event loop's executor threads, hence the lock); with ``fail``, each call is counted and
+    raises that error instead of syncing."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: OSError | None = None) -> None:
         self.calls: dict[int, int] = {}
         self._lock = threading.Lock()
         real = os.fdatasync
 
         def counting(fd: int) -> None:
-            real(fd)
+            if fail is None:
+                real(fd)
             with self._lock:
                 self.calls[fd] = self.calls.get(fd, 0) + 1
+            if fail is not None:
+                raise fail
         monkeypatch.setattr(os, "fdatasync", counting)
 
     def of(self, service: Any, nsid: int) -> int:

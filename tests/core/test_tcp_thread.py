@@ -39,9 +39,9 @@ def _read(cid: int, slba: int = 0, blocks: int = 8) -> bytes:
         SglId.TRANSPORT_DATA_BLOCK, 0, blocks * 512), cdw10=slba, cdw12=blocks - 1)
 
 
-def _write(cid: int, slba: int, length: int) -> bytes:
-    return build_sqe(IoOpcode.WRITE, cid, nsid=1, dptr=build_sgl_data_block(
-        SglId.DATA_BLOCK_OFFSET, 0, length), cdw10=slba, cdw12=length // 512 - 1)
+def _write(cid: int, slba: int, length: int, nsid: int = 1, control: int = 0) -> bytes:
+    return build_sqe(IoOpcode.WRITE, cid, nsid=nsid, dptr=build_sgl_data_block(
+        SglId.DATA_BLOCK_OFFSET, 0, length), cdw10=slba, cdw12=(length // 512 - 1) | control << 16)
 
 
 def _queue_threads() -> list[threading.Thread]:
@@ -176,15 +176,10 @@ def test_a_flush_is_served_on_the_thread_as_the_loop_answers_it(tmp_path: Path) 
     assert thread_flushes == loop_flushes == 1
 
 
-def _fua_write(cid: int, slba: int, length: int, nsid: int = 1) -> bytes:
-    return build_sqe(IoOpcode.WRITE, cid, nsid=nsid, dptr=build_sgl_data_block(SglId.DATA_BLOCK_OFFSET, 0, length),
-                     cdw10=slba, cdw12=(length // 512 - 1) | RW_CONTROL_FUA << 16)
-
-
 FUA_WRITES = {
-    "in the capsule": (_fua_write(70, 16, 4096), b"\x70" * 4096),
-    "past the namespace": (_fua_write(71, SIZE // 512 - 4, 4096), b"\x71" * 4096),
-    "no such namespace": (_fua_write(72, 0, 4096, nsid=7), b"\x72" * 4096),
+    "in the capsule": (_write(70, 16, 4096, control=RW_CONTROL_FUA), b"\x70" * 4096),
+    "past the namespace": (_write(71, SIZE // 512 - 4, 4096, control=RW_CONTROL_FUA), b"\x71" * 4096),
+    "no such namespace": (_write(72, 0, 4096, nsid=7, control=RW_CONTROL_FUA), b"\x72" * 4096),
 }
 """FUA Write capsules, of which the queue's thread serves the first alone."""
 
@@ -195,13 +190,7 @@ async def _fua_writes(tmp: Path, threaded: bool, monkeypatch: pytest.MonkeyPatch
     failing with EIO when ``sync_fails``): the statuses, the commands the compiled path served
     (on the thread or the loop) and the thread's entries after the first, the namespace file's
     syncs, and what its file holds where the first wrote."""
-    syncs = SyncCounter(monkeypatch)
-    if sync_fails:
-        def failing(fd: int) -> None:
-            with syncs._lock:
-                syncs.calls[fd] = syncs.calls.get(fd, 0) + 1
-            raise OSError(errno.EIO, "injected")
-        monkeypatch.setattr(os, "fdatasync", failing)
+    syncs = SyncCounter(monkeypatch, fail=OSError(errno.EIO, "injected") if sync_fails else None)
     async with _one_queue(tmp, threaded) as (service, io, fast):
         served, entries = fast.served, fast.thread_entries
         statuses = {}
