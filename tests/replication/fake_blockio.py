@@ -1,17 +1,23 @@
-"""A :class:`target.replication.blockio.BlockIO` in memory that records, holds, fails, tears and
-crashes writes, for the metadata tests.
+"""A disk in memory with a volatile cache, that records, holds, fails, tears and crashes writes:
+the one cache model of the replication tests. It is a
+:class:`target.replication.blockio.BlockIO` (the metadata tests) and a
+:class:`target.backend.Backend` (the mirror's local copy, and the store behind the mirror tests'
+fake replica), so the local copy's data and its metadata share one cache, as on a real disk.
 
 Storage is sparse (a dict of 4 KiB pages), so a device of many GiB costs only what is written.
 Durability is modelled as a disk with a volatile cache: a write is visible to reads at once,
-but survives a crash only if it had FUA or a flush followed it. After :meth:`MemoryBlockIO.crash`
-(or the write that ``crash_at`` names) every call raises :class:`Crashed`, and
-:meth:`MemoryBlockIO.survivor` is the device as a restarted node finds it.
+but survives a crash only if it had FUA or a flush followed it (Write Zeroes and Deallocate are
+writes of zeroes without FUA). After :meth:`MemoryBlockIO.crash` (or the write that ``crash_at``
+names) every call raises :class:`Crashed`, and :meth:`MemoryBlockIO.survivor` is the device as
+a restarted node finds it. ``on_issue`` lets a test look at the other devices, or crash one, at
+the instant a write arrives, before it lands.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Callable
 
 PAGE = 4096
 
@@ -59,9 +65,17 @@ class MemoryBlockIO:
     reaches the disk first. ``hold``: while the event is clear, writes wait before landing.
     ``fail``: the next write raises it instead of landing (then writes work again)."""
 
+    read_only = False
+    can_trim = can_zero = can_fua = can_flush = True
+    """As a :class:`target.backend.Backend`: FUA and flush are what this model is about."""
+
     def __init__(self, size: int, *, crash_at: int | None = None, tear: bool = False,
                  image: dict[int, bytes] | None = None) -> None:
         self.size = size
+        self.on_issue: list[Callable[[int, bytes, bool], None]] = []
+        """Called with ``(offset, data, fua)`` as each write arrives, before it lands: a test
+        can see every device's state at that instant, or crash one (this one included: the
+        write then does not land)."""
         self.crash_at = crash_at
         self.tear = tear
         self.visible = _Pages(image)
@@ -88,6 +102,9 @@ class MemoryBlockIO:
         data = bytes(data)
         if offset < 0 or offset + len(data) > self.size:
             raise ValueError(f"write {offset}+{len(data)} beyond {self.size}")
+        for watch in self.on_issue:
+            watch(offset, data, fua)
+        self._check()
         if self.hold is not None:
             await self.hold.wait()
         await asyncio.sleep(0)  # a real write yields; concurrent callers interleave here
@@ -99,6 +116,7 @@ class MemoryBlockIO:
             if self.tear:
                 self.durable.write(offset, data[:len(data) // 2])
             self.crash()
+            raise Crashed()
         self.writes.append(Write(offset, len(data), fua))
         self.visible.write(offset, data)
         if fua:
@@ -115,9 +133,27 @@ class MemoryBlockIO:
         self._unflushed.clear()
         self.flushes += 1
 
+    async def read_into(self, offset: int, buf: memoryview) -> None:
+        buf[:] = await self.read(offset, len(buf))
+
+    async def write_zeroes(self, offset: int, length: int) -> None:
+        await self.write(offset, bytes(length))
+
+    async def discard(self, offset: int, length: int) -> None:
+        await self.write(offset, bytes(length))
+
+    def close(self) -> None:
+        """Nothing to release; a close is not a crash (what the cache holds stays)."""
+
     def crash(self) -> None:
+        """Power is lost: every later call raises :class:`Crashed`; :meth:`survivor` keeps
+        what was durable. Callable from an ``on_issue`` watcher (it does not raise)."""
         self.crashed = True
-        raise Crashed()
+
+    def unflushed(self, offset: int, length: int) -> bool:
+        """Whether the cache holds a write, not yet durable, that overlaps the range."""
+        end = offset + length
+        return any(o < end and offset < o + len(d) for o, d in self._unflushed)
 
     def survivor(self) -> MemoryBlockIO:
         """The device after the crash: what was durable, and nothing else."""

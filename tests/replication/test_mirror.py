@@ -12,7 +12,7 @@ from typing import Any, Callable
 import pytest
 
 from protocol.status import Status
-from target.backend import MemoryBackend
+from target.backend import Backend, MemoryBackend
 from target.replication import mirror as mirror_mod
 from target.replication.link import DEGRADED, IN_SYNC, REFUSED, SPLIT_BRAIN
 from target.replication.mirror import ReplicatedBackend, ReplicationError
@@ -24,9 +24,11 @@ REGION = 64 << 10
 
 
 class FakeReplica:
-    """A replica namespace in RAM; ``down`` makes every call fail as a lost connection would."""
+    """A replica namespace over ``store``; ``down`` makes every call fail as a lost connection
+    would. FUA and Flush go to the store: a :class:`MemoryBackend` ignores them, the volatile
+    cache of ``fake_blockio.MemoryBlockIO`` keeps them (test_mirror_durability.py)."""
 
-    def __init__(self, store: MemoryBackend, name: str) -> None:
+    def __init__(self, store: Backend, name: str) -> None:
         self.store = store
         self.size = store.size
         self.name = name
@@ -57,18 +59,21 @@ class FakeReplica:
 
     async def read(self, offset: int, length: int) -> bytes:
         self._check()
-        return bytes(self.store.data[offset:offset + length])
+        buf = bytearray(length)
+        await self.store.read_into(offset, memoryview(buf))
+        return bytes(buf)
 
     async def write(self, offset: int, data: Any, fua: bool = False) -> None:
         self._check()
         await asyncio.sleep(0)
         if self.gate is not None and self.gate[0] == offset:
             await self.gate[1].wait()
-        self.store.data[offset:offset + len(data)] = data
+        await self.store.write(offset, data, fua)
         self.written += len(data)
 
     async def flush(self) -> None:
         self._check()
+        await self.store.flush()
 
     async def write_zeroes(self, offset: int, length: int) -> None:
         await self.write(offset, bytes(length))
@@ -80,8 +85,8 @@ class FakeReplica:
 class Bed:
     """A primary over RAM with ``n`` RAM replicas; ``up[i]`` says whether replica ``i`` answers."""
 
-    def __init__(self, n: int = 2, local: MemoryBackend | None = None,
-                 stores: list[MemoryBackend] | None = None) -> None:
+    def __init__(self, n: int = 2, local: Backend | None = None,
+                 stores: list[Backend] | None = None) -> None:
         self.local = local or MemoryBackend(DEVICE)
         self.stores = stores or [MemoryBackend(DEVICE) for _ in range(n)]
         self.up = [True] * n

@@ -1,0 +1,363 @@
+"""The mirror's durability promises (docs/replication.md, Guarantees), over disks with a
+volatile cache: the local copy and every replica's store are ``fake_blockio.MemoryBlockIO``,
+which keeps a completed write in a cache until FUA or a flush makes it durable and loses the
+cache at ``crash()``. The local copy's metadata (superblock and bitmaps) shares its device's
+cache, as on a real disk.
+
+Three promises are checked as the host's commands arrive, and each test here failed under the
+matching break of test-audit.md §1 (see docs/replication.md, "How the guarantees are tested"):
+
+* a write with FUA is durable on every copy when the host sees it complete, and a Flush makes
+  every completed write durable on every copy (B2: FUA not passed to the replicas);
+* a region's write-intent bit is durable on the local device at the instant any copy receives
+  data for the region (B3: the bit written in the background);
+* a bit's clear is written only once every copy holds the region's writes durably (B5: the
+  sweep clears without flushing the copies).
+
+The crash tests then cut the power of the primary, of a replica, or of every copy at chosen
+instants, restart from what was durable, resync from the bitmaps, and check that every write
+the host had with FUA or flushed is on every copy and that the copies are equal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import pytest
+
+from target.replication import mirror as mirror_mod
+from target.replication.link import DEGRADED, IN_SYNC
+from target.replication.metadata import Metadata
+from target.replication.mirror import ReplicatedBackend
+from tests.replication.fake_blockio import MemoryBlockIO, Write
+from tests.replication.test_mirror import DEVICE, REGION, Bed, run, until
+
+BLOCK = 4096
+
+
+@pytest.fixture(autouse=True)
+def fast_links(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reconnect and sweep quickly; a bit leaves the activity window at the first sweep after
+    its region's last write, so a test waits a few sweeps, not ten."""
+    monkeypatch.setattr(mirror_mod, "RECONNECT_DELAY", 0.02)
+    monkeypatch.setattr(mirror_mod, "SWEEP_INTERVAL", 0.05)
+    monkeypatch.setattr(mirror_mod, "IDLE_SWEEPS", 1)
+
+
+def cached_bed(n: int = 2) -> Bed:
+    return Bed(n, local=MemoryBlockIO(DEVICE), stores=[MemoryBlockIO(DEVICE) for _ in range(n)])
+
+
+def copies(bed: Bed) -> list[tuple[str, MemoryBlockIO]]:
+    """Every copy's device by name: the local one, then the replicas' stores."""
+    return [("local", bed.local)] + [(f"r{i}", store) for i, store in enumerate(bed.stores)]
+
+
+async def durable_dirty(device: MemoryBlockIO) -> set[tuple[int, int]]:
+    """``(slot, region)`` of every bit set in the metadata a restart of ``device`` would find."""
+    md = await Metadata.open(device.survivor())
+    return {(slot, region) for slot, peer in enumerate(md.peers) if peer.node_id
+            for region in md.bitmap(slot).dirty_regions()}
+
+
+async def bits_cleared(bed: Bed, regions: range | None = None) -> None:
+    """Wait until no bit (of ``regions``) is set in the metadata on the local disk: the sweeps
+    cleared them and the clears reached the disk."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while any(regions is None or region in regions for _, region in await durable_dirty(bed.local)):
+        assert asyncio.get_running_loop().time() < deadline, "the bits were never cleared on disk"
+        await asyncio.sleep(0.01)
+
+
+async def settled(bed: Bed) -> ReplicatedBackend:
+    """A primary whose replicas are in sync after their first full sync, with no bit set in
+    memory or on the local disk: every region a test writes then needs its bit written."""
+    m = await bed.primary()
+    await until(lambda: all(link.state == IN_SYNC and not link.bitmap.dirty_count() for link in m.links))
+    await bits_cleared(bed)
+    return m
+
+
+def regions_of(offset: int, length: int) -> range:
+    return range(offset // REGION, (offset + length - 1) // REGION + 1)
+
+
+class Host:
+    """Sends the host's commands to the mirror and keeps what was promised: the ranges of writes
+    completed with FUA, and of every command completed before a completed Flush. ``expected``
+    is what the data area reads after the commands completed; a command never overlaps a
+    range already promised, so a promised range must read ``expected`` after any crash."""
+
+    def __init__(self, m: ReplicatedBackend) -> None:
+        self.m = m
+        self.expected = bytearray(m.size)
+        self.done: list[tuple[int, int]] = []
+        """Ranges completed and not yet covered by a flush."""
+        self.promised: list[tuple[int, int]] = []
+
+    def _completed(self, offset: int, data: bytes, promised: bool) -> None:
+        end = offset + len(data)
+        assert all(end <= o or o + n <= offset for o, n in self.promised), "the workload overwrote a promise"
+        self.expected[offset:end] = data
+        (self.promised if promised else self.done).append((offset, len(data)))
+
+    def promises(self) -> list[tuple[int, bytes]]:
+        return [(offset, bytes(self.expected[offset:offset + n])) for offset, n in self.promised]
+
+    async def write(self, offset: int, length: int, fua: bool) -> bytes:
+        data = os.urandom(length)
+        await self.m.write(offset, data, fua=fua)
+        self._completed(offset, data, fua)
+        return data
+
+    async def write_zeroes(self, offset: int, length: int) -> None:
+        await self.m.write_zeroes(offset, length)
+        self._completed(offset, bytes(length), False)
+
+    async def discard(self, offset: int, length: int) -> None:
+        await self.m.discard(offset, length)
+        self._completed(offset, bytes(length), False)
+
+    async def flush(self) -> None:
+        await self.m.flush()
+        self.promised += self.done
+        self.done = []
+
+    async def workload(self, first_region: int) -> None:
+        """Each kind of command, with FUA and without, flushed or not, from ``first_region`` on
+        (7 regions; one write spans two). Zeroes and deallocations go over written data, so
+        that they change what a copy holds."""
+        r = first_region * REGION
+        await self.write(r, BLOCK, fua=True)
+        await self.write(r + REGION, 2 * BLOCK, fua=False)
+        await self.write(r + 2 * REGION - BLOCK, 2 * BLOCK, fua=True)  # regions +1 and +2
+        await self.write(r + 3 * REGION, 4 * BLOCK, fua=False)
+        await self.write_zeroes(r + 3 * REGION, BLOCK)
+        await self.discard(r + 3 * REGION + 2 * BLOCK, BLOCK)
+        await self.flush()
+        await self.write(r + 4 * REGION, BLOCK, fua=False)  # completed, never flushed
+        await self.write(r + 5 * REGION, 3 * BLOCK, fua=True)
+        await self.write(r + 6 * REGION, BLOCK, fua=False)
+        await self.flush()
+        await self.write(r + 6 * REGION + BLOCK, BLOCK, fua=False)  # completed, never flushed
+
+
+async def check_promises_and_equal_copies(bed: Bed, host: Host, size: int) -> None:
+    """Every promised write reads back from every copy, and the copies' data areas are equal."""
+    local = bytes(await bed.local.read(0, size))
+    for name, device in copies(bed):
+        data = local if device is bed.local else bytes(await device.read(0, size))
+        for offset, expected in host.promises():
+            assert data[offset:offset + len(expected)] == expected, f"{name} lost a promised write at {offset}"
+        differ = sorted({i // REGION for i in range(0, size, BLOCK)
+                         if data[i:i + BLOCK] != local[i:i + BLOCK]})
+        assert not differ, f"{name} differs from the local copy in regions {differ}"
+
+
+# -- the three promises, watched as the host's commands arrive -------------------------------------
+
+
+class CheckingHost(Host):
+    """A :class:`Host` that checks, as each FUA write and each Flush completes, that what it
+    promises is durable on every copy already (and that each replica got FUA itself)."""
+
+    def __init__(self, m: ReplicatedBackend, bed: Bed) -> None:
+        super().__init__(m)
+        self.bed = bed
+        self.checked_fua = self.checked_flush = 0
+
+    async def write(self, offset: int, length: int, fua: bool) -> bytes:
+        data = await super().write(offset, length, fua)
+        if fua:
+            for name, device in copies(self.bed):
+                assert device.durable_bytes(offset, length) == data, f"FUA write at {offset} not durable on {name}"
+            for store in self.bed.stores:
+                assert store.writes[-1] == Write(offset, length, True)
+            self.checked_fua += 1
+        return data
+
+    async def flush(self) -> None:
+        await super().flush()
+        for name, device in copies(self.bed):
+            assert not device.unflushed(0, self.m.size), f"a completed write is not durable on {name} after Flush"
+            for offset, expected in self.promises():
+                assert device.durable_bytes(offset, len(expected)) == expected, f"{name} at {offset}"
+        self.checked_flush += 1
+
+
+def test_a_fua_write_is_durable_on_every_copy_at_its_completion_and_a_flush_makes_all_durable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """B2. No sweep runs (its flushes would make a write durable that FUA did not)."""
+    monkeypatch.setattr(mirror_mod, "SWEEP_INTERVAL", 3600.0)
+
+    async def main() -> None:
+        bed = cached_bed(2)
+        m = await bed.primary()
+        await until(lambda: all(link.state == IN_SYNC for link in m.links))
+        host = CheckingHost(m, bed)
+        await host.workload(first_region=2)
+        assert host.checked_fua == 3 and host.checked_flush == 2
+        assert all(store.unflushed(0, m.size) for store in bed.stores)  # the last write is still cached
+        await m.stop()
+    run(main())
+
+
+def test_the_bit_is_durable_on_the_local_disk_before_any_copy_receives_the_data() -> None:
+    """B3: the local device's durable state is taken at the instant each copy receives data for
+    the data area, and its metadata opened as a restart after a crash at that instant would."""
+    async def main() -> None:
+        bed = cached_bed(2)
+        m = await settled(bed)
+        seen: list[tuple[str, int, int, dict[int, bytes]]] = []
+        for name, device in copies(bed):
+            def watch(offset: int, data: bytes, fua: bool, name: str = name) -> None:
+                if offset < m.size:
+                    seen.append((name, offset, len(data), dict(bed.local.durable.pages)))
+            device.on_issue.append(watch)
+        host = Host(m)
+        await host.workload(first_region=2)
+        assert {name for name, *_ in seen} == {"local", "r0", "r1"}
+        assert len(seen) == 3 * 10  # each of the 10 commands that carry data, on each of the 3 copies
+        slots = [link.slot for link in m.links]
+        for name, offset, length, pages in seen:
+            md = await Metadata.open(MemoryBlockIO(DEVICE, image=pages))
+            for slot in slots:
+                for region in regions_of(offset, length):
+                    assert md.bitmap(slot).is_dirty(region), (
+                        f"{name} received data for region {region} before slot {slot}'s bit was durable")
+        await m.stop()
+    run(main())
+
+
+def test_a_bit_is_cleared_on_disk_only_once_every_copy_holds_the_region_durably() -> None:
+    """B5: at each write of a bitmap block to the local device, the bits it clears (set on the
+    disk, clear in the block) must belong to regions no copy holds unflushed writes for."""
+    async def main() -> None:
+        bed = cached_bed(2)
+        m = await settled(bed)
+        store_of_slot = {link.slot: bed.stores[int(link.name[1:])] for link in m.links}
+        bitmaps = {slot: m.md.bitmap(slot) for slot in store_of_slot}
+        cleared: list[tuple[int, int]] = []
+        early: list[str] = []
+
+        def watch(offset: int, data: bytes, fua: bool) -> None:
+            for slot, bm in bitmaps.items():
+                start = bm.offset
+                if not start <= offset < start + m.md.layout.bitmap_length:
+                    continue
+                old = bed.local.durable_bytes(offset, len(data))
+                base_region = (offset - start) * 8
+                for i, (was, now) in enumerate(zip(old, data)):
+                    gone = was & ~now
+                    for bit in range(8):
+                        if gone >> bit & 1:
+                            region = base_region + i * 8 + bit
+                            cleared.append((slot, region))
+                            span = bm.span(region)
+                            for name, device in (("local", bed.local), (f"slot {slot}'s replica", store_of_slot[slot])):
+                                if device.unflushed(*span):
+                                    early.append(f"region {region} of slot {slot}: {name} not flushed")
+        bed.local.on_issue.append(watch)
+        written = (3, 5, 6, 9)
+        for region in written:  # without FUA, never flushed by the host
+            await m.write(region * REGION + BLOCK, os.urandom(2 * BLOCK))
+        await bits_cleared(bed)
+        assert set(cleared) >= {(slot, region) for slot in bitmaps for region in written}
+        assert early == []
+        await m.stop()
+    run(main())
+
+
+# -- crashes at chosen instants, then restart and resync from the bitmaps --------------------------
+
+
+async def restart_primary(bed: Bed, m: ReplicatedBackend, *writes: asyncio.Task[Any]) -> tuple[Bed, ReplicatedBackend]:
+    """The primary lost power: the old one is dropped (its writes in flight fail), a new one
+    starts on what its disk kept, with the same replicas, and resyncs them."""
+    m.close()
+    for outcome in await asyncio.gather(*writes, return_exceptions=True):
+        assert isinstance(outcome, BaseException)  # never acknowledged
+    again = Bed(len(bed.stores), local=bed.local.survivor(), stores=bed.stores)
+    m2 = await again.primary()
+    await until(lambda: all(link.state == IN_SYNC for link in m2.links))
+    return again, m2
+
+
+def test_the_primary_losing_power_as_its_disk_receives_a_write_loses_nothing_promised() -> None:
+    """B3 end to end: the primary loses power at the instant its own disk receives a write's
+    data, already sent to the replicas, which take it; the bit on the local disk makes the
+    restarted primary copy the region back over them."""
+    async def main() -> None:
+        bed = cached_bed(2)
+        m = await settled(bed)
+        host = Host(m)
+        await host.workload(first_region=2)
+        target = 12 * REGION
+
+        def cut(offset: int, data: bytes, fua: bool) -> None:
+            if offset == target:
+                bed.local.crash()
+        bed.local.on_issue.append(cut)
+        write = asyncio.get_running_loop().create_task(m.write(target, b"z" * BLOCK))
+        await until(lambda: all(store.visible.read(target, 1) == b"z" for store in bed.stores))
+        bed, m2 = await restart_primary(bed, m, write)
+        assert bed.local.visible.read(target, 1) == b"\0"  # the write never reached the local disk
+        await check_promises_and_equal_copies(bed, host, m2.size)
+        await m2.stop()
+    run(main())
+
+
+@pytest.mark.parametrize("who", ["primary", "replica"])
+def test_a_copy_losing_power_after_the_sweep_cleared_its_bits_loses_nothing(who: str) -> None:
+    """B5 end to end: writes completed without FUA, their bits cleared by the sweep, then one
+    copy loses power: the other copies' data must already have been durable there, or the
+    restart finds a clear bit over a region where the copies differ."""
+    async def main() -> None:
+        bed = cached_bed(2)
+        m = await settled(bed)
+        host = Host(m)
+        await host.workload(first_region=2)
+        for region in (12, 13):
+            await m.write(region * REGION, os.urandom(BLOCK))  # not promised: no FUA, no flush
+        await bits_cleared(bed, range(2, 14))
+        if who == "primary":
+            bed.local.crash()
+            bed, m2 = await restart_primary(bed, m)
+        else:
+            bed.stores[1].crash()
+            bed.kill(1)
+            await host.write(20 * REGION, BLOCK, fua=True)  # the primary finds out
+            assert m.links[1].state == DEGRADED
+            bed.stores[1] = bed.stores[1].survivor()
+            bed.up[1] = True
+            await until(lambda: m.links[1].state == IN_SYNC)
+            m2 = m
+        await check_promises_and_equal_copies(bed, host, m2.size)
+        await m2.stop()
+    run(main())
+
+
+def test_every_copy_losing_power_with_writes_in_flight_keeps_every_promised_write() -> None:
+    """A site's power cut: every copy loses its cache at the instant the first replica receives
+    a write, with unflushed writes behind it; all restart and resync from the primary's bits."""
+    async def main() -> None:
+        bed = cached_bed(2)
+        m = await settled(bed)
+        host = Host(m)
+        await host.workload(first_region=2)
+        target = 15 * REGION + BLOCK
+
+        def cut(offset: int, data: bytes, fua: bool) -> None:
+            if offset == target:
+                for _, device in copies(bed):
+                    device.crash()
+        bed.stores[0].on_issue.append(cut)
+        write = asyncio.get_running_loop().create_task(m.write(target, os.urandom(REGION), fua=False))
+        await until(lambda: bed.local.crashed)
+        bed.stores = [store.survivor() for store in bed.stores]
+        bed, m2 = await restart_primary(bed, m, write)
+        await check_promises_and_equal_copies(bed, host, m2.size)
+        await m2.stop()
+    run(main())
