@@ -339,25 +339,30 @@ def test_a_copy_losing_power_after_the_sweep_cleared_its_bits_loses_nothing(who:
     run(main())
 
 
-def test_every_copy_losing_power_with_writes_in_flight_keeps_every_promised_write() -> None:
+def test_every_copy_losing_power_with_a_write_in_flight_keeps_every_promised_write() -> None:
     """A site's power cut: every copy loses its cache at the instant the first replica receives
-    a write, with unflushed writes behind it; all restart and resync from the primary's bits."""
+    a FUA write that the local disk has already made durable (never acknowledged), with
+    unflushed writes behind it; all restart on what their disks kept, and the primary's bits
+    bring the replicas to its copy."""
     async def main() -> None:
         bed = cached_bed(2)
         m = await settled(bed)
         host = Host(m)
         await host.workload(first_region=2)
         target = 15 * REGION + BLOCK
+        data = os.urandom(BLOCK)
 
-        def cut(offset: int, data: bytes, fua: bool) -> None:
+        def cut(offset: int, _: bytes, fua: bool) -> None:
             if offset == target:
-                for _, device in copies(bed):
+                for _name, device in copies(bed):
                     device.crash()
         bed.stores[0].on_issue.append(cut)
-        write = asyncio.get_running_loop().create_task(m.write(target, os.urandom(REGION), fua=False))
+        write = asyncio.get_running_loop().create_task(m.write(target, data, fua=True))
         await until(lambda: bed.local.crashed)
         bed.stores = [store.survivor() for store in bed.stores]
+        assert all(store.visible.read(target, BLOCK) != data for store in bed.stores)
         bed, m2 = await restart_primary(bed, m, write)
+        assert bed.local.visible.read(target, BLOCK) == data  # the local disk had it: now every copy
         await check_promises_and_equal_copies(bed, host, m2.size)
         await m2.stop()
     run(main())
