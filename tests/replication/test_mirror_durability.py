@@ -191,7 +191,8 @@ class CheckingHost(Host):
 
 def test_a_fua_write_is_durable_on_every_copy_at_its_completion_and_a_flush_makes_all_durable(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """B2. No sweep runs (its flushes would make a write durable that FUA did not)."""
+    """B2, and a Flush that misses a copy. No sweep runs here: its flushes would make a write
+    durable that FUA did not."""
     monkeypatch.setattr(mirror_mod, "SWEEP_INTERVAL", 3600.0)
 
     async def main() -> None:
