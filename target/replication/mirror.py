@@ -88,6 +88,18 @@ class _Join:
             self.fut.set_result(self.failed)
 
 
+class _InFlight:
+    """One command that changes data, in flight: its byte range, and the future that a later
+    overlapping command waits on (made only when one does)."""
+
+    __slots__ = ("start", "end", "done")
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start = start
+        self.end = end
+        self.done: asyncio.Future[None] | None = None
+
+
 class ReplicatedBackend(BackendFilter):
     """The local copy (``inner``, the whole device, metadata included) and its replicas.
 
@@ -123,8 +135,10 @@ class ReplicatedBackend(BackendFilter):
         self._bitmaps = [md.bitmap(slot) for slot, peer in enumerate(md.peers) if peer.node_id]
         """Every peer slot's bitmap: each write marks them all, since which configured replica
         owns which slot is known only once it is reached."""
-        self.inflight: dict[int, int] = {}
-        """Regions with host writes in flight (a resync waits for them before it copies one)."""
+        self.inflight: dict[int, list[_InFlight]] = {}
+        """Each region's commands in flight that change data, in arrival order: a later one
+        that overlaps an earlier one waits until that one is on every copy (:meth:`_begin`), and
+        a resync or verify waits for a region's list to empty before it copies or compares it."""
         self._recent: set[int] = set()
         """Regions written since the last sweep."""
         self._epoch = 0
@@ -190,7 +204,7 @@ class ReplicatedBackend(BackendFilter):
 
     async def write(self, offset: int, data: memoryview | bytes, fua: bool = False) -> None:
         regions = range(offset >> self._shift, ((offset + len(data) - 1) >> self._shift) + 1)
-        targets = await self._begin(offset, len(data), regions)
+        targets, me = await self._begin(offset, len(data), regions)
         try:
             if not targets:
                 await self._write_local(offset, data, fua, regions)
@@ -212,20 +226,42 @@ class ReplicatedBackend(BackendFilter):
                 raise ReplicationError(Status.WRITE_FAULT, f"{self.name}: the write reached "
                                        f"{len(targets) - len(failed) + 1} copies, min_in_sync is {self.min_in_sync}")
         finally:
-            self._end(regions)
+            self._end(regions, me)
 
-    async def _begin(self, offset: int, length: int, regions: range) -> list[ReplicaLink]:
+    async def _begin(self, offset: int, length: int, regions: range) -> tuple[list[ReplicaLink], _InFlight]:
         """What every command that changes data does first: wait for a copy of its regions in
-        progress, count it in flight there, set the bits on disk (before the data is issued
-        anywhere), and pick the replicas it goes to. Undone by :meth:`_end`."""
+        progress, join the commands in flight there and wait for every earlier one it overlaps
+        to be on every copy, set the bits on disk (before the data is issued anywhere), and pick
+        the replicas it goes to. Undone by :meth:`_end`.
+
+        The wait is the ordering rule of overlapping writes (DRBD's conflict detection): NVMe
+        lets either of two overlapping commands in flight win, but every copy must keep the same
+        winner, and the copies do not apply commands in the order they were sent (a replica
+        serves each of its queues on its own thread; the kernel's nvmet on its own workers).
+        Holding the later command until the earlier completed everywhere makes arrival order
+        the order on every copy. Commands that overlap nothing in flight do not wait: the check
+        looks only at the lists of their own regions."""
         self._serving()
         if self.copying:
             await self._wait_copies(regions)
+        me = _InFlight(offset, offset + length)
+        earlier: list[_InFlight] = []
         inflight = self.inflight
         for r in regions:
-            inflight[r] = inflight.get(r, 0) + 1
+            here = inflight.get(r)
+            if here is None:
+                inflight[r] = [me]
+                continue
+            for other in here:
+                if other.start < me.end and me.start < other.end:
+                    earlier.append(other)
+            here.append(me)
         self._recent.update(regions)
         try:
+            for other in earlier:
+                if other.done is None:
+                    other.done = self._loop.create_future()
+                await asyncio.shield(other.done)
             for bm in self._bitmaps:
                 await bm.mark(offset, length)
             targets = self._targets(regions)
@@ -234,18 +270,20 @@ class ReplicatedBackend(BackendFilter):
                 targets = self._targets(regions)  # telling the generation may have lost one
             self._enough(len(targets))
         except BaseException:
-            self._end(regions)
+            self._end(regions, me)
             raise
-        return targets
+        return targets, me
 
-    def _end(self, regions: range) -> None:
+    def _end(self, regions: range, me: _InFlight) -> None:
         inflight = self.inflight
         for r in regions:
-            n = inflight[r] - 1
-            if n:
-                inflight[r] = n
-            else:
+            here = inflight[r]
+            if len(here) == 1:
                 del inflight[r]
+            else:
+                here.remove(me)
+        if me.done is not None:
+            me.done.set_result(None)
 
     def _targets(self, regions: range) -> list[ReplicaLink]:
         """The replicas this write goes to: those in sync, and those resyncing whose copy of
@@ -311,11 +349,11 @@ class ReplicatedBackend(BackendFilter):
         if not length:
             return
         regions = range(offset >> self._shift, ((offset + length - 1) >> self._shift) + 1)
-        links = await self._begin(offset, length, regions)
+        links, me = await self._begin(offset, length, regions)
         try:
             await self._each_copy(remote, local, links)
         finally:
-            self._end(regions)
+            self._end(regions, me)
 
     async def _each_copy(self, remote: Callable[[Any], Awaitable[None]], local: Callable[[], Awaitable[None]],
                          links: list[ReplicaLink]) -> None:

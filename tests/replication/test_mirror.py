@@ -240,6 +240,44 @@ def test_a_host_write_to_the_region_being_copied_waits_for_the_copy() -> None:
     run(main())
 
 
+@pytest.mark.parametrize("second", ["write", "write_zeroes", "discard"])
+def test_an_overlapping_command_waits_until_the_earlier_write_is_on_every_copy(second: str) -> None:
+    """The replica applies the first write after the second (a gate holds it, as another queue's
+    thread would): without ordering the copies keep different winners; with it the second waits
+    and both copies end with the second. A write beside the held one overlaps nothing and does
+    not wait."""
+    async def main() -> None:
+        bed = Bed(1)
+        m = await bed.primary()
+        await until(lambda: m.links[0].state == IN_SYNC)
+        replica = bed.opened[0][-1]
+        at = 2 * REGION + 8192
+        gate = asyncio.Event()
+        replica.gate = (at, gate)
+        loop = asyncio.get_running_loop()
+        first = loop.create_task(m.write(at, b"A" * 4096))
+        await until(lambda: len(m.inflight.get(2, ())) == 1)
+        beside = loop.create_task(m.write(at + 4096, b"C" * 4096))  # no overlap: goes through
+        await asyncio.wait_for(beside, 5)
+        if second == "write":
+            op = m.write(at - 4096, b"B" * 8192)
+        else:
+            op = getattr(m, second)(at - 4096, 8192)
+        later = loop.create_task(op)
+        # the later command either completed (no ordering: the break) or waits on the first
+        await until(lambda: later.done() or m.inflight[2][0].done is not None)
+        gate.set()
+        await first
+        await later
+        want = (b"B" * 8192) if second == "write" else bytes(8192)
+        assert bytes(bed.local.data[at - 4096:at + 4096]) == want
+        assert bytes(bed.stores[0].data[at - 4096:at + 4096]) == want
+        assert data_hash(bed.stores[0], m.size) == data_hash(bed.local, m.size)
+        assert not m.inflight
+        await m.stop()
+    run(main())
+
+
 def test_bits_are_cleared_lazily_after_every_copy_has_the_write() -> None:
     async def main() -> None:
         bed = Bed(1)

@@ -119,3 +119,8 @@ def test_blockd_primary_replicates_to_a_kernel_nvmet_namespace(guest_case):
     full sync on first contact, a blockctl write is on the kernel's file once acknowledged, verify
     finds 0 differences, blockd's replication metadata sits at the end of the kernel's namespace."""
 
+
+def test_overlapping_writes_leave_the_kernel_replica_equal(guest_case):
+    """Four hosts writing the same blocks at once (256 in flight, every other one FUA) through
+    the blockd primary: the kernel nvmet replica ends equal to the primary's copy (issue 35)."""
+

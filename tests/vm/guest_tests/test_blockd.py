@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from .util import ADDR0, RESULTS, Daemon, sh, start_target, tool, wait_path, wait_tcp
+from .util import ADDR0, REPO, RESULTS, Daemon, sh, start_target, tool, wait_path, wait_tcp
 
 NQN = "nqn.2026-11.io.blockd:vmtest"
 SERIAL = "BLOCKDVM0001"
@@ -562,7 +562,10 @@ def _replica_states() -> list[dict]:
     return json.loads(out)["namespaces"][0]["replicas"]
 
 
-def test_blockd_primary_replicates_to_a_kernel_nvmet_namespace(kernel_replica, blockd_initiator):
+@pytest.fixture(scope="module")
+def mirror(kernel_replica):
+    """A blockd replicated namespace on port 4423 whose replica is the kernel's namespace, once
+    it is in sync (the first contact copies the whole 64 MiB)."""
     vol = "/dev/shm/mirror-primary.img"
     Path(vol).unlink(missing_ok=True)
     cfg = RESULTS / "mirror-target.toml"
@@ -597,21 +600,49 @@ timeout = 30.0
         while (states := _replica_states())[0]["state"] != "in_sync":
             assert time.monotonic() < deadline, (states, d.log_tail())
             time.sleep(1)
-        s = _scratch("mirror")
-        off, n = 3 << 20, 1 << 20
-        sh(f"head -c {n} /dev/urandom >{s}/pattern")
-        blockctl("connect", "-t", "tcp", "-a", ADDR0, "-s", str(MIRROR_PORT), "-n", MIRROR_NQN, "--name", "mirror")
-        try:
-            blockctl("write", "mirror", "--nsid", "1", "--offset", str(off), "-i", f"{s}/pattern")
-        finally:
-            blockctl("disconnect", "mirror", check=False)
-        # on the kernel's namespace as soon as acknowledged (protocol C), and on the local file
-        sh(f"cmp -n {n} {s}/pattern <(tail -c +{off + 1} {kernel_replica})")
-        sh(f"cmp -n {n} {s}/pattern <(tail -c +{off + 1} {vol})")
-        out = sh(shlex.join([tool("blockctl"), "target", "--target-socket", MIRROR_SOCK, "verify",
-                             MIRROR_NQN, "1"]), timeout=600)
-        assert " 0 differ" in out, out
-        # the replica's metadata is at the end of the kernel's namespace: blockd's magic there
-        sh(f"tail -c 8192 {kernel_replica} | head -c 8 | grep -q BLKDREPL")
+        yield vol
     finally:
         d.stop()
+
+
+def _verify_mirror() -> None:
+    out = sh(shlex.join([tool("blockctl"), "target", "--target-socket", MIRROR_SOCK, "verify",
+                         MIRROR_NQN, "1"]), timeout=600)
+    assert " 0 differ" in out, out
+
+
+def test_blockd_primary_replicates_to_a_kernel_nvmet_namespace(kernel_replica, mirror, blockd_initiator):
+    s = _scratch("mirror")
+    off, n = 3 << 20, 1 << 20
+    sh(f"head -c {n} /dev/urandom >{s}/pattern")
+    blockctl("connect", "-t", "tcp", "-a", ADDR0, "-s", str(MIRROR_PORT), "-n", MIRROR_NQN, "--name", "mirror")
+    try:
+        blockctl("write", "mirror", "--nsid", "1", "--offset", str(off), "-i", f"{s}/pattern")
+    finally:
+        blockctl("disconnect", "mirror", check=False)
+    # on the kernel's namespace as soon as acknowledged (protocol C), and on the local file
+    sh(f"cmp -n {n} {s}/pattern <(tail -c +{off + 1} {kernel_replica})")
+    sh(f"cmp -n {n} {s}/pattern <(tail -c +{off + 1} {mirror})")
+    _verify_mirror()
+    # the replica's metadata is at the end of the kernel's namespace: blockd's magic there
+    sh(f"tail -c 8192 {kernel_replica} | head -c 8 | grep -q BLKDREPL")
+
+
+OVERLAP_ROUNDS = 6
+
+
+def test_overlapping_writes_leave_the_kernel_replica_equal(kernel_replica, mirror):
+    """Four hosts, each its own association, write the same 64 blocks at once (256 in flight,
+    every other one FUA), for a few rounds (tests/replication/overlap.py): every write is
+    acknowledged, the replica stays in sync, and the kernel's namespace ends equal to blockd's
+    copy (verify: 0 differ), whatever order nvmet's queues applied them in."""
+    script = (f"import asyncio, sys; sys.path.insert(0, {str(REPO)!r}); "
+              f"from initiator.controller import ConnectParams; "
+              f"from tests.replication.overlap import overlapping_rounds; "
+              f"p = ConnectParams(traddr={ADDR0!r}, trsvcid={MIRROR_PORT}, subnqn={MIRROR_NQN!r}, "
+              f"ctrl_loss_tmo=0, command_timeout=60); "
+              f"print('acked', asyncio.run(overlapping_rounds(p, 4, {OVERLAP_ROUNDS})))")
+    out = sh(shlex.join([tool("python"), "-c", script]), timeout=900)
+    assert f"acked {OVERLAP_ROUNDS * 4 * 64}" in out, out
+    assert [r["state"] for r in _replica_states()] == ["in_sync"]
+    _verify_mirror()
