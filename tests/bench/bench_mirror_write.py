@@ -9,7 +9,8 @@ under callgrind the instruction counts do not (compare two trees with ``--writes
 
     .venv/bin/python tests/bench/bench_mirror_write.py [--writes 20000]
     valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.out \\
-        .venv/bin/python tests/bench/bench_mirror_write.py --writes 2000 --replicas 1 --depth 1 --rounds 1
+        .venv/bin/python tests/bench/bench_mirror_write.py --writes 2000 --replicas 1 --depth 1 --rounds 1 \\
+        --device-mib 16
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from target.backend import MemoryBackend  # noqa: E402
 from target.replication.link import IN_SYNC  # noqa: E402
 from target.replication.mirror import ReplicatedBackend  # noqa: E402
 
-DEVICE = 256 << 20
 REGION = 64 << 10
 
 
@@ -58,16 +58,16 @@ class InstantReplica:
         pass
 
 
-async def _backend(replicas: int) -> Any:
+async def _backend(replicas: int, device: int) -> Any:
     if not replicas:
-        return MemoryBackend(DEVICE)
-    stores = [InstantReplica(DEVICE) for _ in range(replicas)]
+        return MemoryBackend(device)
+    stores = [InstantReplica(device) for _ in range(replicas)]
 
     def opener(i: int) -> Callable[[], Any]:
         async def open_() -> InstantReplica:
             return stores[i]
         return open_
-    m = await ReplicatedBackend.open(MemoryBackend(DEVICE), [(f"r{i}", opener(i)) for i in range(replicas)],
+    m = await ReplicatedBackend.open(MemoryBackend(device), [(f"r{i}", opener(i)) for i in range(replicas)],
                                      REGION, 1, 1 << 30, 4, name="bench")
     m.start()
     while any(link.state != IN_SYNC for link in m.links):
@@ -77,9 +77,9 @@ async def _backend(replicas: int) -> Any:
     return m
 
 
-async def _measure(replicas: int, depth: int, writes: int, rounds: int) -> float:
+async def _measure(replicas: int, depth: int, writes: int, rounds: int, device: int) -> float:
     """Best CPU µs per write over ``rounds`` runs of ``writes`` writes, ``depth`` at once."""
-    backend = await _backend(replicas)
+    backend = await _backend(replicas, device)
     data = os.urandom(4096)
     span = backend.size // 4096
     best = float("inf")
@@ -106,12 +106,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--replicas", type=int, choices=(0, 1, 2), action="append")
     parser.add_argument("--depth", type=int, action="append")
+    parser.add_argument("--device-mib", type=int, default=256,
+                        help="the volume (small under callgrind: the first sync and the warm-up write it all)")
     args = parser.parse_args()
     print("| replicas | QD | CPU µs per write (best of runs) |")
     print("|---|---|---|")
     for replicas in args.replicas or (0, 1, 2):
         for depth in args.depth or (1, 32):
-            us = asyncio.run(_measure(replicas, depth, args.writes, args.rounds))
+            us = asyncio.run(_measure(replicas, depth, args.writes, args.rounds, args.device_mib << 20))
             print(f"| {replicas} | {depth} | {us:.1f} |", flush=True)
 
 
