@@ -525,7 +525,7 @@ class ReplicatedBackend(BackendFilter):
             await self.inner.read_into(offset, memoryview(buf))
         except OSError as exc:
             raise LocalCopyError(exc.errno, f"this copy's device cannot read region {region} "
-                                            f"(offset {offset}, {len(buf)} bytes): {exc}") from exc
+                                            f"(offset {offset}, {len(buf)} bytes): {exc.strerror or exc}") from exc
         return offset, buf
 
     def resync_done(self, link: ReplicaLink) -> None:
