@@ -172,11 +172,14 @@ class Pair:
         """Kill A under ``writer``'s load, promote B; the writes go on without an error and
         every acknowledged one reads back, through the mount and from the file."""
         try:
-            time.sleep(1.5)
+            deadline = time.monotonic() + 20
+            while writer.writes < 50 and time.monotonic() < deadline and not writer.errors:
+                time.sleep(0.05)  # the load is under way (a count, whatever the machine's speed)
             before_kill = writer.writes
-            assert before_kill > 0 and not writer.errors
+            assert before_kill >= 50 and not writer.errors, (before_kill, writer.errors)
             self.s.stop_target(signal.SIGKILL)
-            time.sleep(1.0)  # the writers wait: the only other path is inaccessible
+            # the host has seen A go (the writers now wait: the only other path is inaccessible)
+            self.wait_listed(f"path tcp://127.0.0.1:{self.s.port} cntlid 1 reconnecting")
             promote = self.target_ctl("b.sock", "ana", "promote")
             assert promote.returncode == 0, promote.stderr
             assert "now optimized" in promote.stdout
