@@ -76,7 +76,8 @@ CTRATT = CTRATT_HOST_ID_128 | CTRATT_TBKAS
 and TargetQueue.submit restarts the keep-alive timer on any command (nvmet's I/O controllers
 report the same 0x41; its discovery controller reports 0, though it too resets on traffic)."""
 
-_OPCODE, _NSID, _DPTR, _CDW10, _CDW12 = (field_offset(SQE, name) for name in ("opcode", "nsid", "dptr", "cdw10", "cdw12"))
+_OPCODE, _NSID, _DPTR, _CDW10, _CDW12 = (field_offset(SQE, name)
+                                         for name in ("opcode", "nsid", "dptr", "cdw10", "cdw12"))
 ERROR_LOCATIONS: dict[int, int] = {
     Status.INVALID_OPCODE: _OPCODE,
     Status.INVALID_FIELD: _CDW10,

@@ -13,7 +13,6 @@ import asyncio
 import errno
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -143,7 +142,7 @@ def test_eio_on_a_resync_read_keeps_the_replica_out_of_sync_and_retries_with_bac
     """A bad sector under a region the replica misses: the replica stays degraded with a reason
     naming the region, the error is logged once, each retry waits twice as long as the last, and
     the region never leaves what the replica misses; once the read works the resync ends."""
-    async def main() -> list[dict[str, Any]]:
+    async def main() -> None:
         bed, local, ram = faulty_bed(1)
         m = await bed.primary()
         await settled(m)
@@ -167,7 +166,6 @@ def test_eio_on_a_resync_read_keeps_the_replica_out_of_sync_and_retries_with_bac
         await until(lambda: link.state == IN_SYNC and not link.missing)
         assert same_everywhere(bed, ram, m.size)
         await m.stop()
-        return []
 
     with capture_logs() as logs:
         run(main())
