@@ -57,9 +57,11 @@ ERRORS = pytest.mark.parametrize("err, status", [(errno.ENOSPC, Status.CAPACITY_
 
 
 @ERRORS
-def test_a_local_write_the_device_refuses_fails_precisely_and_the_copies_converge(err: int, status: Status) -> None:
-    """The replicas took the write this copy refused: they miss the region until the resync
-    has copied this copy's data back, and no acknowledged byte of it is lost anywhere."""
+@pytest.mark.parametrize("op", ["write", "write_zeroes"])
+def test_a_local_write_the_device_refuses_fails_precisely_and_the_copies_converge(
+        op: str, err: int, status: Status) -> None:
+    """The replicas took the write (or the zeroes) this copy refused: they miss the region until
+    the resync has copied this copy's data back, and no acknowledged byte of it is lost anywhere."""
     async def main() -> None:
         bed, local, ram = faulty_bed(2)
         m = await bed.primary()
@@ -67,9 +69,12 @@ def test_a_local_write_the_device_refuses_fails_precisely_and_the_copies_converg
         await until(lambda: all(link.state == IN_SYNC for link in m.links))
         await m.write(4 * REGION, acked)
         await settled(m)
-        fault = local.inject("write", err, 5 * REGION, 6 * REGION, count=1)
+        fault = local.inject(op, err, 5 * REGION, 6 * REGION, count=1)
         with pytest.raises(OSError) as refused:
-            await m.write(5 * REGION + 4096, os.urandom(8192))
+            if op == "write":
+                await m.write(5 * REGION + 4096, os.urandom(8192))
+            else:
+                await m.write_zeroes(5 * REGION + 4096, 8192)
         assert fault.hits == 1 and refused.value.errno == err and _write_status(refused.value) == status
         for link in m.links:  # the replicas hold the refused write: the region is theirs to get back
             assert 5 in link.missing and link.bitmap.is_dirty(5)
