@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import time
 from typing import TYPE_CHECKING
 
@@ -75,7 +76,8 @@ CTRATT = CTRATT_HOST_ID_128 | CTRATT_TBKAS
 and TargetQueue.submit restarts the keep-alive timer on any command (nvmet's I/O controllers
 report the same 0x41; its discovery controller reports 0, though it too resets on traffic)."""
 
-_OPCODE, _NSID, _DPTR, _CDW10 = (field_offset(SQE, name) for name in ("opcode", "nsid", "dptr", "cdw10"))
+_OPCODE, _NSID, _DPTR, _CDW10, _CDW12 = (field_offset(SQE, name)
+                                         for name in ("opcode", "nsid", "dptr", "cdw10", "cdw12"))
 ERROR_LOCATIONS: dict[int, int] = {
     Status.INVALID_OPCODE: _OPCODE,
     Status.INVALID_FIELD: _CDW10,
@@ -91,6 +93,7 @@ ERROR_LOCATIONS: dict[int, int] = {
     Status.INTERNAL_ERROR: _OPCODE,
     Status.WRITE_FAULT: _OPCODE,
     Status.UNRECOVERED_READ_ERROR: _OPCODE,
+    Status.CAPACITY_EXCEEDED: _CDW12,  # NLB, as nvmet's errno_to_nvme_status points ENOSPC at the length
 }
 """Statuses that get an Error Information log entry (and so the More bit), with the SQE byte the
 entry points at. nvmet records an entry only for a failure that set an error location
@@ -657,8 +660,15 @@ def _dsm_ranges(req: Request) -> int:
 
 def _write_status(exc: OSError) -> int:
     """A failed write's status: the backend's own when it names one (a replicated namespace
-    with too few copies in sync: Namespace Not Ready), else Write Fault."""
-    return getattr(exc, "status", Status.WRITE_FAULT)
+    with too few copies in sync: Namespace Not Ready); Capacity Exceeded (DNR) when the file
+    system is full (ENOSPC: a thin file, or its metadata, could not be allocated), as nvmet's
+    ``errno_to_nvme_status`` answers, so that the host sees "no space" (the Linux host makes it
+    BLK_STS_NOSPC) rather than a media fault; else Write Fault (EIO and the rest: the data could
+    not be committed, where nvmet says Internal Error)."""
+    status = getattr(exc, "status", None)
+    if status is not None:
+        return status
+    return Status.CAPACITY_EXCEEDED if exc.errno == errno.ENOSPC else Status.WRITE_FAULT
 
 
 def _no_data(req: Request) -> int:

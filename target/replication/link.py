@@ -37,6 +37,15 @@ REFUSED = "refused"
 
 RECONNECT_DELAY = 1.0
 """Seconds between attempts to reach a replica that is away."""
+LOCAL_RETRY_MAX = 60.0
+"""Longest wait before a resync that this copy's own device failed (EIO on a read) is tried
+again: the wait doubles from :data:`RECONNECT_DELAY` after each such failure, so a bad sector
+costs a few reads an hour, not one a second, while a transient error still heals soon."""
+
+
+class LocalCopyError(OSError):
+    """This copy's device failed a read that a resync or a verify needed: the replica is not to
+    blame, and the region stays in what it misses (its errno is the device's)."""
 
 
 class ReplicaIO(BlockIO, Protocol):
@@ -106,6 +115,8 @@ class ReplicaLink:
         self.progress: Progress | None = None
         self.copied_total = 0
         """Bytes copied to this replica by resyncs since the daemon started."""
+        self.local_errors = 0
+        """Resyncs to this replica that this copy's own device failed (:class:`LocalCopyError`)."""
         self.discard_next = False
         """An operator discarded this replica's data: the next connection overwrites it."""
 
@@ -117,7 +128,7 @@ class ReplicaLink:
         out: dict[str, Any] = {"replica": self.name, "slot": self.slot, "state": self.state,
                                "reason": self.reason, "missing_regions": len(self.missing),
                                "dirty_regions": self.bitmap.dirty_count() if self.bitmap else None,
-                               "resynced_bytes": self.copied_total}
+                               "resynced_bytes": self.copied_total, "local_errors": self.local_errors}
         if self.state == RESYNCING and self.progress is not None:
             out["resync"] = self.progress.view()
         return out

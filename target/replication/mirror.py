@@ -34,7 +34,8 @@ from target.replication import resync
 from target.replication.blockio import BackendBlockIO
 from target.replication.generations import BLANK, SyncPlan, decide, discard_plan
 from target.replication.link import (
-    CONNECTING, DEGRADED, IN_SYNC, RECONNECT_DELAY, REFUSED, RESYNCING, SPLIT_BRAIN, Opener, ReplicaLink,
+    CONNECTING, DEGRADED, IN_SYNC, LOCAL_RETRY_MAX, RECONNECT_DELAY, REFUSED, RESYNCING, SPLIT_BRAIN,
+    LocalCopyError, Opener, ReplicaLink,
 )
 from target.replication.metadata import Metadata, MetadataError
 
@@ -313,11 +314,20 @@ class ReplicatedBackend(BackendFilter):
                                                        f"min_in_sync is {self.min_in_sync}")
 
     async def _write_local(self, offset: int, data: memoryview | bytes, fua: bool, regions: range) -> None:
+        await self._local(self.inner.write(offset, data, fua), regions)
+
+    async def _local(self, op: Awaitable[None], regions: range) -> None:
+        """This copy's part of a command that changes ``regions``. If the device refuses it (full,
+        EIO) the host gets the error, but the replicas may have taken the change: every replica
+        misses these regions, and one in sync resyncs them from this copy, so that the copies
+        agree again (on this copy's data: the command failed, so either content is allowed)."""
         try:
-            await self.inner.write(offset, data, fua)
+            await op
         except OSError:
-            for link in self.links:  # the replicas may now hold what this copy failed to store
+            for link in self.links:
                 link.missing.update(regions)
+                if link.state == IN_SYNC:  # its loop copies them (an in-sync link is never resynced)
+                    link.state = RESYNCING
             raise
 
     async def _wait_copies(self, regions: range) -> None:
@@ -351,7 +361,7 @@ class ReplicatedBackend(BackendFilter):
         regions = range(offset >> self._shift, ((offset + length - 1) >> self._shift) + 1)
         links, me = await self._begin(offset, length, regions)
         try:
-            await self._each_copy(remote, local, links)
+            await self._each_copy(remote, lambda: self._local(local(), regions), links)
         finally:
             self._end(regions, me)
 
@@ -394,7 +404,11 @@ class ReplicatedBackend(BackendFilter):
         if self._generation_bumped:
             return
         self._generation_bumped = True
-        await self.md.new_generation()
+        try:
+            await self.md.new_generation()
+        except BaseException:  # not on disk (full, EIO): the next write that needs it tries again
+            self._generation_bumped = False
+            raise
         log.info("new generation", namespace=self.name, why=why, current=f"{self.md.current:016x}")
         for link in self.links:
             if link.state == IN_SYNC:
@@ -414,21 +428,36 @@ class ReplicatedBackend(BackendFilter):
         await self.md.peer_in_sync(link.slot)
 
     async def _run_link(self, link: ReplicaLink) -> None:
-        """Connect, compare generations, resync; again after every failure, until closed."""
+        """Connect, compare generations, resync; again after every failure, until closed. A
+        resync that this copy's own device failed is tried again after a wait that doubles each
+        time (up to :data:`LOCAL_RETRY_MAX`): the replica stays out of sync, with the reason."""
         logged = ""
+        delay = RECONNECT_DELAY
         while not self._closed:
             try:
                 if link.state not in (SPLIT_BRAIN, REFUSED) and link.io is None:
                     await self._connect(link)
                 if link.state == RESYNCING and link.io is not None:  # after a connect, or a verify
                     await resync.run(self, link)
+                delay = RECONNECT_DELAY
             except LINK_ERRORS as exc:
+                local = isinstance(exc, LocalCopyError)
+                if local:
+                    link.local_errors += 1
+                    delay = min(delay * 2, LOCAL_RETRY_MAX)
+                else:
+                    delay = RECONNECT_DELAY
                 if str(exc) != logged:  # once per distinct reason, not every second
                     logged = str(exc)
-                    log.warning("replica not available", namespace=self.name, replica=link.name,
-                                state=link.state, error=logged)
+                    if local:
+                        log.error("resync stopped: this copy's device failed a read; the replica stays "
+                                  "out of sync", namespace=self.name, replica=link.name, error=logged,
+                                  retry_in=delay)
+                    else:
+                        log.warning("replica not available", namespace=self.name, replica=link.name,
+                                    state=link.state, error=logged)
                 await self._lost(link, exc)
-            await asyncio.sleep(RECONNECT_DELAY)
+            await asyncio.sleep(delay)
 
     async def _connect(self, link: ReplicaLink) -> None:
         io = await link.opener()
@@ -530,7 +559,11 @@ class ReplicatedBackend(BackendFilter):
         """A region's offset and this copy's bytes of it (the last region may be short)."""
         offset = region * self.region_size
         buf = bytearray(min(self.region_size, self.data_size - offset))
-        await self.inner.read_into(offset, memoryview(buf))
+        try:
+            await self.inner.read_into(offset, memoryview(buf))
+        except OSError as exc:
+            raise LocalCopyError(exc.errno, f"this copy's device cannot read region {region} "
+                                            f"(offset {offset}, {len(buf)} bytes): {exc.strerror or exc}") from exc
         return offset, buf
 
     def resync_done(self, link: ReplicaLink) -> None:
@@ -542,12 +575,17 @@ class ReplicatedBackend(BackendFilter):
     # -- the lazy clear of bits ---------------------------------------------------------------
 
     async def _sweeper(self) -> None:
+        logged = ""
         while not self._closed:
             await asyncio.sleep(SWEEP_INTERVAL)
             try:
                 await self._sweep()
+                logged = ""
             except LINK_ERRORS as exc:
-                log.warning("clearing write-intent bits failed; they stay set", namespace=self.name, error=str(exc))
+                if str(exc) != logged:  # once per outage: a full or failing disk would say it every second
+                    logged = str(exc)
+                    log.warning("clearing write-intent bits failed; they stay set", namespace=self.name,
+                                error=logged)
 
     async def _sweep(self, everything: bool = False) -> None:
         """Clear the bits of regions every copy has durably and that left the activity window:

@@ -31,28 +31,32 @@ def _digest(data: bytes | bytearray) -> bytes:
 
 async def verify(mirror: ReplicatedBackend, link: ReplicaLink) -> dict[str, Any]:
     """Compare every region with ``link``'s copy; returns the mismatching regions (numbers and
-    byte offsets). Raises what the replica's I/O raises."""
+    byte offsets). Raises what the replica's I/O raises, and
+    :class:`~target.replication.link.LocalCopyError` (naming the region) when this copy's device
+    fails a read: the verify stops there."""
     if link.state != IN_SYNC or link.io is None:
         raise ValueError(f"replica {link.name} is {link.state}: only an in-sync replica is verified")
     size = mirror.region_size
     started = time.monotonic()
     mismatched: list[int] = []
-    for region in range(link.bitmap.regions):
-        if link.state != IN_SYNC:
-            raise ValueError(f"replica {link.name} went {link.state} during the verify: {link.reason}")
-        local, remote = await _read_both(mirror, link, region)
-        if _digest(local) != _digest(remote):
-            mismatched.append(region)
-            offset = region * size
-            await link.bitmap.mark(offset, len(local))
-            link.missing.add(region)
-            log.warning("verify: region differs", namespace=mirror.name, replica=link.name, region=region,
-                        offset=offset, length=len(local))
-        ahead = (region + 1) * size / mirror.resync_rate - (time.monotonic() - started)
-        if ahead > 0:  # the resync's rate limit holds for verify reads too
-            await asyncio.sleep(ahead)
-    if mismatched:
-        link.state = RESYNCING  # the link's loop resyncs what is now missing
+    try:
+        for region in range(link.bitmap.regions):
+            if link.state != IN_SYNC:
+                raise ValueError(f"replica {link.name} went {link.state} during the verify: {link.reason}")
+            local, remote = await _read_both(mirror, link, region)
+            if _digest(local) != _digest(remote):
+                mismatched.append(region)
+                offset = region * size
+                await link.bitmap.mark(offset, len(local))
+                link.missing.add(region)
+                log.warning("verify: region differs", namespace=mirror.name, replica=link.name, region=region,
+                            offset=offset, length=len(local))
+            ahead = (region + 1) * size / mirror.resync_rate - (time.monotonic() - started)
+            if ahead > 0:  # the resync's rate limit holds for verify reads too
+                await asyncio.sleep(ahead)
+    finally:  # a verify cut short (this copy's read failed: LocalCopyError) still mends what it found
+        if mismatched and link.state == IN_SYNC:
+            link.state = RESYNCING  # the link's loop resyncs what is now missing
     log.info("verify done", namespace=mirror.name, replica=link.name, regions=link.bitmap.regions,
              mismatched=len(mismatched), seconds=round(time.monotonic() - started, 2))
     return {"replica": link.name, "regions": link.bitmap.regions, "region_size": size,

@@ -15,6 +15,7 @@ hundred cases; the process's RSS and open fds are sampled against a budget.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import random
 from dataclasses import dataclass, field
@@ -92,6 +93,11 @@ class Report:
     completions: int = 0
     errors: int = 0
     lost: int = 0
+    lost_by: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+    """Commands without a completion, by (how the case sent it, why none came): "framing" cases
+    damage their own PDU, so theirs are in doubt by design; any other command's completion comes
+    unless the target ended the connection ("terminated" with a C2H Term Req, or "closed"), as
+    NVMe/TCP prescribes for a fatal transport error; "timeout" is a command the target forgot."""
     reconnects: int = 0
     problems: list[str] = field(default_factory=list)
     peak_rss: int = 0
@@ -192,6 +198,7 @@ class Fuzzer:
         if roll > 0.995:
             await self.connect_case()
             return
+        kind = "mutated" if roll < 0.5 else "valid"
         if roll < 0.5:
             sqe, data, incapsule = self._mutate(sqe, data)
         if roll > 0.985:
@@ -200,21 +207,25 @@ class Fuzzer:
             await self._slow(sqe, data, incapsule)
         else:
             self.io.send(capsule(sqe, incapsule))
-            await self._outcome(sqe, data, incapsule, timeout=2.0)
+            await self._outcome(sqe, data, incapsule, timeout=2.0, kind=kind)
 
-    async def _outcome(self, sqe: bytes, data: bytes, incapsule: bytes, timeout: float) -> None:
+    async def _outcome(self, sqe: bytes, data: bytes, incapsule: bytes, timeout: float, kind: str) -> None:
         """Answer R2Ts, take the completion, and tell the model."""
         f = IO_COMMAND.parse(sqe)
         opcode, cid, slba, nblocks = f.opcode, f.cid, f.slba, f.nlb + 1
         sent = incapsule
         got = b""
         status = None
+        why = ""
         while status is None:
             try:
                 pdu = await self.io.recv(timeout)
-            except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            except asyncio.TimeoutError:
+                pdu, why = None, "timeout"
+            except (asyncio.IncompleteReadError, ConnectionError):
                 pdu = None
             if pdu is None or pdu.ptype == PduType.C2H_TERM_REQ:
+                why = why or ("closed" if pdu is None else "terminated")
                 break
             if pdu.ptype == PduType.R2T:
                 r2t = DATA_PDU_HEADER.parse(pdu.header)
@@ -234,6 +245,7 @@ class Fuzzer:
         certain = status is not None
         if not certain:
             self.report.lost += 1
+            self.report.lost_by[kind, why] += 1
             await self.reconnect()
         elif status:
             self.report.errors += 1
@@ -276,7 +288,7 @@ class Fuzzer:
             raw = bytearray(rng.randbytes(rng.randrange(1, 200))) + raw
         self.io.send(bytes(raw))
         # whatever the target made of it, the command is in doubt: short wait, then anew
-        await self._outcome(sqe, data, incapsule, timeout=0.05)
+        await self._outcome(sqe, data, incapsule, timeout=0.05, kind="framing")
         if self.io.reader.at_eof() or self.rng.random() < 0.5:
             await self.reconnect()
 
@@ -287,7 +299,7 @@ class Fuzzer:
         for i in range(0, len(raw), step):
             self.io.send(raw[i:i + step])
             await asyncio.sleep(0.002)
-        await self._outcome(sqe, data, incapsule, timeout=2.0)
+        await self._outcome(sqe, data, incapsule, timeout=2.0, kind="slow")
 
     async def admin_case(self) -> None:
         """A read-only admin or fabrics command with mutated fields (Identify, Get Log Page, Get
@@ -425,9 +437,13 @@ def test_fuzz(tmp_path: Path) -> None:
     print(f"fuzz seed {SEED}: {report.cases} cases, {report.completions} succeeded, {report.errors} "
           f"refused, {report.lost} without completion, {report.reconnects} connections; RSS growth "
           f"{report.peak_rss >> 10} KiB, fds +{report.peak_fds}; {len(crashes)} crashes, "
-          f"{len(report.problems)} problems")
+          f"{len(report.problems)} problems; without completion by case and cause: {dict(report.lost_by)}")
     assert not crashes, crashes[:5]
     assert not report.problems, report.problems[:5]
+    # every command gets its completion, except a framing case's own (its PDU is damaged on purpose);
+    # over seeds 1-5 (10,000 + 4 x 5,000 cases) all 280 commands without one were framing cases
+    unanswered = {cause: n for cause, n in report.lost_by.items() if cause[0] != "framing"}
+    assert not unanswered, f"commands without a completion: {unanswered}"
     assert report.cases == CASES
     assert report.peak_rss <= RSS_BUDGET, report.peak_rss
     assert report.peak_fds <= FD_BUDGET, report.peak_fds

@@ -104,6 +104,14 @@ class Writer:
         finally:
             os.close(fd)
 
+    def wait_writes(self, n: int, timeout: float = 20) -> int:
+        """Wait until ``n`` writes in all have returned (or one failed); the count."""
+        deadline = time.monotonic() + timeout
+        while self.writes < n and not self.errors and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.writes >= n and not self.errors, (self.writes, self.errors)
+        return self.writes
+
     def join(self) -> None:
         self.stop.set()
         for t in self.threads:
@@ -172,11 +180,10 @@ class Pair:
         """Kill A under ``writer``'s load, promote B; the writes go on without an error and
         every acknowledged one reads back, through the mount and from the file."""
         try:
-            time.sleep(1.5)
-            before_kill = writer.writes
-            assert before_kill > 0 and not writer.errors
+            before_kill = writer.wait_writes(writer.writes + 50)  # under way, whatever the machine's speed
             self.s.stop_target(signal.SIGKILL)
-            time.sleep(1.0)  # the writers wait: the only other path is inaccessible
+            # the host has seen A go (the writers now wait: the only other path is inaccessible)
+            self.wait_listed(f"path tcp://127.0.0.1:{self.s.port} cntlid 1 reconnecting")
             promote = self.target_ctl("b.sock", "ana", "promote")
             assert promote.returncode == 0, promote.stderr
             assert "now optimized" in promote.stdout

@@ -9,7 +9,6 @@ connect fails with one line."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from blockd_stack import NQN, Stack, free_port
@@ -49,7 +48,7 @@ def test_a_path_down_at_connect_joins_when_its_target_starts(tmp_path: Path) -> 
         assert " live, " in listing  # the connection itself
         s.mount()
         writer = Writer(s.file)
-        time.sleep(1.0)
+        writer.wait_writes(20)  # B starts under the load
         pair.start_b()
         pair.wait_listed(pair.path_b("cntlid 100 live: nsid 1 inaccessible"))
         assert not writer.errors, writer.errors
