@@ -43,25 +43,21 @@ REGION_BLOCKS = REGION // BLOCK
 @pytest.fixture
 def disks(scratch):
     """The two disks as dm-log-writes devices (``/dev/mapper/crash-p``, ``crash-r``), each over a
-    loop device with a loop device for its log; yields the log files."""
-    sh("modprobe loop; modprobe dm-log-writes")
-    logs, loops = {}, []
+    loop device with a loop device for its log; yields the log files. One shell for all of it:
+    each costs a second under TCG."""
+    logs = {dev: f"{scratch}/{dev}.log" for dev in DEVICES}
+    steps = ["modprobe loop", "modprobe dm-log-writes"]
+    for dev in DEVICES:
+        steps.append(f"truncate -s {DEVICE_SIZE} {scratch}/{dev}.img && truncate -s {LOG_SIZE} {logs[dev]} && "
+                     f"d=$(losetup -f --show {scratch}/{dev}.img) && l=$(losetup -f --show {logs[dev]}) && "
+                     f"dmsetup create --noudevsync {dev} --table \"0 {DEVICE_SIZE // 512} log-writes $d $l\"")
     try:
-        for dev in DEVICES:
-            img, log = f"{scratch}/{dev}.img", f"{scratch}/{dev}.log"
-            sh(f"truncate -s {DEVICE_SIZE} {img} && truncate -s {LOG_SIZE} {log}")
-            d = sh(f"losetup -f --show {img}").strip()
-            lg = sh(f"losetup -f --show {log}").strip()
-            loops += [d, lg]
-            sh(f"DM_DISABLE_UDEV=1 dmsetup create --noudevsync {dev} "
-               f"--table '0 {DEVICE_SIZE // 512} log-writes {d} {lg}'")
-            logs[dev] = log
+        sh("export DM_DISABLE_UDEV=1; " + "; ".join(steps))
         yield logs
     finally:
-        for dev in DEVICES:
-            sh(f"DM_DISABLE_UDEV=1 dmsetup remove --noudevsync {dev}", check=False)
-        for lp in loops:
-            sh(f"losetup -d {lp}", check=False)
+        # the VM is thrown away after the group: every loop device is this fixture's
+        sh(f"export DM_DISABLE_UDEV=1; for d in {' '.join(DEVICES)}; do dmsetup remove --noudevsync $d || true; done; "
+           "losetup -D", check=False)
 
 
 def _replica_target() -> Daemon:
@@ -180,8 +176,8 @@ def test_power_loss_at_every_flush_fua_and_between(disks, record_property):
         marker.close()
         target.stop()
     record_property("record_s", round(time.monotonic() - t0, 1))
-    for dev in DEVICES:  # the target's removal writes the log's final super block
-        sh(f"DM_DISABLE_UDEV=1 dmsetup remove --noudevsync {dev}")
+    # the target's removal writes the log's final super block
+    sh(f"export DM_DISABLE_UDEV=1; for d in {' '.join(DEVICES)}; do dmsetup remove --noudevsync $d; done")
     counts = {}
     for (key, name), dev in zip(LOG_FILES.items(), DEVICES):
         with open(disks[dev], "rb") as f:
