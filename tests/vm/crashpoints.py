@@ -13,14 +13,15 @@ tests/vm/logwrites.py for why a prefix is what a power loss leaves). A crash of 
 a prefix of each log, and not every combination is one the machines could reach: the
 replica writes a region only after the primary's bit for it is on disk, and the primary
 clears a bit only after the replica's flush completed. So every message between the machines
-is bracketed by a *tick*: a numbered mark ``t<N>`` put into both logs at once (microseconds
-apart), before a command goes to the replica and after its completion comes back, before the
+is bracketed by a *tick*: a numbered mark ``t<N>`` put into both logs at once (two ioctls back
+to back), before a command goes to the replica and after its completion comes back, before the
 primary acts on it (:class:`TickedReplica`); the writer ticks after each acknowledgement too.
 Between two ticks neither machine can learn anything from the other, so any prefix of the
 primary's log and any prefix of the replica's log that both end between the same two ticks
 form a state both machines could be in when the power fails: a power loss of both, or of one
-with the other's state at that moment. The pairs checked per tick interval: each end of one
-side with every FLUSH/FUA point, each end and a random point of the other, plus a random pair.
+with the other's state at that moment. The pairs checked per tick interval: each end of either
+side with each chosen point of the other (both ends, every FLUSH/FUA point, one random point),
+plus one random pair.
 
 **At each crash point** (:func:`check`):
 
