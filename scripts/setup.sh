@@ -14,7 +14,7 @@ APT_PACKAGES=(
   rdma-core ibverbs-utils perftest librdmacm1
   fio nbdkit libnbd-bin nvme-cli fuse3
   qemu-system-x86 busybox-static cpio kmod iproute2
-  systemd
+  systemd dmsetup
 )
 
 missing=()
