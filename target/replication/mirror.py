@@ -457,6 +457,12 @@ class ReplicatedBackend(BackendFilter):
                       peer_dirty=peer_slot is not None and bool(peer.bitmap(peer_slot).dirty_count()))
         if new_slot and plan in (SyncPlan.IN_SYNC, SyncPlan.BITMAP):
             plan = SyncPlan.FULL  # a copy this slot never tracked: no bitmap says what it lacks
+        elif plan == SyncPlan.FULL and not new_slot and peer.current == BLANK and peer.inconsistent:
+            # a first full sync from this copy, cut off (a kill of either side, a lost link): its
+            # slot's bits were all set on disk before the replica was marked inconsistent, and
+            # are cleared only for regions copied and flushed, so they say what is left to copy.
+            # Without this the sync started again from the first region after every interruption.
+            plan = SyncPlan.BITMAP
         return plan, peer
 
     async def take_slot(self, link: ReplicaLink, node_id: int) -> bool:
