@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import structlog
@@ -341,6 +342,7 @@ class ReplicatedBackend(BackendFilter):
         since the start stays ``connecting``."""
         was = link.state
         link.reason = str(exc) or type(exc).__name__
+        link.abandoned(exc)
         if was == IN_SYNC or was == RESYNCING:
             link.state = DEGRADED
             log.warning("replica out of sync", namespace=self.name, replica=link.name, was=was, error=link.reason)
@@ -381,6 +383,7 @@ class ReplicatedBackend(BackendFilter):
         while not self._closed:
             try:
                 if link.state not in (SPLIT_BRAIN, REFUSED) and link.io is None:
+                    await self._fence(link)
                     await self._connect(link)
                 if link.state == RESYNCING and link.io is not None:  # after a connect, or a verify
                     await resync.run(self, link)
@@ -392,9 +395,17 @@ class ReplicatedBackend(BackendFilter):
                 await self._lost(link, exc)
             await asyncio.sleep(RECONNECT_DELAY)
 
+    async def _fence(self, link: ReplicaLink) -> None:
+        """Wait until writes this copy gave up on can no longer land on ``link``'s replica
+        (:meth:`ReplicaLink.abandoned`) before a new association writes there."""
+        wait = link.fenced_until - time.monotonic()
+        if wait > 0:
+            link.reason += f" (waiting {wait:.1f}s for the old association to expire at the replica)"
+            await asyncio.sleep(wait)
+
     async def _connect(self, link: ReplicaLink) -> None:
         io = await link.opener()
-        link.io = io
+        link.io, link.stale_for = io, io.stale_for
         if io.size != self.inner.size:
             raise ValueError(f"the replica has {io.size} bytes, this copy {self.inner.size}: "
                              "the copies must be the same size")

@@ -31,6 +31,8 @@ class FakeReplica:
         self.size = store.size
         self.name = name
         self.block_size = 512
+        self.stale_for = 0.0
+        self.gave_up = False
         self.down = False
         self.written = 0
         self.closed = False
