@@ -54,9 +54,11 @@ class _Pipe:
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Read, hold each chunk until its time (the delay when it was read), forward in order;
-        while the link is black-holed neither read nor write. EOF is passed on as EOF."""
+        while the link is black-holed neither read nor write. An end (EOF, or a reset) is passed
+        on in its turn, after what was read before it, as a network delivers a FIN or RST after
+        the segments sent before it."""
         proxy = self.proxy
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[float, bytes | None]] = asyncio.Queue()
 
         async def forward() -> None:
             while True:
@@ -65,6 +67,9 @@ class _Pipe:
                 if wait > 0:
                     await asyncio.sleep(wait)
                 await proxy.flowing.wait()
+                if data is None:  # the sender reset the connection
+                    writer.transport.abort()
+                    return
                 if not data:
                     writer.write_eof()
                     return
@@ -75,11 +80,16 @@ class _Pipe:
         try:
             while True:
                 await proxy.flowing.wait()
-                data = await reader.read(1 << 16)
+                try:
+                    data: bytes | None = await reader.read(1 << 16)
+                except OSError:
+                    data = None
                 queue.put_nowait((time.monotonic() + proxy.delay, data))
                 if not data:
                     break
             await sender
+        except OSError:
+            pass  # the receiving side is gone: nothing more to deliver this way
         finally:
             sender.cancel()
 
@@ -150,6 +160,18 @@ class Proxy:
     def slow(self, delay: float) -> None:
         """Forward every byte read from now on ``delay`` seconds late (0: at once again)."""
         self.delay = delay
+
+    def open_pipes(self) -> set[Any]:
+        """The connections open now (to wait for their end with :meth:`wait_gone`)."""
+        return set(self.pipes)
+
+    def wait_gone(self, pipes: set[Any], timeout: float) -> None:
+        """Until every connection of ``pipes`` ended: all it carried was delivered, its ends
+        were passed on and both sides closed it."""
+        deadline = time.monotonic() + timeout
+        while pipes & self.pipes:
+            assert time.monotonic() < deadline, f"{len(pipes & self.pipes)} old connections still open"
+            time.sleep(0.05)
 
     def close(self) -> None:
         async def close() -> None:
