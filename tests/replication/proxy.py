@@ -110,9 +110,8 @@ class Proxy:
         self.mode: str | None = None
         """None while the link is whole, else :data:`RESET` or :data:`BLACKHOLE`."""
         self.delay = 0.0
-        self.accepted = 0
-        """Connections the primary made through the proxy (each reconnect makes new ones)."""
         self.pipes: set[_Pipe] = set()
+        """The connections open (changed on the proxy's thread only)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="proxy", daemon=True)
         self._thread.start()
@@ -130,7 +129,6 @@ class Proxy:
         return event
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.accepted += 1
         pipe = _Pipe(self, reader, writer)
         self.pipes.add(pipe)
         await pipe.run()
@@ -161,16 +159,19 @@ class Proxy:
         """Forward every byte read from now on ``delay`` seconds late (0: at once again)."""
         self.delay = delay
 
-    def open_pipes(self) -> set[Any]:
+    def open_pipes(self) -> set[_Pipe]:
         """The connections open now (to wait for their end with :meth:`wait_gone`)."""
-        return set(self.pipes)
 
-    def wait_gone(self, pipes: set[Any], timeout: float) -> None:
+        async def snapshot() -> set[_Pipe]:
+            return set(self.pipes)
+        return self._call(snapshot())
+
+    def wait_gone(self, pipes: set[_Pipe], timeout: float) -> None:
         """Until every connection of ``pipes`` ended: all it carried was delivered, its ends
         were passed on and both sides closed it."""
         deadline = time.monotonic() + timeout
-        while pipes & self.pipes:
-            assert time.monotonic() < deadline, f"{len(pipes & self.pipes)} old connections still open"
+        while left := pipes & self.open_pipes():
+            assert time.monotonic() < deadline, f"{len(left)} old connections still open"
             time.sleep(0.05)
 
     def close(self) -> None:
