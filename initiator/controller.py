@@ -230,6 +230,8 @@ class Controller:
         self._reconnect_task: asyncio.Task[None] | None = None
         self.reconnects = 0
         """Associations re-established after a lost connection (a metric)."""
+        self.timeouts = 0
+        """Commands failed for want of an answer in time (each reset its association)."""
         self._keep_alive_task: asyncio.Task[None] | None = None
         self._aer_task: asyncio.Task[None] | None = None
         self.namespace_listeners: list[Callable[[], None]] = []
@@ -579,6 +581,7 @@ class Controller:
             if conn is None:
                 continue
             expired = conn.queue.expired(now)
+            self.timeouts += len(expired)
             for cmd in expired:
                 conn.queue.finish(cmd.cid)
                 what = describe_command(cmd.sqe, conn is self.admin)

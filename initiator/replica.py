@@ -23,6 +23,11 @@ REPLICA_QUEUES = 2
 with room (see ``Controller._io_with_room``), a second only takes the overflow."""
 
 
+STALE_MARGIN = 1.0
+"""Seconds beyond two keep-alive timeouts: the target's keep-alive check runs periodically
+(blockd's every 0.5 s)."""
+
+
 class RemoteNamespace:
     """Namespace ``nsid`` of a live :class:`Controller`, addressed in bytes."""
 
@@ -32,6 +37,17 @@ class RemoteNamespace:
         self.size = ctrl.namespace(nsid).size
         """Bytes of the whole namespace (the replica's metadata included)."""
         self.name = f"{ctrl.params.transport}://{ctrl.params.traddr}:{ctrl.params.trsvcid}/{ctrl.params.subnqn}/{nsid}"
+        self.stale_for = 2 * ctrl.params.keep_alive_tmo + STALE_MARGIN
+        """How long a command this side gave up on may still run at the replica: a target tears
+        an association down between one and two KATO after the last command it received (nvmet's
+        traffic-based keep-alive, and blockd's), which a delayed path or a partition that heals
+        shifts but does not stretch (the replica receives nothing meanwhile)."""
+
+    @property
+    def gave_up(self) -> bool:
+        """Whether a command on this association went unanswered past its timeout: the
+        association was then reset from this side, perhaps with commands still on their way."""
+        return self.ctrl.timeouts > 0
 
     @property
     def block_size(self) -> int:

@@ -56,6 +56,12 @@ class ReplicaIO(BlockIO, Protocol):
     name: str
     block_size: int
     """The replica namespace's logical block (a kernel nvmet file namespace has 4096)."""
+    stale_for: float
+    """Seconds after this side gave up on a command (a timeout) during which the replica may
+    still execute commands sent on that association: they may be in the network, or held by a
+    partition, until its keep-alive expiry tears the association down there."""
+    gave_up: bool
+    """A command on this association timed out (any: a keep-alive's too), so this side reset it."""
 
     def submit_write(self, offset: int, data: memoryview | bytes, fua: bool,
                      done: Callable[[BaseException | None], None]) -> None: ...
@@ -119,6 +125,11 @@ class ReplicaLink:
         """Resyncs to this replica that this copy's own device failed (:class:`LocalCopyError`)."""
         self.discard_next = False
         """An operator discarded this replica's data: the next connection overwrites it."""
+        self.stale_for = 0.0
+        """The connected replica's :attr:`ReplicaIO.stale_for` (kept once it is hung up)."""
+        self.fenced_until = 0.0
+        """Monotonic time before which nothing is written to this replica again: a write this
+        copy gave up on may still land there until then (see :meth:`abandoned`)."""
 
     @property
     def sendable(self) -> bool:
@@ -132,6 +143,17 @@ class ReplicaLink:
         if self.state == RESYNCING and self.progress is not None:
             out["resync"] = self.progress.view()
         return out
+
+    def abandoned(self, exc: BaseException) -> None:
+        """A command to the replica failed with ``exc``. A timeout means this copy gave up on a
+        live association with commands perhaps still on their way (a slow link, a partition
+        that heals): a resync that copied a region before such a write lands would be undone
+        by it, and the copies differ with no bit set. So no new association writes until the
+        old one is dead at the replica. An error the replica answered, or a connection it
+        closed, leaves nothing on its way. (A write may fail as a lost connection because
+        another command, a keep-alive say, timed out first: :attr:`ReplicaIO.gave_up`.)"""
+        if isinstance(exc, TimeoutError) or (self.io is not None and self.io.gave_up):
+            self.fenced_until = max(self.fenced_until, time.monotonic() + self.stale_for)
 
     def hang_up(self) -> None:
         """Drop the connection. Its close runs in the background: a replica that hangs must not

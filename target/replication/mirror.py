@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import structlog
@@ -397,6 +398,7 @@ class ReplicatedBackend(BackendFilter):
         since the start stays ``connecting``."""
         was = link.state
         link.reason = str(exc) or type(exc).__name__
+        link.abandoned(exc)
         if was == IN_SYNC or was == RESYNCING:
             link.state = DEGRADED
             log.warning("replica out of sync", namespace=self.name, replica=link.name, was=was, error=link.reason)
@@ -444,6 +446,7 @@ class ReplicatedBackend(BackendFilter):
         while not self._closed:
             try:
                 if link.state not in (SPLIT_BRAIN, REFUSED) and link.io is None:
+                    await self._fence(link)
                     await self._connect(link)
                 if link.state == RESYNCING and link.io is not None:  # after a connect, or a verify
                     await resync.run(self, link)
@@ -467,9 +470,17 @@ class ReplicatedBackend(BackendFilter):
                 await self._lost(link, exc)
             await asyncio.sleep(delay)
 
+    async def _fence(self, link: ReplicaLink) -> None:
+        """Wait until writes this copy gave up on can no longer land on ``link``'s replica
+        (:meth:`ReplicaLink.abandoned`) before a new association writes there."""
+        wait = link.fenced_until - time.monotonic()
+        if wait > 0:
+            link.reason += f" (waiting {wait:.1f}s for the old association to expire at the replica)"
+            await asyncio.sleep(wait)
+
     async def _connect(self, link: ReplicaLink) -> None:
         io = await link.opener()
-        link.io = io
+        link.io, link.stale_for = io, io.stale_for
         if io.size != self.inner.size:
             raise ValueError(f"the replica has {io.size} bytes, this copy {self.inner.size}: "
                              "the copies must be the same size")
@@ -532,6 +543,12 @@ class ReplicatedBackend(BackendFilter):
                       peer_dirty=peer_slot is not None and bool(peer.bitmap(peer_slot).dirty_count()))
         if new_slot and plan in (SyncPlan.IN_SYNC, SyncPlan.BITMAP):
             plan = SyncPlan.FULL  # a copy this slot never tracked: no bitmap says what it lacks
+        elif plan == SyncPlan.FULL and not new_slot and peer.current == BLANK and peer.inconsistent:
+            # a first full sync from this copy, cut off (a kill of either side, a lost link): its
+            # slot's bits were all set on disk before the replica was marked inconsistent, and
+            # are cleared only for regions copied and flushed, so they say what is left to copy.
+            # Without this the sync started again from the first region after every interruption.
+            plan = SyncPlan.BITMAP
         return plan, peer
 
     async def take_slot(self, link: ReplicaLink, node_id: int) -> bool:

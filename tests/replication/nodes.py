@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
+from initiator.control import ControlClient
 from initiator.controller import ConnectParams, Controller
 from protocol.replication import layout
 
@@ -35,6 +35,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Endpoint(Protocol):
+    """Where a primary reaches a replica: a :class:`Node`, or a proxy in front of one."""
+
+    port: int
+
+
 class Node:
     """One `blockd target` process: a plain namespace (a replica), or a replicated one."""
 
@@ -49,7 +55,8 @@ class Node:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = tmp / f"{name}.log"
 
-    def config(self, nqn: str, replicas: list[Node], min_in_sync: int = 1) -> str:
+    def config(self, nqn: str, replicas: Sequence[Endpoint], min_in_sync: int = 1,
+               resync_rate: str = "1GiB") -> str:
         """The TOML: a plain namespace, or a replicated one over ``replicas`` (2 s timeout)."""
         text = f"""
 [control]
@@ -70,7 +77,7 @@ path = "{self.file}"
 size = {self.device}
 """
         if replicas:
-            text += f"min_in_sync = {min_in_sync}\nresync_rate = \"1GiB\"\n"
+            text += f"min_in_sync = {min_in_sync}\nresync_rate = \"{resync_rate}\"\n"
         for r in replicas:
             text += f"""
 [[subsystem.namespace.replica]]
@@ -81,9 +88,10 @@ timeout = 2.0
 """
         return text
 
-    def start(self, replicas: list[Node] | None = None, nqn: str | None = None, min_in_sync: int = 1) -> None:
+    def start(self, replicas: Sequence[Endpoint] | None = None, nqn: str | None = None, min_in_sync: int = 1,
+              resync_rate: str = "1GiB") -> None:
         cfg = self.tmp / f"{self.name}.toml"
-        cfg.write_text(self.config(nqn or (NQN if replicas else RNQN), replicas or [], min_in_sync))
+        cfg.write_text(self.config(nqn or (NQN if replicas else RNQN), replicas or [], min_in_sync, resync_rate))
         seen = self.log.stat().st_size if self.log.exists() else 0  # the log of earlier runs stays
         self.proc = subprocess.Popen([str(BIN / "blockd"), "target", "--config", str(cfg)],
                                      stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))
@@ -112,9 +120,10 @@ timeout = 2.0
                               capture_output=True, timeout=60)
 
     def replicas(self) -> list[dict[str, Any]]:
-        res = self.ctl("replicas", "--json")
-        assert res.returncode == 0, res.stderr.decode()
-        return json.loads(res.stdout)["namespaces"][0]["replicas"]
+        """The first namespace's replicas as ``blockctl target replicas --json`` shows them,
+        asked on the control socket from this process (polled often: no blockctl per look)."""
+        with ControlClient(str(self.sock), timeout=30, daemon="target") as client:
+            return client.call({"op": "replicas"})["namespaces"][0]["replicas"]
 
     def wait_states(self, want: Callable[[list[dict[str, Any]]], bool], timeout: float = 30.0) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
@@ -145,10 +154,12 @@ def block_of(seq: int) -> bytes:
 
 
 async def load(ctrl: Controller, blocks: list[int], stop: asyncio.Event, acked: list[int],
-               errors: list[BaseException], depth: int = 8, once: bool = False) -> None:
+               errors: list[BaseException], depth: int = 8, once: bool = False,
+               latencies: list[float] | None = None) -> None:
     """Write ``block_of(seq)`` at block ``blocks[seq % len(blocks)]`` (4 KiB blocks) at queue
     depth ``depth`` until ``stop`` (``once``: or every block was written once, so that each
-    holds its one write); ``acked`` gets every sequence number whose write completed."""
+    holds its one write); ``acked`` gets every sequence number whose write completed, and
+    ``latencies`` (if given) the seconds each took."""
     seq = 0
 
     async def worker() -> None:
@@ -156,10 +167,13 @@ async def load(ctrl: Controller, blocks: list[int], stop: asyncio.Event, acked: 
         while not stop.is_set() and not (once and seq >= len(blocks)):
             mine = seq
             seq += 1
+            began = time.monotonic()
             try:
                 await ctrl.write_bytes(1, blocks[mine % len(blocks)] * 4096, block_of(mine))
             except Exception as exc:  # the primary's death ends the load: recorded, not raised
                 errors.append(exc)
                 return
+            if latencies is not None:
+                latencies.append(time.monotonic() - began)
             acked.append(mine)
     await asyncio.gather(*(worker() for _ in range(depth)))

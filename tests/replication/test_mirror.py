@@ -33,6 +33,8 @@ class FakeReplica:
         self.size = store.size
         self.name = name
         self.block_size = 512
+        self.stale_for = 0.0
+        self.gave_up = False
         self.down = False
         self.written = 0
         self.closed = False
@@ -91,12 +93,15 @@ class Bed:
         self.stores = stores or [MemoryBackend(DEVICE) for _ in range(n)]
         self.up = [True] * n
         self.opened: list[list[FakeReplica]] = [[] for _ in range(n)]
+        self.stale_for = 0.0
+        """What the replicas opened from now on say of an association given up on."""
 
     def opener(self, i: int) -> Callable[[], Any]:
         async def open_() -> FakeReplica:
             if not self.up[i]:
                 raise ConnectionRefusedError(f"replica {i} refuses")
             r = FakeReplica(self.stores[i], f"r{i}")
+            r.stale_for = self.stale_for
             self.opened[i].append(r)
             return r
         return open_
@@ -528,4 +533,34 @@ def test_discarding_this_copy_takes_the_replicas_data() -> None:
         a3 = await bed.primary()  # the generations agree from now on
         await until(lambda: a3.links[0].state == IN_SYNC)
         await a3.stop()
+    run(main())
+
+
+@pytest.mark.parametrize("failure, gave_up, fenced", [
+    (TimeoutError("write timed out"), False, True),
+    (ConnectionError("lost: a keep-alive timed out first"), True, True),
+    (ConnectionError("closed by the replica"), False, False)])
+def test_a_replica_that_timed_out_gets_nothing_until_its_old_association_is_dead(
+        failure: Exception, gave_up: bool, fenced: bool) -> None:
+    """A write the primary gave up on (its timeout, or another command's on the association)
+    may still land on the replica until its ``stale_for`` has passed: no new association, so
+    no resync, before then. A connection the replica closed leaves nothing on its way:
+    reconnected at once."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        bed = Bed(1)
+        bed.stale_for = 0.5
+        m = await bed.primary()
+        await until(lambda: m.links[0].state == IN_SYNC)
+        bed.opened[0][0].fail_with = failure
+        bed.opened[0][0].gave_up = gave_up
+        await m.write(0, b"x" * 4096)  # the replica fails it; the host's write completes
+        lost = loop.time()
+        assert m.links[0].state != IN_SYNC
+        await until(lambda: m.links[0].state == IN_SYNC)
+        back = loop.time() - lost
+        assert (back >= 0.5) == fenced, back
+        assert len(bed.opened[0]) == 2
+        assert data_hash(bed.local, m.size) == data_hash(bed.stores[0], m.size)
+        await m.stop()
     run(main())
