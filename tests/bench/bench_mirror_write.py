@@ -38,6 +38,8 @@ class InstantReplica:
         self.size = size
         self.block_size = 512
         self.store = MemoryBackend(size)
+        self.stale_for = 0.0  # the replica side of target.replication.link.ReplicaIO
+        self.gave_up = False
 
     def submit_write(self, offset: int, data: Any, fua: bool, done: Callable[[BaseException | None], None]) -> None:
         asyncio.get_running_loop().call_soon(done, None)
