@@ -31,7 +31,7 @@ What :class:`target.queue.TargetQueue` keeps per command and this path does at t
   and bucket of the read or write kind, the latency from the capsule taken to the reply queued
   on the same clock (CLOCK_MONOTONIC is ``time.monotonic_ns``);
 - the keep-alive traffic stamp (``controller.traffic_seen``);
-- the connection's read-data batching (``_batched`` against ``_flush_at``, and straight to the
+- the connection's read-data batching (``batched`` against ``flush_at``, and straight to the
   socket while the daemon-wide ``max_unsent_total`` is passed), so that a host not reading its
   replies is seen (pause_writing, or the daemon-wide count) as soon as on the Python path.
 
@@ -77,6 +77,15 @@ from blockd._iostats cimport IoCounters, now_ns
 from blockd._le cimport le16, le32, le64, st16, st32
 from blockd._output cimport OutputBatcher
 from blockd._pdu_reader cimport PduReader
+from target._file_io cimport (
+    _FILE_REFUSED, _HOST_CLOSED, _SOCKET_FAILED, _SPLICED, FastFile, FastNamespace, _pwrite_all, _read_pipe,
+    _splice_all, _splice_out, _splice_write,
+)
+from target._io_core cimport (
+    _CQE_SIZE, _FLUSH, _FUA, _KIND_FLUSH, _KIND_READ, _KIND_WRITE, _PSDT_MASK, _PSDT_SGL, _READ, _SGL_IN_CAPSULE,
+    _SGL_TRANSPORT, _SQE_SIZE, _WRITE, _O_ADDR, _O_LEN, _O_SGL_ID, QueueShape, RwCommand, bind_queue, count_io,
+    eligible, next_sqhd, parse_rw, queue_ready, write_cqe,
+)
 
 import asyncio
 import os
@@ -84,21 +93,16 @@ import threading
 
 import structlog
 
-from blockd.iostats import KIND_BY_OPCODE
 from blockd.tcp_frames import DataDigestError, FramingError
 from blockd.tcp_pdu import PduWriter
-from protocol.constants import CC_EN, CSTS_RDY, PSDT_SGL, IoOpcode, SglId
 from protocol.layout import field_offset
-from protocol.nvme import CQE, CQE_FAST, FLAGS_PSDT_FUSE_MASK, IO_COMMAND, IO_CONTROL, IO_SLBA, RW_CONTROL_FUA, SQE_SIZE
+from protocol.nvme import CQE_FAST, IO_CONTROL, IO_SLBA
 from protocol.tcp import (
     CAPSULE_RESP_HLEN, COMMON_HEADER, COMMON_HEADER_FAST, COMMON_HEADER_SIZE, DATA_HLEN, DATA_PDU_HEADER,
     DATA_PDU_HEADER_FAST, PduFlags, PduType,
 )
 from target import file_send
 
-cdef extern from "<fcntl.h>" nogil:
-    Py_ssize_t splice(int fd_in, off_t* off_in, int fd_out, off_t* off_out, size_t n, unsigned int flags)
-    unsigned int SPLICE_F_NONBLOCK
 
 cdef extern from "<sys/uio.h>" nogil:
     struct iovec:
@@ -127,21 +131,9 @@ THREAD_JOIN_TIMEOUT = 5.0
 """Seconds a closing connection waits for its queue's thread to leave (it is woken by
 ``shutdown``; only a ``pread``/``pwrite`` that the disk holds can make it take longer)."""
 
-# -- layouts, from protocol/ ---------------------------------------------------------------------
-# (those assigned without ``cdef`` are declared in target/_io_fast.pxd: target/_rdma_fast.pyx reads them too)
+# -- layouts, from protocol/ (the SQE's fields and the CQE: target/_io_core.pxd) ----------------------
 
 cdef Py_ssize_t _SQE_AT = COMMON_HEADER_SIZE  # the SQE follows the CapsuleCmd's common header
-_SQE_SIZE = SQE_SIZE
-_O_OPC = field_offset(IO_COMMAND, "opcode")
-_O_FLAGS = field_offset(IO_COMMAND, "flags")
-_O_CID = field_offset(IO_COMMAND, "cid")
-_O_NSID = field_offset(IO_COMMAND, "nsid")
-_O_ADDR = field_offset(IO_COMMAND, "sgl_address")
-_O_LEN = field_offset(IO_COMMAND, "sgl_length")
-cdef Py_ssize_t _O_SGL_ID = field_offset(IO_COMMAND, "sgl_id")
-_O_SLBA = field_offset(IO_COMMAND, "slba")
-_O_NLB = field_offset(IO_COMMAND, "nlb")
-_O_CONTROL = field_offset(IO_COMMAND, "control")
 cdef Py_ssize_t _O_HLEN_CMD = field_offset(COMMON_HEADER, "hlen")
 cdef Py_ssize_t _O_TYPE = field_offset(COMMON_HEADER, "pdu_type")
 cdef Py_ssize_t _O_PLEN = field_offset(COMMON_HEADER, "plen")
@@ -159,24 +151,7 @@ cdef Py_ssize_t _D_TTAG = field_offset(DATA_PDU_HEADER, "ttag")  # an R2T's fiel
 cdef Py_ssize_t _D_DATAO = field_offset(DATA_PDU_HEADER, "datao")
 cdef Py_ssize_t _D_DATAL = field_offset(DATA_PDU_HEADER, "datal")
 cdef Py_ssize_t _CQE_AT = COMMON_HEADER_SIZE  # the CQE follows the CapsuleResp's common header
-_CQE_SIZE = CQE.sizeof()
-cdef Py_ssize_t _R_SQHD = field_offset(CQE, "sqhd")  # in the CQE
-cdef Py_ssize_t _R_SQID = field_offset(CQE, "sqid")
-cdef Py_ssize_t _R_CID = field_offset(CQE, "cid")
 
-_READ = IoOpcode.READ
-_WRITE = IoOpcode.WRITE
-_KIND_READ = KIND_BY_OPCODE[_READ]
-_KIND_WRITE = KIND_BY_OPCODE[_WRITE]
-cdef int _FLUSH = IoOpcode.FLUSH
-cdef int _KIND_FLUSH = KIND_BY_OPCODE[_FLUSH]
-_PSDT_MASK = FLAGS_PSDT_FUSE_MASK
-_PSDT_SGL = PSDT_SGL
-_SGL_IN_CAPSULE = SglId.DATA_BLOCK_OFFSET
-cdef int _SGL_TRANSPORT = SglId.TRANSPORT_DATA_BLOCK
-_FUA = RW_CONTROL_FUA
-cdef int _CC_EN = CC_EN
-cdef int _CSTS_RDY = CSTS_RDY
 cdef int _LAST = PduFlags.LAST_PDU
 cdef int _LAST_SUCCESS = PduFlags.LAST_PDU | PduFlags.SUCCESS
 cdef int _CAPSULE_CMD = PduType.CAPSULE_CMD
@@ -207,30 +182,15 @@ cdef inline void _r2t(unsigned char* p, unsigned int cid, unsigned int ttag, uns
     st32(p + _D_DATAL, n)
 
 
-cdef void write_cqe(unsigned char* p, unsigned int sqhd, unsigned int sqid, unsigned int cid) noexcept:
-    """A successful command's CQE (dw0, dw1 and status 0): the CapsuleResp's, and what NVMe/RDMA
-    SENDs alone (``target/_rdma_fast.pyx``)."""
-    memcpy(p, <const char*>_RESP_TEMPLATE + _CQE_AT, _CQE_SIZE)
-    st16(p + _R_SQHD, sqhd)
-    st16(p + _R_SQID, sqid)
-    st16(p + _R_CID, cid)
-
-
 cdef inline void _capsule_resp(unsigned char* p, unsigned int sqhd, unsigned int sqid, unsigned int cid) noexcept:
     memcpy(p, <const char*>_RESP_TEMPLATE, _CQE_AT)
     write_cqe(p + _CQE_AT, sqhd, sqid, cid)
 
 
 def _check_layouts():
-    """The SQE fields read here and the headers written here against ``protocol/``'s builders."""
-    cdef bytearray out
-    sample = dict(opcode=0x11, flags=0x22, cid=0x3344, nsid=0x55667788, sgl_address=0x0102030405060708,
-                  sgl_length=0x0A0B0C0D, sgl_id=0x5A, slba=0x1112131415161718, nlb=0x2122, control=0x3132)
-    sqe = IO_COMMAND.build(sample)
-    cdef const unsigned char* q = <const unsigned char*><const char*>sqe
-    got = (q[_O_OPC], q[_O_FLAGS], le16(q + _O_CID), le32(q + _O_NSID), le64(q + _O_ADDR),
-           le32(q + _O_LEN), q[_O_SGL_ID], le64(q + _O_SLBA), le16(q + _O_NLB), le16(q + _O_CONTROL))
-    out = bytearray(_DATA_HLEN + _RESP_LEN)
+    """The headers written here against ``protocol/``'s builders (the SQE's fields and the CQE:
+    ``target/_io_core.pyx``'s check)."""
+    cdef bytearray out = bytearray(_DATA_HLEN + _RESP_LEN)
     cdef unsigned char* o = <unsigned char*>PyByteArray_AS_STRING(out)
     _c2h_header(o, 0x1234, 0x56789A, _LAST_SUCCESS)
     _capsule_resp(o + _DATA_HLEN, 0x0102, 0x0304, 0x0506)
@@ -239,112 +199,13 @@ def _check_layouts():
             + _RESP_TEMPLATE[:COMMON_HEADER_SIZE] + CQE_FAST.pack(0, 0, 0x0102, 0x0304, 0x0506, 0))
     r2t = bytearray(_R2T_LEN)
     _r2t(<unsigned char*>PyByteArray_AS_STRING(r2t), 0x1234, 0x5678, 0x9ABCDEF)
-    if got != tuple(sample.values()) or bytes(out) != want or bytes(r2t) != b"".join(
+    if bytes(out) != want or bytes(r2t) != b"".join(
             PduWriter().r2t(0x1234, 0x5678, 0, 0x9ABCDEF)):
-        raise ImportError("protocol/'s SQE, C2HData, R2T or CapsuleResp layout is not the one target/_io_fast.pyx uses")
+        raise ImportError("protocol/'s C2HData, R2T or CapsuleResp layout is not the one target/_tcp_io.pyx uses")
 
 
 _check_layouts()
 
-
-cdef inline Py_ssize_t _splice_all(int fd_in, off_t* off_in, int fd_out, Py_ssize_t length) noexcept nogil:
-    """Splice up to ``length`` bytes (from ``*off_in`` of a file, or NULL: from a pipe); the bytes
-    moved before the first short or failed call: end of file, EIO, a full socket (EAGAIN)."""
-    cdef Py_ssize_t done = 0, n
-    while done < length:
-        n = splice(fd_in, off_in, fd_out, NULL, length - done, SPLICE_F_NONBLOCK)
-        if n <= 0:
-            break
-        done += n
-    return done
-
-
-cdef inline bint _splice_out(int pipe_r, int sock, Py_ssize_t length) noexcept nogil:
-    """Move ``length`` bytes, all in the pipe, to the blocking socket ``sock`` (the queue's
-    thread's); False if the socket failed (as ``_sendv_all``). Not ``_splice_all``: that one
-    stops at the first short call, which is right for the loop's non-blocking socket (the rest
-    spills to the transport) but would end the thread's connection on a signal's EINTR; here
-    the socket blocks until it has taken everything, and only a failed socket stops it."""
-    cdef Py_ssize_t n
-    while length > 0:
-        n = splice(pipe_r, NULL, sock, NULL, length, 0)
-        if n < 0 and errno == EINTR:
-            continue
-        if n <= 0:
-            return False
-        length -= n
-    return True
-
-
-cdef enum:
-    _SPLICED = 0  # all of the data in the file
-    _HOST_CLOSED = 1
-    _SOCKET_FAILED = 2
-    _FILE_REFUSED = 3
-
-cdef int _devnull = file_send.DEVNULL
-
-
-cdef inline int _splice_write(int sock, int pipe_r, int pipe_w, int fd, off_t offset, const unsigned char* staged,
-                              Py_ssize_t have, Py_ssize_t length, int* error) noexcept nogil:
-    """An H2CData PDU's data into the file at ``offset``: the ``have`` bytes that came with its
-    header (``staged``) and the ``length - have`` still in the blocking socket ``sock``.
-    - The socket's bytes go into the empty pipe first, and from it into the file once the
-      last has come, so a host that stops part way leaves the file as it was.
-    - If the pipe fills first (the data came in more pieces than it has slots), what it holds
-      goes to the file each time it fills, as the data comes.
-    - What the file refuses (``*error``: its errno) is received all the same, into
-      ``/dev/null``, so the stream stays whole.
-    The pipe's content is only ever spliced on, never read: a ``read`` of pages spliced in
-    from a socket can fail with EFAULT (seen in the VM bed: Debian's 6.1 kernel over veth).
-    Returns ``_SPLICED``; ``_HOST_CLOSED`` or ``_SOCKET_FAILED`` (the pipe may hold bytes: the
-    caller empties it); or ``_FILE_REFUSED``, the pipe empty."""
-    cdef Py_ssize_t rest = length - have, inpipe = 0, n
-    cdef off_t pos = offset + have  # (advanced by each splice to the file)
-    cdef bint refused = False, staged_out = False
-    error[0] = 0
-    while rest > 0 or inpipe > 0:
-        if rest > 0:
-            n = splice(sock, NULL, pipe_w, NULL, rest, 0)
-            if n > 0:
-                rest -= n
-                inpipe += n
-                if rest > 0:
-                    continue  # more to come: it waits in the pipe
-            elif n < 0 and errno == EINTR:
-                continue
-            elif not (n < 0 and errno == EAGAIN):  # (EAGAIN: the pipe is full; the socket blocks)
-                return _HOST_CLOSED if n == 0 else _SOCKET_FAILED
-        if not staged_out:  # the file is written in order, as one pwrite would (up to where it refuses)
-            staged_out = True
-            if _pwrite_all(fd, staged, have, offset) != have:
-                refused = True
-                error[0] = errno or EIO
-        while inpipe > 0:
-            n = splice(pipe_r, NULL, _devnull if refused else fd, NULL if refused else &pos, inpipe, 0)
-            if n > 0:
-                inpipe -= n
-            elif n < 0 and errno == EINTR:
-                continue
-            elif refused:
-                return _SOCKET_FAILED  # (/dev/null refusing: never; end the connection)
-            else:
-                refused = True
-                error[0] = errno if n < 0 else EIO
-    return _FILE_REFUSED if refused else _SPLICED
-
-
-cdef inline Py_ssize_t _read_pipe(int pipe_r, unsigned char* p, Py_ssize_t length) noexcept nogil:
-    """Read ``length`` bytes that are in the pipe into ``p``; the bytes read."""
-    cdef Py_ssize_t got = 0, n
-    while got < length:
-        n = read(pipe_r, p + got, length - got)
-        if n < 0 and errno == EINTR:
-            continue
-        if n <= 0:
-            break
-        got += n
-    return got
 
 
 cdef inline bint _sendv_all(int fd, iovec* v, Py_ssize_t n) noexcept nogil:
@@ -374,75 +235,8 @@ cdef inline bint _sendv_all(int fd, iovec* v, Py_ssize_t n) noexcept nogil:
 
 # -- the C copies of the storage --------------------------------------------------------------------
 
-cdef FastNamespace served_namespace(object entry, unsigned long long slba, unsigned int nlb, unsigned int length):
-    """The C copy of the namespace ``entry`` (the controller's, for the command's NSID) when a
-    Read or Write of ``nlb`` blocks at ``slba`` and ``length`` bytes is the compiled paths' to
-    serve on it: a plain file (its copy made for this backend, not withdrawn, its descriptor open),
-    the range inside it and the length the blocks say; else None (the Python queue decides)."""
-    fast = entry.fast
-    if fast is None:
-        return None
-    cdef FastNamespace ns = <FastNamespace?>fast
-    cdef FastFile f = ns.file
-    if not ns.accessible or f.fd < 0 or entry.backend is not ns.backend:
-        return None
-    cdef unsigned long long blocks = f.size >> ns.lba_shift
-    if slba >= blocks or nlb > blocks - slba or (<unsigned long long>nlb << ns.lba_shift) != length:
-        return None
-    return ns
 
 
-cdef bint queue_ready(object queue, object ctrl, Py_ssize_t pool) except -1:
-    """Whether a queue may take a command on the compiled paths now: not locked by
-    authentication, a free command-pool slot (``TargetQueue``'s ``in_flight < pool``), and its
-    controller enabled and ready (CC.EN, CSTS.RDY); else the Python queue answers it."""
-    return not (queue.locked or queue.in_flight >= pool or not (ctrl.cc & _CC_EN) or not (ctrl.csts & _CSTS_RDY))
-
-
-cdef unsigned int next_sqhd(object queue, unsigned int sqsize, bint disabled) except? 0xFFFFFFFF:
-    """SQHD for this completion, as ``TargetQueue._complete`` advances it."""
-    if not sqsize or disabled:
-        return queue.sqhd
-    sqhd = (queue.sqhd + 1) % (sqsize + 1)
-    queue.sqhd = sqhd
-    return sqhd
-
-
-cdef void count_io(IoCounters counters, FastNamespace ns, int kind, unsigned int length, long long start) noexcept:
-    """The host's (``counters``) and the namespace's counts of one command that succeeded, its
-    latency from ``start`` (as ``TargetQueue._complete``)."""
-    cdef long long elapsed = now_ns() - start
-    counters._count(kind, length, elapsed)
-    ns.counters._count(kind, length, elapsed)
-
-
-cdef class FastFile:
-    """A :class:`target.backend.FileBackend`'s descriptor and size as C fields, kept in step by the
-    backend itself (``resize`` sets ``size``, ``close`` sets ``fd`` to -1: nothing is served from
-    it after that). Its fields are declared in ``target/_io_fast.pxd``."""
-
-    def __init__(self, int fd, unsigned long long size, bint read_only):
-        self.fd = fd
-        self.size = size
-        self.read_only = read_only
-
-
-cdef class FastNamespace:
-    """What the compiled path needs of a namespace: its file, block size and counters.
-
-    It is valid for the backend it was made from only: once the namespace's ``backend`` is
-    another object (a filter wrapped around it, replication), its commands go to the Python
-    queue. ``accessible`` False withdraws it as well: every command on the namespace then goes
-    to the Python queue, which decides (a removed namespace; an ANA state that refuses I/O,
-    0x302, once ANA exists: its code turns this off and lets the Python path answer per port).
-    Its fields are declared in ``target/_io_fast.pxd``."""
-
-    def __init__(self, FastFile file, backend, int lba_shift, IoCounters counters):
-        self.file = file
-        self.backend = backend
-        self.lba_shift = lba_shift
-        self.counters = counters
-        self.accessible = True
 
 
 cdef class R2tWrite:
@@ -480,11 +274,8 @@ cdef class TcpFastPath:
     cdef IoCounters counters
     cdef bint _bound
     cdef bint _off
-    cdef unsigned int qid
-    cdef unsigned int sqsize
-    cdef Py_ssize_t pool
-    cdef bint sqhd_disabled
-    cdef Py_ssize_t inline_size
+    cdef QueueShape shape
+    """The queue's fixed fields, taken when it binds (``target/_io_core.pxd``)."""
     cdef Py_ssize_t max_transfer
     cdef Py_ssize_t flush_at
     cdef Py_ssize_t r2t_per_queue
@@ -571,9 +362,9 @@ cdef class TcpFastPath:
         event loop calls it directly). Every PDU the reader completes is handled in arrival
         order: a whole command capsule in staging that the fast path serves is served from
         there (no ``Pdu``, no ``place`` buffer, no Python call); every other PDU is taken from
-        the reader as ``_receive`` takes it and handed to ``TcpTargetConnection._take``, the
+        the reader as ``_receive`` takes it and handed to ``TcpTargetConnection.take_pdu``, the
         Python path's own handler, with the same stop when the connection pauses; framing and
-        digest errors go to ``_terminate`` and ``_digest_error`` as there."""
+        digest errors go to ``terminate`` and ``digest_error`` as there."""
         conn = self.conn
         if self.threaded:
             return  # the thread owns the reader (a resume's take-waiting): _returned takes what it left
@@ -608,14 +399,14 @@ cdef class TcpFastPath:
                         pdu = reader.take()
                         if pdu is None:
                             return 0
-                        if not conn._take(pdu):
+                        if not conn.take_pdu(pdu):
                             return 0
                 return 0
             except FramingError as exc:
-                conn._terminate(exc)
+                conn.terminate(exc)
                 return 0
             except DataDigestError as exc:
-                conn._digest_error(exc)
+                conn.digest_error(exc)
                 if conn.transport.is_closing():
                     return 0
                 nbytes = 0  # the reader skipped the bad PDU; go on with what follows it
@@ -626,7 +417,7 @@ cdef class TcpFastPath:
         cdef const unsigned char* h = reader._p + reader._start
         cdef Py_ssize_t hlen = h[_O_HLEN_CMD]
         cdef Py_ssize_t dlen = plen - hlen
-        if dlen > self.inline_size:
+        if dlen > self.shape.inline_size:
             return False  # the connection's place callback refuses it (a framing error): Python's
         return self._serve(h, hlen, h + hlen if dlen else NULL, dlen, start)
 
@@ -643,7 +434,7 @@ cdef class TcpFastPath:
         if (self.threaded or self._stopping or self._thread_done or not self._bound or self._off
                 or self.sock < 0 or conn.paused or conn.reader is not reader or reader._pl_dest is not None
                 or reader._end != reader._start or self.out._bufs or self.queue.in_flight
-                or conn.r2t_pending or conn._r2t_waiting or self.transport.is_closing() or self.write_buffer_size()):
+                or conn.r2t_pending or conn.r2t_waiting or self.transport.is_closing() or self.write_buffer_size()):
             return 0
         pipe = conn.pipe
         if pipe is not None and pipe.queued:
@@ -659,9 +450,9 @@ cdef class TcpFastPath:
             self._wake = threading.Lock()
             self._wake.acquire()
             self._waiting = True
-            self._thread = threading.Thread(target=self._run, name=f"blockd-tcp-q{self.qid}", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=f"blockd-tcp-q{self.shape.qid}", daemon=True)
             self._thread.start()
-            log.info("I/O queue served by its own thread", qid=self.qid, peer=self.queue.peer)
+            log.info("I/O queue served by its own thread", qid=self.shape.qid, peer=self.queue.peer)
         elif not self._waiting:
             return 0  # between its hand-back and its wait: the next idle receive gives it the socket
         self.transport.pause_reading()
@@ -690,7 +481,7 @@ cdef class TcpFastPath:
                 try:
                     ended = self._serve_thread(fd)
                 except Exception:  # a bug: the connection ends, never left with a stream cut part way
-                    log.exception("I/O queue thread failed; ending the connection", qid=self.qid)
+                    log.exception("I/O queue thread failed; ending the connection", qid=self.shape.qid)
                     shutdown(fd, SHUT_RDWR)
                     ended = 1
                 finally:
@@ -936,12 +727,12 @@ cdef class TcpFastPath:
         cdef Py_ssize_t hlen = h[_O_HLEN_CMD]
         cdef Py_ssize_t plen = le32(h + _O_PLEN)
         return (h[_O_TYPE] == _CAPSULE_CMD and not h[_O_HFLAGS] & _DIGEST_FLAGS and hlen == _SQE_AT + _SQE_SIZE
-                and hlen <= plen <= hlen + self.inline_size and (plen == hlen or h[_O_PDO] == hlen)
+                and hlen <= plen <= hlen + self.shape.inline_size and (plen == hlen or h[_O_PDO] == hlen)
                 and pending < plen <= room)
 
     def _returned(self):
         """The thread handed the socket back (the loop's callback): what it left in the reader
-        goes the ordinary way (``_take``, the Python queue), then the loop reads again; the next
+        goes the ordinary way (``take_pdu``, the Python queue), then the loop reads again; the next
         idle receive may give the socket to the thread again."""
         self.threaded = False
         conn = self.conn
@@ -1052,8 +843,9 @@ cdef class TcpFastPath:
     cdef bint _bind(self) except -1:
         """Once the queue is a connected I/O queue: take what stays fixed from then on."""
         queue = self.conn.queue
-        if queue is None or not queue.qid or queue.controller is None:
+        if not bind_queue(queue, &self.shape):
             return False  # admin queue, or not connected yet: nothing to serve
+        self.shape.max_transfer = self.max_transfer
         self._bound = True
         reader = self.conn.reader
         if reader.hdgst or reader.ddgst:
@@ -1062,17 +854,12 @@ cdef class TcpFastPath:
         self.queue = queue
         self.ctrl = queue.controller
         self.counters = queue.counters
-        self.qid = queue.qid
-        self.sqsize = queue.sqsize
-        self.pool = queue.pool
-        self.sqhd_disabled = queue.sqhd_disabled
-        self.inline_size = queue.inline_size
         self.out = self.conn.out
         self.transport = self.conn.transport
-        self.flush_at = self.conn._flush_at
-        self.unsent = self.conn._unsent
+        self.flush_at = self.conn.flush_at
+        self.unsent = self.conn.target.unsent  # the daemon-wide count (max_unsent_total)
         self.write_buffer_size = self.transport.get_write_buffer_size
-        self.sock = self.conn._sock
+        self.sock = self.conn.sock
         self.by_reference_min = file_send.BY_REFERENCE_MIN
         self.r2t_per_queue = self.conn.limits.r2t_budget
         self.thread_enabled = self.sock >= 0 and self.reader is not None and self.conn.target.threaded_queues
@@ -1080,7 +867,7 @@ cdef class TcpFastPath:
         # (placing it would copy what arrived with its header: docs/dataplane.md, large transfers)
         if self.reader is not None:  # only the compiled loop serves from staging
             self.reader.stage_type = _CAPSULE_CMD
-            self.reader.stage_limit = self.inline_size
+            self.reader.stage_limit = self.shape.inline_size
         return True
 
     def submit(self, header, data):
@@ -1109,60 +896,42 @@ cdef class TcpFastPath:
                      Py_ssize_t dlen, long long start) except -1:
         """The capsule's header (common header and SQE, ``hlen`` bytes) and in-capsule data
         (``data`` NULL: none): served, or False with nothing done."""
-        cdef int opcode, flags, sgl_id, control
-        cdef unsigned int cid, nsid, length, nlb
-        cdef unsigned long long address, slba
+        cdef RwCommand c
+        cdef int sgl_id
+        cdef unsigned int length
         cdef const unsigned char* q
         if hlen < _SQE_AT + _SQE_SIZE:  # a CapsuleCmd's HLEN is exactly that (the reader checks)
             return False
         q = header + _SQE_AT
-        opcode = q[_O_OPC]
-        flags = q[_O_FLAGS]
-        cid = le16(q + _O_CID)
-        nsid = le32(q + _O_NSID)
-        address = le64(q + _O_ADDR)
+        parse_rw(q, &c)
         length = le32(q + _O_LEN)
         sgl_id = q[_O_SGL_ID]
-        slba = le64(q + _O_SLBA)
-        nlb = le16(q + _O_NLB) + 1
-        control = le16(q + _O_CONTROL)
-        if (flags & _PSDT_MASK) != _PSDT_SGL:
-            return False
-        if opcode == _FLUSH:  # (no data: any SGL of length 0, as TargetQueue._map_sgl takes it)
-            return self.threaded and length == 0 and self._flush(nsid, cid, start)
-        if length == 0 or length > self.max_transfer:
-            return False
-        if opcode == _READ:
+        if c.opcode == _FLUSH:  # (no data: any SGL of length 0, as TargetQueue._map_sgl takes it)
+            return (self.threaded and length == 0 and (c.flags & _PSDT_MASK) == _PSDT_SGL
+                    and self._flush(c.nsid, c.cid, start))
+        # the transport's part: where the data is. A Read's goes by C2HData (a Transport Data
+        # Block); a Write's is in the capsule, or a Transport Data Block (an R2T write: any data
+        # in the capsule is ignored, as TargetQueue._map_sgl does); FUA only in the capsule on
+        # the queue's thread (_write: its fdatasync would stop the loop's every other connection)
+        if c.opcode == _READ:
             if sgl_id != _SGL_TRANSPORT:
                 return False
-        elif opcode == _WRITE:
-            # in-capsule data, or a Transport Data Block (an R2T write: any data in the capsule is
-            # ignored, as TargetQueue._map_sgl does); FUA only in the capsule on the queue's
-            # thread (_write: its fdatasync would stop the loop's every other connection)
-            if control & _FUA and not (self.threaded and sgl_id == _SGL_IN_CAPSULE):
+        elif c.opcode == _WRITE:
+            if sgl_id != _SGL_TRANSPORT and (sgl_id != _SGL_IN_CAPSULE or le64(q + _O_ADDR) != 0
+                                             or length > self.shape.inline_size or data == NULL or dlen < length):
                 return False
-            if sgl_id != _SGL_TRANSPORT and (sgl_id != _SGL_IN_CAPSULE or address != 0 or length > self.inline_size
-                                             or data == NULL or dlen < length):
-                return False
-        else:
+        # the core's part: the one rule both transports ask (target/_io_core.pyx)
+        entry = eligible(&c, length, self.threaded and sgl_id == _SGL_IN_CAPSULE, self.ctrl, self.queue, &self.shape)
+        if entry is None or self.transport.is_closing():
             return False
-        # the controller's view: the subsystem's own dict, or only the namespaces whose ANA group
-        # is accessible through this port (target.ana), so an inaccessible one goes to Python
-        entry = self.ctrl.io_namespaces.get(nsid)
-        if entry is None:
-            return False
-        cdef FastNamespace ns = served_namespace(entry, slba, nlb, length)
-        if ns is None:
-            return False
+        cdef FastNamespace ns = <FastNamespace><object>c.ns
         cdef FastFile f = ns.file
-        queue = self.queue
-        ctrl = self.ctrl
-        if not queue_ready(queue, ctrl, self.pool) or self.transport.is_closing():
-            return False
+        cdef int opcode = c.opcode
+        cdef unsigned int cid = c.cid
+        cdef unsigned long long slba = c.slba
+        cdef int control = c.control
         if opcode == _READ:
             return self._read(entry, ns, f.fd, <off_t>(slba << ns.lba_shift), length, cid, start)
-        if f.read_only:
-            return False
         if sgl_id == _SGL_TRANSPORT:
             return self._send_r2t(entry, ns, <off_t>(slba << ns.lba_shift), length, cid, header, start)
         return self._write(entry, ns, f.fd, <off_t>(slba << ns.lba_shift), length, cid, data, start,
@@ -1186,7 +955,7 @@ cdef class TcpFastPath:
         if fast is None:
             return False
         cdef FastNamespace ns = <FastNamespace?>fast
-        if not queue_ready(self.queue, self.ctrl, self.pool) or self.transport.is_closing():
+        if not queue_ready(self.queue, self.ctrl, self.shape.pool) or self.transport.is_closing():
             return False
         cdef int fd = self._hold_namespace(entry, ns)
         if fd < 0:
@@ -1198,7 +967,7 @@ cdef class TcpFastPath:
         finally:
             self._release_namespace(entry)
         cdef bytes resp = PyBytes_FromStringAndSize(NULL, _RESP_LEN)
-        _capsule_resp(<unsigned char*>PyBytes_AS_STRING(resp), self._next_sqhd(), self.qid, cid)
+        _capsule_resp(<unsigned char*>PyBytes_AS_STRING(resp), self._next_sqhd(), self.shape.qid, cid)
         self.ctrl.traffic_seen = True
         self._complete(ns, _KIND_FLUSH, 0, start)
         self.served += 1
@@ -1208,7 +977,7 @@ cdef class TcpFastPath:
                     long long start) except -1:
         if self._by_reference(length):
             return self._read_by_reference(nsobj, ns, fd, offset, length, cid, start)
-        cdef Py_ssize_t total = _DATA_HLEN + length + (0 if self.sqhd_disabled else _RESP_LEN)
+        cdef Py_ssize_t total = _DATA_HLEN + length + (0 if self.shape.sqhd_disabled else _RESP_LEN)
         cdef bytes reply = PyBytes_FromStringAndSize(NULL, total)
         cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(reply)
         cdef Py_ssize_t got
@@ -1223,11 +992,11 @@ cdef class TcpFastPath:
             self._release_namespace(nsobj)
         if got != length:
             return False  # the Python path reads again and reports the error
-        if self.sqhd_disabled:
+        if self.shape.sqhd_disabled:
             _c2h_header(p, cid, length, _LAST_SUCCESS)  # the data PDU completes the command
         else:
             _c2h_header(p, cid, length, _LAST)
-            _capsule_resp(p + _DATA_HLEN + length, self._next_sqhd(), self.qid, cid)
+            _capsule_resp(p + _DATA_HLEN + length, self._next_sqhd(), self.shape.qid, cid)
         self.ctrl.traffic_seen = True
         self._complete(ns, _KIND_READ, length, start)
         self.served += 1
@@ -1235,12 +1004,12 @@ cdef class TcpFastPath:
             return self._emit(reply) >= 0
         self.out._send((reply,))
         conn = self.conn
-        batched = conn._batched + length
+        batched = conn.batched + length
         if batched > self.flush_at or self.unsent.over:
-            conn._batched = 0
+            conn.batched = 0
             self.out._flush()
         else:
-            conn._batched = batched
+            conn.batched = batched
         return True
 
     # -- reads by reference (target/file_send.py: why, and the Python twin of each step) ------------
@@ -1278,7 +1047,7 @@ cdef class TcpFastPath:
         cdef Py_ssize_t got, n, total, left
         cdef off_t pos = offset
         cdef int pw = self.pipe_w, pr = self.pipe_r, sock = self.sock
-        cdef bint success = self.sqhd_disabled
+        cdef bint success = self.shape.sqhd_disabled
         cdef bint threaded = self.threaded
         cdef bint sent
         cdef bytes rest, joined
@@ -1303,7 +1072,7 @@ cdef class TcpFastPath:
             return False
         total = _DATA_HLEN + length
         if not success:
-            _capsule_resp(resp, self._next_sqhd(), self.qid, cid)
+            _capsule_resp(resp, self._next_sqhd(), self.shape.qid, cid)
             write(pw, resp, _RESP_LEN)
             total += _RESP_LEN
         self.ctrl.traffic_seen = True
@@ -1345,7 +1114,7 @@ cdef class TcpFastPath:
             spill.append(rest)
         if spill:
             self.out._send(spill)
-            self.conn._batched = 0
+            self.conn.batched = 0
             self.out._flush()
             self.spilled += 1
         self.served += 1
@@ -1379,7 +1148,7 @@ cdef class TcpFastPath:
         if done != length:
             return False  # the Python path writes again and reports the error
         cdef bytes resp = PyBytes_FromStringAndSize(NULL, _RESP_LEN)
-        _capsule_resp(<unsigned char*>PyBytes_AS_STRING(resp), self._next_sqhd(), self.qid, cid)
+        _capsule_resp(<unsigned char*>PyBytes_AS_STRING(resp), self._next_sqhd(), self.shape.qid, cid)
         self.ctrl.traffic_seen = True
         self._complete(ns, _KIND_WRITE, length, start)
         self.served += 1
@@ -1399,7 +1168,7 @@ cdef class TcpFastPath:
         (``queue.in_flight``), the namespace (``ns.in_flight``, so that a removed namespace keeps
         its file until the write is done) and the buffer's share of the budgets."""
         conn = self.conn
-        if conn._r2t_waiting or conn._r2t_held + length > self.r2t_per_queue:
+        if conn.r2t_waiting or conn.r2t_held + length > self.r2t_per_queue:
             return False
         if not conn.target.r2t_budget.try_take(length):
             return False  # the Python queue's take leaves the connection's wake-up with the budget
@@ -1415,9 +1184,9 @@ cdef class TcpFastPath:
         self.queue.in_flight += 1
         self.ctrl.traffic_seen = True
         nsobj.in_flight += 1
-        conn._r2t_held += length
-        ttag = conn._next_ttag
-        conn._next_ttag = (ttag + 1) & 0xFFFF
+        conn.r2t_held += length
+        ttag = conn.next_ttag
+        conn.next_ttag = (ttag + 1) & 0xFFFF
         conn.r2t_pending[ttag] = (w, 0)
         cdef bytes r2t = PyBytes_FromStringAndSize(NULL, _R2T_LEN)
         _r2t(<unsigned char*>PyBytes_AS_STRING(r2t), cid, ttag, length)
@@ -1510,7 +1279,7 @@ cdef class TcpFastPath:
         cdef bint threaded = self.threaded
         # TargetQueue._complete: SQHD, the counters from the capsule's arrival, the namespace
         cdef bytes resp = PyBytes_FromStringAndSize(NULL, _RESP_LEN)
-        _capsule_resp(<unsigned char*>PyBytes_AS_STRING(resp), self._next_sqhd(), self.qid, cid)
+        _capsule_resp(<unsigned char*>PyBytes_AS_STRING(resp), self._next_sqhd(), self.shape.qid, cid)
         self._complete(ns, _KIND_WRITE, length, start)
         if threaded:
             self._release_namespace(nsobj)
@@ -1522,12 +1291,12 @@ cdef class TcpFastPath:
         # out before this CapsuleResp), then the CapsuleResp; TargetQueue.response_sent: the slot
         conn = self.conn
         if held:
-            conn._r2t_held -= held
+            conn.r2t_held -= held
             budget = conn.target.r2t_budget
             if not threaded:
                 budget.give(held)
-                if conn._r2t_waiting:
-                    conn._send_r2ts()
+                if conn.r2t_waiting:
+                    conn.send_r2ts()
             elif budget.free(held):
                 self._loop.call_soon_threadsafe(budget.give, 0)
         self.served += 1  # before the reply can reach the host (_emit may send at once)
@@ -1539,7 +1308,7 @@ cdef class TcpFastPath:
         return 0
 
     cdef unsigned int _next_sqhd(self) except? 0xFFFFFFFF:
-        return next_sqhd(self.queue, self.sqsize, self.sqhd_disabled)
+        return next_sqhd(self.queue, &self.shape)
 
     cdef void _complete(self, FastNamespace ns, int kind, unsigned int length, long long start) noexcept:
         count_io(self.counters, ns, kind, length, start)
