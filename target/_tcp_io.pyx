@@ -1,6 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The target's compiled NVMe/TCP I/O path: Read and Write that succeed, without a Python object per
-command beyond the reply's bytes.
+"""Twin of :class:`target.tcp.TcpTargetConnection` (its receive loop, ``take_pdu``, ``fetch_data``
+and ``queue_response``) on the core in ``target/_io_core.pyx`` and the file I/O in
+``target/_file_io.pyx``: the target's compiled NVMe/TCP I/O path, Read and Write that succeed,
+without a Python object per command beyond the reply's bytes.
 
 :class:`TcpFastPath` takes a command capsule from the TCP connection before the
 :class:`target.queue.TargetQueue` does and serves it in C when it is the steady-state case: an I/O

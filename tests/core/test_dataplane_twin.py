@@ -125,3 +125,16 @@ def test_each_reference_resolves(row: dataplane.Twin) -> None:
         for dotted in methods.split(","):
             owner, _, method = dotted.strip().partition(".")
             assert callable(getattr(getattr(module, owner), method)), (module_name, dotted)
+
+
+@pytest.mark.parametrize("row", list(dataplane.TWINS.values()), ids=lambda r: r.compiled)
+def test_each_compiled_module_names_its_twin_first(row: dataplane.Twin) -> None:
+    """The first lines of a compiled module's source name its reference (a module, or a class
+    whose methods it shadows), so a reader knows what it twins before anything else."""
+    head = "\n".join((REPO / (row.compiled.replace(".", "/") + ".pyx")).read_text().splitlines()[:8])
+    names = set()
+    for part in row.reference.split(";"):
+        module, _, methods = part.strip().partition(":")
+        names.add(module)
+        names.update(m.strip().split(".")[0] for m in methods.split(",") if m.strip())
+    assert any(name in head for name in names), (row.compiled, sorted(names))
