@@ -39,6 +39,7 @@ EXTENSIONS = [
     Extension("target._file_io", ["target/_file_io.pyx"], extra_compile_args=["-O2"]),
     Extension("target._io_core", ["target/_io_core.pyx"], extra_compile_args=["-O2"]),
     Extension("target._tcp_io", ["target/_tcp_io.pyx"], extra_compile_args=["-O2"]),
+    Extension("target._tcp_thread", ["target/_tcp_thread.pyx"], extra_compile_args=["-O2"]),
     Extension("target._rdma_fast", ["target/_rdma_fast.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._queue", ["initiator/_queue.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._lane", ["initiator/_lane.pyx"], extra_compile_args=["-O2"]),

@@ -79,9 +79,11 @@ TWINS: dict[str, Twin] = {t.compiled: t for t in (
     Twin("target._io_core", "target.queue:TargetQueue.submit, TargetQueue._complete; "
                             "target.controller:Controller._check_rw",
          "tests/core/test_io_core.py"),
-    Twin("target._tcp_io", "target.tcp:TcpTargetConnection._receive, TcpTargetConnection.take_pdu, "
-                           "TcpTargetConnection.queue_response, TcpTargetConnection.fetch_data",
+    Twin("target._tcp_io", "target.tcp:TcpTargetConnection.queue_response, TcpTargetConnection.fetch_data",
          "tests/core/test_io_fast.py"),
+    Twin("target._tcp_thread", "target.tcp:TcpTargetConnection._receive, TcpTargetConnection.take_pdu; "
+                               "target.queue:TargetQueue.data_ready",
+         "tests/core/test_tcp_thread.py"),
     Twin("target._rdma_fast", "target.rdma:RdmaTargetConnection._completions, RdmaTargetConnection.queue_response",
          "tests/core/test_rdma_fast.py"),
     Twin("initiator._queue", "initiator.queue", "tests/core/test_host_queue_differential.py"),

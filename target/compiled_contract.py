@@ -200,6 +200,7 @@ _CORE = {"queue": Queue, "ctrl": Controller, "entry": Namespace, "nsobj": Namesp
 
 RECEIVERS: dict[str, dict[str, type]] = {
     "target/_tcp_io.pyx": {**_CORE, "conn": TcpConnection, "pipe": ReplyPipe, "req": Request},
+    "target/_tcp_thread.pyx": {**_CORE, "conn": TcpConnection, "pipe": ReplyPipe, "req": Request},
     "target/_io_core.pyx": _CORE,
     "target/_file_io.pyx": _CORE,
     "target/_rdma_fast.pyx": {**_CORE, "conn": RdmaConnection, "cmd": RdmaCommand, "rdma": RdmaModule},
