@@ -1,6 +1,6 @@
 # cython: language_level=3
 """The compiled I/O counters' C declarations, for the modules that count from C:
-``target/_io_fast.pyx`` (the host's and the namespace's counters of a served Read or Write) and
+``target/_tcp_io.pyx`` (the host's and the namespace's counters of a served Read or Write) and
 ``initiator/_queue.pyx`` (a host command's completion, through ``Command.count``)."""
 
 cimport cython

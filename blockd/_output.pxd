@@ -1,7 +1,7 @@
 # cython: language_level=3
 """The compiled output batcher's C declarations, for the modules that send through it from C:
 ``initiator/_tcp_host_io.pyx`` (capsules, H2CData, the receive's hold/release) and
-``target/_io_fast.pyx`` (replies, the receive's hold/release, the read-data flush)."""
+``target/_tcp_io.pyx`` (replies, the receive's hold/release, the read-data flush)."""
 
 cimport cython
 

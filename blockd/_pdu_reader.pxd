@@ -1,7 +1,7 @@
 # cython: language_level=3
 """The compiled PDU reader's C declarations, for the modules that drive it from C.
 
-``target/_io_fast.pyx`` runs the target's receive loop in C: it asks :meth:`PduReader.whole`
+``target/_tcp_io.pyx`` runs the target's receive loop in C: it asks :meth:`PduReader.whole`
 whether the next PDU is a whole command capsule in staging, serves it from there and
 :meth:`PduReader.skip` s it, and takes every other PDU with :meth:`PduReader.take`, the step of
 the reader's own ``buffer_updated`` generator.

@@ -7,5 +7,5 @@ from __future__ import annotations
 
 from blockd.dataplane import twin
 
-IoCounters: type = twin("blockd._iostats", "blockd.iostats").IoCounters
+IoCounters: type = twin("blockd._iostats").IoCounters
 """Every namespace's and host's counters on the target, every connection's on the host."""

@@ -14,9 +14,9 @@ from blockd.tcp_pdu import PduReader
 
 __all__ = ["OutputBatcher", "PduProtocol"]
 
-OutputBatcher = twin("blockd._output", "blockd.output").OutputBatcher
+OutputBatcher = twin("blockd._output").OutputBatcher
 """The batcher both ends' connections use: compiled (``blockd/_output.pyx``, which the compiled
-``initiator/_tcp_host_io.pyx`` and ``target/_io_fast.pyx`` call from C) or the Python reference
+``initiator/_tcp_host_io.pyx`` and ``target/_tcp_io.pyx`` call from C) or the Python reference
 (:mod:`blockd.output`)."""
 
 

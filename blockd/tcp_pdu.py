@@ -16,7 +16,7 @@ from protocol.tcp import (
     crc32c,
 )
 
-_reader = twin("blockd._pdu_reader", "blockd.pdu_reader")
+_reader = twin("blockd._pdu_reader")
 PduReader = _reader.PduReader
 data_buffer = _reader.data_buffer
 

@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """A small write's data, copied once, behind room for the NVMe/TCP command capsule's common
-header and SQE: the one ``bytes`` the capsule is sent as.
+header and SQE: the one ``bytes`` the capsule is sent as (what :class:`initiator.tcp_host_io.TcpHostIo`
+``submit`` joins in Python).
 
 Why: a 4 KiB write through FUSE had its data copied twice in user space, out of the FUSE
 request buffer (which the next request is read into) and again when the output batcher joined

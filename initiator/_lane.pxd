@@ -11,6 +11,7 @@ from blockd._iostats cimport IoCounters
 cdef class IoLane:
     cdef object ctrl
     cdef object reference
+    cdef object complete
     cdef object on_done
     cdef bint ready
     cdef list io

@@ -37,8 +37,7 @@ from libc.string cimport memcpy
 
 from blockd._iostats cimport IoCounters, now_ns
 from blockd._le cimport st16, st32, st64
-from initiator._queue cimport Command, HostQueue
-from initiator._tcp_host_io cimport TcpHostIo
+from initiator._queue cimport Command, HostConnection, HostQueue
 
 from protocol.commands import read_command, write_command
 from protocol.layout import field_offset
@@ -101,26 +100,30 @@ cdef class IoLane:
     transfers, so a mirror that went stale would send what the reference refuses, or the
     reverse. (The fields are declared in ``_lane.pxd``.)"""
 
-    def __init__(self, ctrl, reference):
-        """``reference``: the Python ``Controller.transfer``, called as ``reference(ctrl, ...)``.
-        Made at the end of the controller's ``__init__``."""
+    def __init__(self, ctrl, reference, complete, parked_io, parked_admin, double timeout):
+        """``reference``: the Python ``Controller.transfer``, called as ``reference(ctrl, ...)``;
+        ``complete``: the controller's ``_complete`` (every completion but a plain success);
+        ``parked_io``/``parked_admin``: its parked-command lines (a success with one waiting goes
+        to ``complete``, which sends it); ``timeout``: its I/O command timeout. The controller
+        hands these over itself rather than the lane reading them by private name (issue 36:
+        what the lane reads of the controller is its public interface plus what it is given).
+        Made at the end of the controller's ``__init__``, which then calls :meth:`sync`."""
         self.ctrl = ctrl
         self.reference = reference
+        self.complete = complete
         self.on_done = self.io_done  # bound once: every command this lane sends
         self.counters = ctrl.counters
-        self.parked_io = ctrl._parked_io
-        self.parked_admin = ctrl._parked_admin
-        self.timeout = ctrl._io_timeout
-        self.sync()
+        self.parked_io = parked_io
+        self.parked_admin = parked_admin
+        self.timeout = timeout
 
-    def sync(self):
+    def sync(self, loop, bint live):
         """Read the association's state again (class docstring: the controller's setters call
-        this)."""
+        this, with its event loop, None before the first connect, and whether it is live)."""
         ctrl = self.ctrl
-        loop = ctrl._loop
         if loop is not None:
             self.time = loop.time
-        self.ready = ctrl.failed is None and ctrl._live.is_set() and loop is not None
+        self.ready = ctrl.failed is None and live and loop is not None
         self.io = ctrl.io
         self.namespaces = ctrl.namespaces
         self.max_transfer = ctrl.max_transfer
@@ -173,7 +176,7 @@ cdef class IoLane:
         cdef Command cmd
         conn = None
         for c in self.io:  # Controller._io_with_room
-            q = (<TcpHostIo>c).queue if isinstance(c, TcpHostIo) else c.queue
+            q = (<HostConnection>c).queue if isinstance(c, HostConnection) else c.queue
             if not isinstance(q, HostQueue):
                 return False
             if (<HostQueue>q)._count > 0:
@@ -181,8 +184,8 @@ cdef class IoLane:
                 break
         if conn is None:
             return False
-        tcp = isinstance(conn, TcpHostIo)
-        if (<TcpHostIo>conn).closed if tcp else conn.closed:
+        compiled = isinstance(conn, HostConnection)  # a compiled transport's, whichever it is
+        if (<HostConnection>conn).closed if compiled else conn.closed:
             return False
         cmd = Command.__new__(Command)
         cmd.sqe = sqe
@@ -194,8 +197,8 @@ cdef class IoLane:
         cmd.timeout = self.timeout
         cmd.deadline = self.time() + self.timeout
         cmd.sent_ns = now_ns()
-        if tcp:  # the compiled TCP connection: its hold, submit and release as C calls
-            (<TcpHostIo>conn)._send_now(cmd)
+        if compiled:  # its hold, submit and release as one C call (the TCP one's: its batcher's)
+            (<HostConnection>conn)._send_now(cmd)
             return True
         conn.hold()  # out now (unless held further up), as Controller._send
         try:
@@ -210,4 +213,4 @@ cdef class IoLane:
             cmd._count(self.counters, now_ns())
             cmd.done(None)
         else:
-            self.ctrl._complete(cmd, exc)
+            self.complete(cmd, exc)

@@ -1,7 +1,8 @@
 # cython: language_level=3
 """The compiled host command and queue (``initiator/_queue.pyx``), for other ``.pyx`` modules:
 ``initiator/_tcp_host_io.pyx`` reads and sets a command's fields and takes, looks up and frees
-command ids with C calls; ``initiator/_lane.pyx`` counts a completion with ``_count``."""
+command ids with C calls; ``initiator/_lane.pyx`` counts a completion with ``_count``, and sends
+through any compiled transport's connection by :class:`HostConnection`, their C base."""
 
 from libc.stdint cimport uint16_t, uint64_t
 
@@ -44,3 +45,10 @@ cdef class HostQueue:
     cdef int _start(self, HostCommand cmd) except -1
     cdef HostCommand _get(self, Py_ssize_t cid)
     cdef HostCommand _finish(self, Py_ssize_t cid)
+
+
+cdef class HostConnection:
+    cdef public HostQueue queue
+    cdef public bint closed
+
+    cdef int _send_now(self, HostCommand cmd) except -1

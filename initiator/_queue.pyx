@@ -116,6 +116,25 @@ cdef class AdminCommand(Command):
     admin = True
 
 
+cdef class HostConnection:
+    """The C base of a compiled transport's per-queue connection
+    (:class:`initiator.controller.QueueConnection` in C): its queue and ``closed`` as C fields, and
+    :meth:`_send_now`, the send the compiled lane (``initiator/_lane.pyx``) calls without asking
+    which transport it is. A transport that has nothing faster keeps this one, the controller's
+    own ``hold``, ``submit`` and ``release``; the compiled TCP connection
+    (``initiator/_tcp_host_io.pyx``) overrides it with its batcher's C steps."""
+
+    cdef int _send_now(self, HostCommand cmd) except -1:
+        """``hold()``, ``submit(cmd)``, ``release()``, as ``Controller._send`` calls them: the
+        command goes out now unless a hold further up keeps it."""
+        self.hold()
+        try:
+            self.submit(cmd)
+        finally:
+            self.release()
+        return 0
+
+
 cdef class HostQueue:
     """See :class:`initiator.queue.HostQueue` (the reference)."""
 

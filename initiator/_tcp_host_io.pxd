@@ -7,17 +7,15 @@ from libc.stdint cimport uint8_t
 
 from blockd._output cimport OutputBatcher
 from blockd._pdu_reader cimport PduReader
-from initiator._queue cimport HostCommand, HostQueue
+from initiator._queue cimport HostCommand, HostConnection, HostQueue
 
 
-cdef class TcpHostIo:
-    cdef public HostQueue queue
+cdef class TcpHostIo(HostConnection):
     cdef public object reader
     cdef public object writer
     cdef public OutputBatcher out
     cdef public Py_ssize_t inline_limit
     cdef public Py_ssize_t maxh2cdata
-    cdef public bint closed
 
     cdef int _submit(self, HostCommand cmd) except -1
     cdef int _send_now(self, HostCommand cmd) except -1

@@ -35,7 +35,7 @@ from blockd._le cimport le16, le32, st32
 from blockd._output cimport OutputBatcher
 from blockd._pdu_reader cimport PduReader
 from initiator._inline cimport InlineData
-from initiator._queue cimport HostCommand, HostQueue
+from initiator._queue cimport HostCommand, HostConnection, HostQueue
 
 from blockd.tcp_pdu import DataDigestError, FramingError, term_req
 from initiator._inline import ROOM
@@ -123,7 +123,7 @@ cdef int _data_header(object header, DataHeader* h) except -1:
     return 0
 
 
-cdef class TcpHostIo:
+cdef class TcpHostIo(HostConnection):
     """See :class:`initiator.tcp_host_io.TcpHostIo`: the fields are C fields here (declared in
     ``_tcp_host_io.pxd``), set by the subclass as there."""
 
@@ -224,7 +224,7 @@ cdef class TcpHostIo:
         that answers a command in flight as expected is handled from there (``_staged_data``,
         ``_staged_response``) and ``skip`` ped, with no ``Pdu`` tuple, header view, generator
         step or ``place`` call; anything else, and every error, is what ``take`` gives. (The
-        target's receive loop, ``target/_io_fast.pyx``, does the same for command capsules.)"""
+        target's receive loop, ``target/_tcp_io.pyx``, does the same for command capsules.)"""
         cdef PduReader reader = self.reader  # the compiled reader: the compiled twins run together
         cdef object bad_data = None
         cdef object pdu

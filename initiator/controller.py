@@ -54,12 +54,12 @@ __all__ = ["ConnectError", "ConnectParams", "Controller", "IoDone", "NamespaceIn
 
 log = structlog.get_logger("blockd.initiator")
 
-_queue = twin("initiator._queue", "initiator.queue")
+_queue = twin("initiator._queue")
 HostCommand, HostQueue = _queue.HostCommand, _queue.HostQueue
 Command, AdminCommand = _queue.Command, _queue.AdminCommand
 """The commands and queue every connection of this controller uses: the compiled set
 (``initiator/_queue.pyx``) or its Python reference (:mod:`initiator.queue`), never a mix."""
-IoLane: Any = getattr(twin("initiator._lane", None), "IoLane", None)
+IoLane: Any = getattr(twin("initiator._lane"), "IoLane", None)
 """The compiled steady-state ``transfer`` (``initiator/_lane.pyx``, which cimports the compiled
 queue), None on the Python plane."""
 
@@ -254,14 +254,16 @@ class Controller:
         self._secret, self._ctrl_secret = params.secrets()
         self._transaction = 0
         """T_ID of the next DH-HMAC-CHAP transaction (one per queue and authentication)."""
-        self._lane: Any = None
+        self.lane: Any = None
         """The compiled lane, which mirrors the association's state: every change of ``_live``,
         ``failed`` or the namespace table goes through :meth:`_set_live`, :meth:`_set_failed`
         or :meth:`_set_namespaces`, which tell it (``IoLane.sync``)."""
         if IoLane is not None if lane is None else lane:
-            self._lane = IoLane(self, Controller.transfer)
+            self.lane = IoLane(self, Controller.transfer, self._complete, self._parked_io, self._parked_admin,
+                                self._io_timeout)
+            self.lane.sync(self._loop, self._live.is_set())
             # the lane's transfer shadows the method below (which it falls back to)
-            self.transfer = self._lane.transfer  # type: ignore[method-assign]
+            self.transfer = self.lane.transfer  # type: ignore[method-assign]
 
     def _set_live(self, live: bool) -> None:
         """The association is live (or, with ``failed`` set, finished: waiters wake to see it).
@@ -271,20 +273,20 @@ class Controller:
             self._live.set()
         else:
             self._live.clear()
-        if self._lane is not None:
-            self._lane.sync()
+        if self.lane is not None:
+            self.lane.sync(self._loop, self._live.is_set())
 
     def _set_failed(self, exc: Exception | None) -> None:
         """The controller gave up (or was closed): every later command fails."""
         self.failed = exc
-        if self._lane is not None:
-            self._lane.sync()
+        if self.lane is not None:
+            self.lane.sync(self._loop, self._live.is_set())
 
     def _set_namespaces(self, table: dict[int, NamespaceInfo]) -> None:
         """A new namespace table (a scan, at connect or after a namespace-changed event)."""
         self.namespaces = table
-        if self._lane is not None:
-            self._lane.sync()
+        if self.lane is not None:
+            self.lane.sync(self._loop, self._live.is_set())
 
     # -- association ------------------------------------------------------------------------------
 

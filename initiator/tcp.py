@@ -21,7 +21,7 @@ from protocol.tcp import IC_REQ, IC_RESP, TERM_REQ_HEADER, PduType, TermReqFes
 
 log = structlog.get_logger("blockd.initiator")
 
-TcpHostIo = twin("initiator._tcp_host_io", "initiator.tcp_host_io").TcpHostIo
+TcpHostIo = twin("initiator._tcp_host_io").TcpHostIo
 
 ADMIN_INLINE = 8192
 _C2H_TYPES = frozenset({PduType.IC_RESP, PduType.C2H_TERM_REQ, PduType.CAPSULE_RESP,

@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """The RDMA target's compiled per-command path: a steady-state Read, or Write with its data in the
 capsule, served inside the completion handler, without a :class:`target.request.Request` or a
-``_Cmd``.
+``RdmaCommand``.
 
 :class:`RdmaFastPath` is the CQ callback of one :class:`target.rdma.RdmaTargetConnection` (in
 place of its ``_completions``) and takes each completion of a batch first:
@@ -10,20 +10,20 @@ place of its ``_completions``) and takes each completion of a batch first:
   straight into a registered data slot, its CQE written into a response slot, and the RDMA WRITE
   of the data chained with the response SEND (SEND_WITH_INV of the command's key when the SGL
   asks for it) and the receive's re-post queued in the connection's batch lists
-  (``_send_out``/``_recv_out``), which go out as one chain each at the batch's end, exactly as
-  ``RdmaTargetConnection._pump_responses`` queues them; a Write with its data in the capsule (as
+  (``send_out``/``recv_out``), which go out as one chain each at the batch's end, exactly as
+  ``RdmaTargetConnection.pump_responses`` queues them; a Write with its data in the capsule (as
   the kernel host sends up to the 4 KiB in-capsule size) is written from the receive buffer and
   answered with the SEND alone; a Write whose data the host holds (keyed SGL: every kernel-host
   write above 4 KiB) takes a data slot and is queued for its RDMA READs as
   ``TargetQueue.submit`` and ``fetch_data`` queue one (:class:`FastWrite`); the connection posts
-  them by its own ``_pump_reads`` (READ_CHUNK pieces, ``READ_BYTES_IN_FLIGHT``, the initiator
+  them by its own ``pump_reads`` (READ_CHUNK pieces, ``READ_BYTES_IN_FLIGHT``, the initiator
   depth, one FIFO line with the Python path's writes), and on the last READ's completion
   (``_read_done`` asks :meth:`RdmaFastPath.data_ready` first) it is written from the slot and
   answered with the SEND;
 * the SEND completion of a command served here gives back its response and data slots and its
   command-pool place (``queue.in_flight``), as ``_send_done`` and ``TargetQueue.response_sent``
   do for the Python path's;
-* every other completion goes to ``RdmaTargetConnection._completion``, the Python path, as
+* every other completion goes to ``RdmaTargetConnection.completion``, the Python path, as
   before.
 
 The Read served here is the steady-state case: an I/O queue of a ready controller that is not
@@ -34,7 +34,7 @@ invalidating, as the kernel host sends), for a Write a Data Block at offset 0 wi
 in-capsule size and the data received, or a keyed SGL with the host offering RDMA READ
 (initiator depth > 0) and a data slot free now, no FUA, a writable namespace; the length not 0 and within
 MDTS, a namespace whose backend is a plain
-:class:`target.backend.FileBackend` (``served_namespace`` of ``target/_io_fast.pxd``, the check
+:class:`target.backend.FileBackend` (``eligible`` of ``target/_io_core.pxd``, the rule
 the NVMe/TCP path uses), the range inside it and the length its blocks say, a registered data
 slot free now for a Read, and a ``pread`` or ``pwrite`` that moves it all (one that fails is
 run again by the Python path, which reports the error). Anything else returns to the Python path
@@ -45,11 +45,11 @@ SQSIZE + 1, unless the host disabled SQ flow control), the host's and the namesp
 (``controller.traffic_seen``), the command pool from the receive to the SEND's completion; the
 namespace hold (``ns.in_flight``) is taken and released within the call, so it is not touched.
 
-A command served here stands in the connection's ``_resp_cmd`` as its data slot (False for a
-write, which has none; the Python path's commands are ``_Cmd`` objects there), which is how its
+A command served here stands in the connection's ``resp_cmd`` as its data slot (False for a
+write, which has none; the Python path's commands are ``RdmaCommand`` objects there), which is how its
 SEND completion is told apart and how the connection's teardown finds its slot (a write by
 RDMA READ stands there as its data slot too). While its READs run, a write by RDMA READ is a
-``_Cmd`` in ``conn.cmds`` like the Python path's, its ``req`` a :class:`FastWrite`; what goes
+``RdmaCommand`` in ``conn.cmds`` like the Python path's, its ``req`` a :class:`FastWrite`; what goes
 wrong from there (a READ that fails or cannot be posted, the queue lost, the namespace changed,
 a ``pwrite`` that fails, no response slot free at the end) is ended by the Python queue with the
 request it would have made (``TargetQueue.adopt_write``), so its status and error-log entry are
@@ -67,10 +67,11 @@ from posix.unistd cimport pread
 
 from blockd._iostats cimport IoCounters, now_ns
 from blockd._le cimport le16, le32, le64
-from target._io_fast cimport (
-    _CQE_SIZE, _FUA, _KIND_READ, _KIND_WRITE, _O_ADDR, _O_CID, _O_CONTROL, _O_FLAGS, _O_LEN, _O_NLB, _O_NSID, _O_OPC,
-    _O_SLBA, _PSDT_MASK, _PSDT_SGL, _READ, _SGL_IN_CAPSULE, _SQE_SIZE, _WRITE, FastFile, FastNamespace, _pwrite_all,
-    count_io, next_sqhd, queue_ready, served_namespace, write_cqe,
+from target._file_io cimport FastFile, FastNamespace, _pwrite_all
+from target._io_core cimport (
+    _CQE_SIZE, _KIND_READ, _KIND_WRITE, _O_ADDR, _O_CID, _O_CONTROL, _O_FLAGS, _O_LEN, _O_NLB, _O_NSID, _O_OPC, _O_SLBA,
+    _READ, _SGL_IN_CAPSULE, _SQE_SIZE, _WRITE, QueueShape, RwCommand, bind_queue, count_io, eligible, next_sqhd,
+    parse_rw, write_cqe,
 )
 
 from blockd.rdma.abi import SEND_SIGNALED, WR_RDMA_WRITE, WR_SEND, WR_SEND_WITH_INV
@@ -78,7 +79,7 @@ from protocol.constants import SglId
 from protocol.layout import field_offset
 from protocol.nvme import CQE_FAST, SGL1_OFFSET, SGL_KEYED, build_sgl_data_block, build_sgl_keyed, build_sqe
 
-# -- layouts, from protocol/ (the SQE's fields and the CQE's size: target/_io_fast.pxd) -----------
+# -- layouts, from protocol/ (the SQE's fields and the CQE's size: target/_io_core.pxd) -----------
 
 cdef Py_ssize_t _K_ADDR = SGL1_OFFSET + field_offset(SGL_KEYED, "address")
 cdef Py_ssize_t _K_LEN = SGL1_OFFSET + field_offset(SGL_KEYED, "length")  # 24 bits
@@ -120,9 +121,9 @@ _check_layouts()
 
 
 cdef class FastWrite:
-    """A Write the compiled path took whose data comes by RDMA READ, in its ``_Cmd``'s ``req``
+    """A Write the compiled path took whose data comes by RDMA READ, in its ``RdmaCommand``'s ``req``
     in place of a :class:`target.request.Request` while the READs run: the connection's
-    ``_pump_reads`` and ``_read_done`` read ``length``, ``sgl_address`` and ``sgl_key`` of it as
+    ``pump_reads`` and ``_read_done`` read ``length``, ``sgl_address`` and ``sgl_key`` of it as
     of a request; the ends left to Python (a READ that fails or cannot be posted, the
     connection lost, a ``pwrite`` that fails) get the request the queue would have made
     (:meth:`RdmaFastPath.request`, ``TargetQueue.adopt_write``)."""
@@ -164,13 +165,10 @@ cdef class RdmaFastPath:
     cdef unsigned long long recv_kind
     cdef unsigned long long send_kind
     cdef unsigned long long write_kind
-    cdef unsigned int max_transfer
     cdef bint _bound
     cdef bint _off
-    cdef unsigned int qid
-    cdef unsigned int sqsize
-    cdef Py_ssize_t pool
-    cdef bint sqhd_disabled
+    cdef QueueShape shape
+    """The queue's fixed fields, taken when it binds (``target/_io_core.pxd``)."""
     cdef public unsigned long long served
     """Commands taken here (the tests check that the compiled path ran)."""
     cdef public unsigned long long fetched
@@ -183,22 +181,22 @@ cdef class RdmaFastPath:
         self.resp_pool = conn.resp_pool
         self.resp_slots = list(conn.resp_pool.slots)
         self.resp_lkey = conn.resp_pool.lkey
-        self.resp_cmd = conn._resp_cmd
-        self.recv_wrs = conn._recv_wrs
-        self.send_out = conn._send_out
-        self.recv_out = conn._recv_out
+        self.resp_cmd = conn.resp_cmd
+        self.recv_wrs = conn.recv_wrs
+        self.send_out = conn.send_out
+        self.recv_out = conn.recv_out
         self.resp_wait = conn.resp_wait
-        self.cmd_type = rdma._Cmd
+        self.cmd_type = rdma.RdmaCommand
         recv = conn.recv_pool
         self.recv_base = recv.base  # the receive slots lie side by side in one buffer
         self.recv_size = recv.slot_size
         self.recv_count = recv.count
-        self.kind_shift = rdma._KIND_SHIFT
-        self.mask = rdma._MASK
-        self.recv_kind = rdma._RECV
-        self.send_kind = rdma._SEND
-        self.write_kind = rdma._WRITE
-        self.max_transfer = conn.info.max_transfer
+        self.kind_shift = rdma.KIND_SHIFT
+        self.mask = rdma.WR_ID_MASK
+        self.recv_kind = rdma.KIND_RECV
+        self.send_kind = rdma.KIND_SEND
+        self.write_kind = rdma.KIND_WRITE
+        self.shape.max_transfer = conn.info.max_transfer
         self.served = 0
         self.fetched = 0
 
@@ -206,20 +204,20 @@ cdef class RdmaFastPath:
         """The CQ's callback: one batch of completions (``RdmaTargetConnection._completions``
         with the steady-state ones served here)."""
         conn = self.conn
-        conn._batching = True
+        conn.batching = True
         try:
             for wc in wcs:
                 try:
                     if self._completion(<tuple>wc):
                         continue
                 except Exception as exc:  # as the Python path: never let one completion stall the rest
-                    conn._handling_failed(exc)
+                    conn.handling_failed(exc)
                     continue
-                conn._completion(wc)
+                conn.completion(wc)
         finally:
-            conn._batching = False
+            conn.batching = False
             if self.send_out or self.recv_out:
-                conn._flush()
+                conn.flush()
 
     cdef bint _completion(self, tuple wc) except -1:
         """Handled here, or False with nothing done."""
@@ -241,14 +239,11 @@ cdef class RdmaFastPath:
         if not queue.qid:
             self._off = True  # the admin queue: nothing to serve
             return False
+        bind_queue(queue, &self.shape)
         self._bound = True
         self.queue = queue
         self.ctrl = queue.controller
         self.counters = queue.counters
-        self.qid = queue.qid
-        self.sqsize = queue.sqsize
-        self.pool = queue.pool
-        self.sqhd_disabled = queue.sqhd_disabled
         return True
 
     cdef bint _command(self, Py_ssize_t idx, Py_ssize_t nbytes) except -1:
@@ -259,43 +254,29 @@ cdef class RdmaFastPath:
         if not self._bound and not self._bind():
             return False
         cdef const unsigned char* q = <const unsigned char*>(self.recv_base + <uintptr_t>(idx * self.recv_size))
+        cdef RwCommand c
         cdef int sgl_id = q[_K_ID]
-        cdef int opcode = q[_O_OPC]
         cdef unsigned int length
-        if (q[_O_FLAGS] & _PSDT_MASK) != _PSDT_SGL:
-            return False
-        if opcode == _READ:
-            if sgl_id != _KEYED and sgl_id != _KEYED_INVALIDATE:
-                return False
+        parse_rw(q, &c)
+        # the transport's part: where the data is (a keyed SGL: the host's memory, by RDMA WRITE
+        # or READ; a Write's Data Block at offset 0: in the capsule, within the in-capsule size)
+        if sgl_id == _KEYED or sgl_id == _KEYED_INVALIDATE:
             length = _le24(q + _K_LEN)
-        elif opcode == _WRITE:
-            # its data in the capsule or behind a keyed SGL (fetched by RDMA READ), no FUA
-            if le16(q + _O_CONTROL) & _FUA:
+        elif c.opcode == _WRITE and sgl_id == _SGL_IN_CAPSULE and le64(q + _O_ADDR) == 0:
+            length = le32(q + _O_LEN)
+            if length > nbytes - _SQE_SIZE or length > self.shape.inline_size:
                 return False
-            if sgl_id == _KEYED or sgl_id == _KEYED_INVALIDATE:
-                length = _le24(q + _K_LEN)
-            elif sgl_id != _SGL_IN_CAPSULE or le64(q + _O_ADDR) != 0:
-                return False
-            else:
-                length = le32(q + _O_LEN)
-                if length > nbytes - _SQE_SIZE or length > self.queue.inline_size:
-                    return False
         else:
             return False
-        if length == 0 or length > self.max_transfer:
+        # the core's part: the one rule both transports ask (target/_io_core.pyx); no FUA here
+        entry = eligible(&c, length, False, self.ctrl, self.queue, &self.shape)
+        if entry is None or self.resp_wait or not self.resp_pool.available:
             return False
-        # the controller's view of the namespaces (only those accessible through this port)
-        entry = self.ctrl.io_namespaces.get(le32(q + _O_NSID))
-        if entry is None:
-            return False
-        cdef unsigned long long slba = le64(q + _O_SLBA)
-        cdef FastNamespace ns = served_namespace(entry, slba, le16(q + _O_NLB) + 1, length)
-        if ns is None:
-            return False
+        cdef FastNamespace ns = <FastNamespace><object>c.ns
+        cdef int opcode = c.opcode
+        cdef unsigned long long slba = c.slba
         queue = self.queue
         ctrl = self.ctrl
-        if not queue_ready(queue, ctrl, self.pool) or self.resp_wait or not self.resp_pool.available:
-            return False
         if opcode == _WRITE:
             if sgl_id == _SGL_IN_CAPSULE:
                 return self._write(ns, idx, q, length, slba, start)
@@ -312,13 +293,13 @@ cdef class RdmaFastPath:
         if got != length:
             self.data.put(slot)
             return False  # the Python path reads again and reports the error
-        # TargetQueue.submit and _complete, then RdmaTargetConnection._pump_responses
+        # TargetQueue.submit and _complete, then RdmaTargetConnection.pump_responses
         queue.in_flight += 1
         ctrl.traffic_seen = True
         rslot = self.resp_pool.get()
         cdef Py_ssize_t i = rslot.index
         cdef uintptr_t raddr = rslot.addr
-        write_cqe(<unsigned char*>raddr, next_sqhd(queue, self.sqsize, self.sqhd_disabled), self.qid, le16(q + _O_CID))
+        write_cqe(<unsigned char*>raddr, next_sqhd(queue, &self.shape), self.shape.qid, c.cid)
         count_io(self.counters, ns, _KIND_READ, length, start)
         self.resp_cmd[i] = slot
         cdef unsigned int key = le32(q + _K_KEY)
@@ -337,10 +318,7 @@ cdef class RdmaFastPath:
     cdef bint _write(self, FastNamespace ns, Py_ssize_t idx, const unsigned char* q, unsigned int length,
                      unsigned long long slba, long long start) except -1:
         """An in-capsule Write: written from the receive buffer, then the response SEND alone."""
-        cdef FastFile f = ns.file
-        if f.read_only:
-            return False
-        cdef int fd = f.fd
+        cdef int fd = ns.file.fd
         cdef off_t offset = <off_t>(slba << ns.lba_shift)
         cdef Py_ssize_t done
         with nogil:
@@ -352,7 +330,7 @@ cdef class RdmaFastPath:
         rslot = self.resp_pool.get()
         cdef Py_ssize_t i = rslot.index
         cdef uintptr_t raddr = rslot.addr
-        write_cqe(<unsigned char*>raddr, next_sqhd(self.queue, self.sqsize, self.sqhd_disabled), self.qid,
+        write_cqe(<unsigned char*>raddr, next_sqhd(self.queue, &self.shape), self.shape.qid,
                   le16(q + _O_CID))
         count_io(self.counters, ns, _KIND_WRITE, length, start)
         self.resp_cmd[i] = False  # served here, no data slot
@@ -364,17 +342,17 @@ cdef class RdmaFastPath:
 
     cdef bint _fetch(self, entry, FastNamespace ns, Py_ssize_t idx, const unsigned char* q, unsigned int length,
                      unsigned long long slba, int sgl_id, long long start) except -1:
-        """A Write whose data the host holds (keyed SGL): its :class:`FastWrite` in a ``_Cmd``
+        """A Write whose data the host holds (keyed SGL): its :class:`FastWrite` in a ``RdmaCommand``
         with a data slot free now, queued for its RDMA READs as ``TargetQueue.submit`` and
         ``RdmaTargetConnection.fetch_data``/``_read_slot`` queue one, and the connection's own
-        ``_pump_reads`` posts them (so READ_CHUNK, ``READ_BYTES_IN_FLIGHT``, the initiator depth
+        ``pump_reads`` posts them (so READ_CHUNK, ``READ_BYTES_IN_FLIGHT``, the initiator depth
         and the FIFO order are the Python path's, not a copy of them); :meth:`data_ready` writes
         and answers it. What the queue holds for it until ``response_sent`` is taken here: the
         pool slot (``queue.in_flight``) and the namespace (``ns.in_flight``, as ``_check_rw``:
         a removed namespace keeps its file until the write is done)."""
         conn = self.conn
-        if ns.file.read_only or conn.cm.initiator_depth == 0:
-            return False  # write protected, or no RDMA READ service: the Python path's statuses
+        if conn.cm.initiator_depth == 0:
+            return False  # no RDMA READ service: the Python path's status
         slot = self.data.get_now(length)
         if slot is None:
             return False  # the Python path waits for a slot in line
@@ -397,7 +375,7 @@ cdef class RdmaFastPath:
         entry.in_flight += 1
         conn.cmds.add(cmd)
         conn.read_wait.append(cmd)
-        conn._pump_reads()
+        conn.pump_reads()
         self.served += 1
         return True
 
@@ -407,7 +385,7 @@ cdef class RdmaFastPath:
         was checked, a response waits for a slot or the ``pwrite`` fails, run by the Python queue
         as its request, which writes it again and reports any error); False for the queue's own
         request. The ends are ``TargetQueue._complete``'s (SQHD, counters, the namespace hold)
-        and ``_pump_responses``' (the SEND, SEND_WITH_INV when the SGL asks for it, the
+        and ``pump_responses``' (the SEND, SEND_WITH_INV when the SGL asks for it, the
         receive's re-post); the data slot stays the command's until the SEND completes
         (:meth:`_sent`)."""
         if type(cmd.req) is not FastWrite:
@@ -431,7 +409,7 @@ cdef class RdmaFastPath:
         rslot = self.resp_pool.get()
         cdef Py_ssize_t i = rslot.index
         cdef uintptr_t raddr = rslot.addr
-        write_cqe(<unsigned char*>raddr, next_sqhd(self.queue, self.sqsize, self.sqhd_disabled), self.qid, w.cid)
+        write_cqe(<unsigned char*>raddr, next_sqhd(self.queue, &self.shape), self.shape.qid, w.cid)
         count_io(self.counters, ns, _KIND_WRITE, w.length, w.start_ns)
         # a removed namespace's copy is withdrawn (not accessible) first, so the queue, not this,
         # gives back the last hold of one and closes its file
@@ -449,12 +427,12 @@ cdef class RdmaFastPath:
         self.recv_out.append(self.recv_wrs[cmd.recv])
         cmd.recv = -1
         self.fetched += 1
-        if not conn._batching:
-            conn._flush()
+        if not conn.batching:
+            conn.flush()
         return True
 
     def request(self, cmd):
-        """The queue's :class:`target.request.Request` for ``cmd`` (``_Cmd``), made from its
+        """The queue's :class:`target.request.Request` for ``cmd`` (``RdmaCommand``), made from its
         :class:`FastWrite` as ``TargetQueue.submit`` would have left it waiting for its data,
         holding what the FastWrite holds (so ``data_failed`` ends it as the queue ends its own),
         and stored in ``cmd.req``; ``cmd.req`` itself when it is the queue's already."""
@@ -477,13 +455,13 @@ cdef class RdmaFastPath:
         if entry is False:
             pass  # a write from the receive buffer: no data slot
         elif conn.closing and not conn.destroyed:
-            conn._held.append(entry)  # maybe still posted: free once the QP is gone
+            conn.held.append(entry)  # maybe still posted: free once the QP is gone
         else:
             self.data.put(entry)
         if status and not conn.closing:
-            conn._wc_failed("SEND", status)
+            conn.wc_failed("SEND", status)
             return True
         self.queue.in_flight -= 1
         if self.resp_wait:
-            conn._pump_responses()
+            conn.pump_responses()
         return True

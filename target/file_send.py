@@ -2,7 +2,7 @@
 ``splice(2)`` through a pipe of the connection's, not copied into a buffer of ours and out again.
 
 The Python twin; the compiled one is ``TcpFastPath._read_by_reference`` in
-``target/_io_fast.pyx``, which does the same steps on the same pipe with the same syscalls.
+``target/_tcp_io.pyx``, which does the same steps on the same pipe with the same syscalls.
 
 Why a pipe of our own rather than ``sendfile(2)`` after the C2HData header (what the issue
 asked for, and what commit d39f4b3 tried): ``sendfile`` only finds out that the file is shorter
@@ -50,7 +50,7 @@ _DISCARD_CHUNK = 1 << 20
 DEVNULL = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
 """Where a pipe is emptied to: spliced there, its pages are dropped without a copy. Not ``read``:
 reading pages spliced in from a socket can fail with EFAULT (seen in the VM bed, Debian's 6.1
-kernel over veth, with R2T write data on a queue's thread: ``target/_io_fast.pyx``)."""
+kernel over veth, with R2T write data on a queue's thread: ``target/_tcp_io.pyx``)."""
 
 
 class Batcher(Protocol):

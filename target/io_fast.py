@@ -1,6 +1,7 @@
 """The target's compiled I/O path, or None: what :mod:`target.tcp` and :mod:`target.backend` use.
 
-The compiled path (``target/_io_fast.pyx``) runs when :mod:`blockd.dataplane` chose the compiled
+The compiled path (``target/_tcp_thread.pyx`` and ``_tcp_io.pyx`` over ``_io_core.pyx`` and
+``_file_io.pyx``) runs when :mod:`blockd.dataplane` chose the compiled
 plane (``BLOCKD_PURE=1`` turns it off) and its extension was built; otherwise the names below are
 None and every command goes through the Python :class:`target.queue.TargetQueue`, the reference.
 """
@@ -16,11 +17,11 @@ if TYPE_CHECKING:
 
 __all__ = ["FastFile", "FastNamespace", "RdmaFastPath", "TcpFastPath", "fast_namespace"]
 
-_fast = twin("target._io_fast", None)
-FastFile = getattr(_fast, "FastFile", None)
-FastNamespace = getattr(_fast, "FastNamespace", None)
-TcpFastPath = getattr(_fast, "TcpFastPath", None)
-RdmaFastPath = getattr(twin("target._rdma_fast", None), "RdmaFastPath", None)
+_file = twin("target._file_io")
+FastFile = getattr(_file, "FastFile", None)
+FastNamespace = getattr(_file, "FastNamespace", None)
+TcpFastPath = getattr(twin("target._tcp_thread"), "TcpFastPath", None)
+RdmaFastPath = getattr(twin("target._rdma_fast"), "RdmaFastPath", None)
 
 
 def fast_namespace(ns: Namespace) -> object | None:

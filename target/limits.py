@@ -21,7 +21,7 @@ class DataBudget:
     A queue that cannot get its share now leaves a ``wake`` callback and asks again when
     another queue gives bytes back (in the order they asked): new writes wait, nothing fails.
 
-    The queues' threads (``target/_io_fast.pyx``: R2T writes served on a queue's thread) take
+    The queues' threads (``target/_tcp_io.pyx``: R2T writes served on a queue's thread) take
     and give bytes too, so the count changes under a lock; the wake-ups (which send R2Ts on
     other connections' transports) run only on the event loop: a thread gives with
     :meth:`free` and has the loop run ``give(0)`` when someone waits.

@@ -241,7 +241,7 @@ class TargetQueue:
         return _SUCCESS
 
     def adopt_write(self, sqe: bytes, start_ns: int, ns: Namespace, data: bytearray, transport_ctx: object) -> Request:
-        """The R2T write the compiled path took (``target/_io_fast.pyx``: it counted the slot,
+        """The R2T write the compiled path took (``target/_tcp_io.pyx``: it counted the slot,
         held ``ns``, took the budgets and sent the R2T) as the request ``submit`` would have made,
         waiting for its data in ``data``: for the ends it leaves to this queue (the data never
         came, the write failed), which ``data_failed`` and ``data_ready`` then end as their own."""
@@ -267,7 +267,7 @@ class TargetQueue:
 
     def write_failed(self, req: Request, exc: OSError) -> None:
         """The transport wrote the host's data to the file itself and the file refused it (the
-        compiled path's R2T writes by splice, ``target/_io_fast.pyx``): the command ends as the
+        compiled path's R2T writes by splice, ``target/_tcp_io.pyx``): the command ends as the
         controller's write ends when its backend raises."""
         if req.state is not _NEED_DATA:
             raise IllegalTransition(req, _COMPLETING)

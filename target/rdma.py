@@ -69,11 +69,11 @@ log = structlog.get_logger("blockd.target.rdma")
 
 SQE_SIZE = 64
 CQE_SIZE = 16
-_KIND_SHIFT = 48
-_RECV, _READ, _SEND, _WRITE = 1, 2, 3, 4
-_MASK = (1 << _KIND_SHIFT) - 1
+KIND_SHIFT = 48
+KIND_RECV, KIND_READ, KIND_SEND, KIND_WRITE = 1, 2, 3, 4
+WR_ID_MASK = (1 << KIND_SHIFT) - 1
 _SGL_INVALIDATE = int(SglId.KEYED_DATA_BLOCK_INVALIDATE)
-_READ_FAILED = -1  # _Cmd.posted once a piece of its RDMA READ has failed
+_READ_FAILED = -1  # RdmaCommand.posted once a piece of its RDMA READ has failed
 RDMA_INLINE = 4096
 READ_CHUNK = 128 << 10
 """Largest RDMA READ we post: what the kernel's rdma_rw makes of a 1 MiB transfer on rxe (32
@@ -108,7 +108,7 @@ Block) to TCP's; TSAS: reliable connected QP, no RDMA provider type, rdma_cm."""
 DATA_CLASSES = [(8192, 256), (128 << 10, 32), (INFO.max_transfer, 8)]
 
 FLUSH_GRACE = 1.0
-"""Seconds a flushed work completion waits for the CM event that explains it (see _wc_failed)."""
+"""Seconds a flushed work completion waits for the CM event that explains it (see wc_failed)."""
 
 _data_slots: dict[str, Any] = {}
 
@@ -176,7 +176,7 @@ def _peer_of(cmid) -> str:
 _NEED_DATA = RequestState.NEED_DATA
 
 
-class _Cmd:
+class RdmaCommand:
     """Transport state of one command (its ``req.transport_ctx``): the request once the core
     hands it back, its receive slot, data slot (and the view of it the controller reads into),
     bytes to RDMA WRITE, response slot, and how far its RDMA READ has gone."""
@@ -220,15 +220,15 @@ class RdmaTargetConnection:
         self.closing = False
         self.destroyed = False
         self._flush_timer: asyncio.TimerHandle | None = None
-        self._held: list = []
+        self.held: list = []
         self.cm = None
         self.reads_in_flight = 0
         self.read_bytes_free = READ_BYTES_IN_FLIGHT
-        self.read_wait: collections.deque[_Cmd] = collections.deque()
-        self.resp_wait: collections.deque[_Cmd] = collections.deque()
-        self.tokens: dict[int, tuple[_Cmd, int]] = {}  # RDMA READs in flight: command, bytes
+        self.read_wait: collections.deque[RdmaCommand] = collections.deque()
+        self.resp_wait: collections.deque[RdmaCommand] = collections.deque()
+        self.tokens: dict[int, tuple[RdmaCommand, int]] = {}  # RDMA READs in flight: command, bytes
         self._next_token = 0
-        self.cmds: set[_Cmd] = set()
+        self.cmds: set[RdmaCommand] = set()
         self.unsent_total = listener.target.unsent
         self.waiting_bytes = 0
         """Read data waiting in ordinary buffers for a registered slot (``unsent``)."""
@@ -237,15 +237,15 @@ class RdmaTargetConnection:
         self.deferred: collections.deque[tuple[int, int]] = collections.deque()
         # work requests as the fast post path takes them, built once
         lkey = self.recv_pool.lkey
-        self._recv_wrs = [((_RECV << _KIND_SHIFT) | s.index, s.addr, s.size, lkey)
+        self.recv_wrs = [((KIND_RECV << KIND_SHIFT) | s.index, s.addr, s.size, lkey)
                           for s in self.recv_pool.slots]
-        self._resp_cmd: list[_Cmd | None] = [None] * len(self.resp_pool.slots)
+        self.resp_cmd: list[RdmaCommand | None] = [None] * len(self.resp_pool.slots)
         # while a batch of completions is handled, receives and sends wait here and go out as
         # one chain each at its end (receives first: a command's buffer is re-posted before its
         # response can let the host send into it again)
-        self._batching = False
-        self._recv_out: list = []
-        self._send_out: list = []
+        self.batching = False
+        self.recv_out: list = []
+        self.send_out: list = []
         self._admitted = None
         self._hello: asyncio.TimerHandle | None = None
         self.peer = _peer_of(creq.cmid)
@@ -263,7 +263,7 @@ class RdmaTargetConnection:
         self._hello = self.loop.call_later(listener.target.limits.hello_timeout, self._hello_expired)
         self.fast = RdmaFastPath(self) if RdmaFastPath is not None else None
         """The compiled per-command path (:mod:`target.io_fast`): it takes each batch of
-        completions first, serves the steady-state ones and hands the rest to ``_completion``."""
+        completions first, serves the steady-state ones and hands the rest to ``completion``."""
         self.cq.attach(self.loop, self._completions if self.fast is None else self.fast.completions)
         log.info("rdma queue accepted", peer=self.peer, qid=nv.qid, depth=depth,
                  inline=self.inline, initiator_depth=self.cm.initiator_depth, dev=dev.name)
@@ -278,11 +278,11 @@ class RdmaTargetConnection:
     # -- receives -------------------------------------------------------------------------------
 
     def _post_all_recvs(self, qp) -> None:
-        qp.post_recvs(self._recv_wrs)
+        qp.post_recvs(self.recv_wrs)
 
-    def _token(self, cmd: _Cmd, nbytes: int) -> int:
+    def _token(self, cmd: RdmaCommand, nbytes: int) -> int:
         t = self._next_token
-        self._next_token = (t + 1) & _MASK
+        self._next_token = (t + 1) & WR_ID_MASK
         self.tokens[t] = (cmd, nbytes)
         return t
 
@@ -291,42 +291,42 @@ class RdmaTargetConnection:
     def _completions(self, wcs: list) -> None:
         """The CQ's callback (the compiled path's ``completions`` stands in for it when it runs):
         one batch of completions, whose receives and sends go out as one chain each at its end."""
-        self._batching = True
+        self.batching = True
         try:
             for wc in wcs:
-                self._completion(wc)
+                self.completion(wc)
         finally:
-            self._batching = False
-            if self._send_out or self._recv_out:
-                self._flush()
+            self.batching = False
+            if self.send_out or self.recv_out:
+                self.flush()
 
-    def _completion(self, wc) -> None:
+    def completion(self, wc) -> None:
         wr_id = wc.wr_id
-        kind = wr_id >> _KIND_SHIFT
-        idx = wr_id & _MASK
+        kind = wr_id >> KIND_SHIFT
+        idx = wr_id & WR_ID_MASK
         status = wc.status
         try:
-            if kind == _RECV:
+            if kind == KIND_RECV:
                 if status:
-                    self._wc_failed("RECV", status)
+                    self.wc_failed("RECV", status)
                 elif not self.closing:
                     self._command(idx, wc.byte_len)
-            elif kind == _SEND:
+            elif kind == KIND_SEND:
                 self._send_done(idx, status)
-            elif kind == _READ:
+            elif kind == KIND_READ:
                 self._read_done(idx, status)
-            elif kind == _WRITE and status:  # unsignalled: only an error completes it
-                self._wc_failed("RDMA WRITE", status)
+            elif kind == KIND_WRITE and status:  # unsignalled: only an error completes it
+                self.wc_failed("RDMA WRITE", status)
         except Exception as exc:  # never let one completion stall the rest
-            self._handling_failed(exc)
+            self.handling_failed(exc)
 
-    def _handling_failed(self, exc: Exception) -> None:
+    def handling_failed(self, exc: Exception) -> None:
         log.exception("rdma completion handling failed", peer=self.peer)
         self._fatal("internal error", error=str(exc))
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """Post the receives and sends the batch queued: one chain each."""
-        recvs, sends = self._recv_out, self._send_out
+        recvs, sends = self.recv_out, self.send_out
         try:
             if not self.closing:
                 if recvs:
@@ -344,7 +344,7 @@ class RdmaTargetConnection:
         self.queue.note_teardown(cause, **detail)
         self.close()
 
-    def _wc_failed(self, wr: str, status: int, **detail: str) -> None:
+    def wc_failed(self, wr: str, status: int, **detail: str) -> None:
         """A work request completed in error: the QP is in the error state, the queue is gone.
 
         A flushed one is a consequence, not a cause: something else moved the QP to the error
@@ -366,7 +366,7 @@ class RdmaTargetConnection:
             self._fatal("framing error", error=f"capsule of {nbytes} bytes is shorter than an SQE")
             return
         view = self.recv_pool.slots[idx].view
-        cmd = _Cmd(idx)
+        cmd = RdmaCommand(idx)
         self.cmds.add(cmd)
         self.queue.submit(view[:SQE_SIZE], view[SQE_SIZE:nbytes] if nbytes > SQE_SIZE else None, cmd)
 
@@ -391,15 +391,15 @@ class RdmaTargetConnection:
         else:
             self.data.get(req.length, lambda slot, cmd=cmd: self._read_slot(cmd, slot))
 
-    def _read_slot(self, cmd: _Cmd, slot) -> None:
+    def _read_slot(self, cmd: RdmaCommand, slot) -> None:
         if self.closing:
             self.data.put(slot)  # never posted: free at once
             return
         cmd.data = slot
         self.read_wait.append(cmd)
-        self._pump_reads()
+        self.pump_reads()
 
-    def _pump_reads(self) -> None:
+    def pump_reads(self) -> None:
         """Post the waiting commands' READs, in order, as far as the READ count and byte bounds
         allow (see ``READ_BYTES_IN_FLIGHT``)."""
         limit = self.cm.initiator_depth
@@ -417,7 +417,7 @@ class RdmaTargetConnection:
             tok = self._token(cmd, n)
             try:
                 # within the SGL the core validated: address, key, length (<= MAX_TRANSFER)
-                self.qp.post_sends([((_READ << _KIND_SHIFT) | tok, WR_RDMA_READ, SEND_SIGNALED,
+                self.qp.post_sends([((KIND_READ << KIND_SHIFT) | tok, WR_RDMA_READ, SEND_SIGNALED,
                                      slot.addr + off, n, slot.lkey, 0, req.sgl_address + off,
                                      req.sgl_key)])
             except Exception as exc:
@@ -454,15 +454,15 @@ class RdmaTargetConnection:
                 req = self._request(cmd)
                 self.queue.data_failed(req)
             # an RC requester error puts the QP in the error state: the queue is gone
-            self._wc_failed("RDMA READ", status, cid=str(req.cid), addr=hex(req.sgl_address),
+            self.wc_failed("RDMA READ", status, cid=str(req.cid), addr=hex(req.sgl_address),
                             key=hex(req.sgl_key), length=str(req.length))
             return
         if not cmd.reading and cmd.posted == req.length and (self.fast is None or not self.fast.data_ready(cmd)):
             req.data = cmd.data.view[:req.length]  # zero copy: the core reads it in place
             self.queue.data_ready(req)
-        self._pump_reads()
+        self.pump_reads()
 
-    def _request(self, cmd: _Cmd) -> Request:
+    def _request(self, cmd: RdmaCommand) -> Request:
         """The queue's request of a command waiting for its data: the compiled path's writes
         (``target/_rdma_fast.pyx`` ``FastWrite``) get the one the queue would have made."""
         return cmd.req if self.fast is None else self.fast.request(cmd)
@@ -494,7 +494,7 @@ class RdmaTargetConnection:
             if cmd.data is None:  # no slot now: the reply waits in memory
                 self.unsent_total.note(self)
 
-    def _waited_slot(self, cmd: _Cmd, slot) -> None:
+    def _waited_slot(self, cmd: RdmaCommand, slot) -> None:
         self.waiting_bytes -= cmd.nbytes
         self._write_slot(cmd, slot)
 
@@ -511,16 +511,16 @@ class RdmaTargetConnection:
             self.loop.call_soon(self._submit_deferred)
 
     def _submit_deferred(self) -> None:
-        self._batching = True
+        self.batching = True
         try:
             while self.deferred and not self.deferring and not self.closing:
                 self._command(*self.deferred.popleft())
         finally:
-            self._batching = False
-            if self._send_out or self._recv_out:
-                self._flush()
+            self.batching = False
+            if self.send_out or self.recv_out:
+                self.flush()
 
-    def _write_slot(self, cmd: _Cmd, slot) -> None:
+    def _write_slot(self, cmd: RdmaCommand, slot) -> None:
         if self.closing:
             self.data.put(slot)
             return
@@ -529,19 +529,19 @@ class RdmaTargetConnection:
         slot.view[:n] = memoryview(cmd.req.reply)[:n]
         self._respond(cmd)
 
-    def _respond(self, cmd: _Cmd) -> None:
+    def _respond(self, cmd: RdmaCommand) -> None:
         """Send the CQE (after the RDMA WRITE of ``cmd.nbytes`` of read data) once a response
         slot is free."""
         self.resp_wait.append(cmd)
-        self._pump_responses()
+        self.pump_responses()
 
-    def _pump_responses(self) -> None:
+    def pump_responses(self) -> None:
         """Queue the WRITE (if any) + SEND of every answered command a response slot is free
         for, with its receive's re-post; posted at the batch's end, or at once outside one."""
         pool = self.resp_pool
         wait = self.resp_wait
-        sends = self._send_out
-        recvs = self._recv_out
+        sends = self.send_out
+        recvs = self.recv_out
         while wait and pool.available and not self.closing:
             cmd = wait.popleft()
             req = cmd.req
@@ -549,46 +549,46 @@ class RdmaTargetConnection:
             i = rslot.index
             rslot.view[:CQE_SIZE] = req.cqe
             cmd.resp = i
-            self._resp_cmd[i] = cmd
+            self.resp_cmd[i] = cmd
             write = cmd.nbytes
             if write:
                 data = cmd.data
-                sends.append(((_WRITE << _KIND_SHIFT) | i, WR_RDMA_WRITE, 0, data.addr, write,
+                sends.append(((KIND_WRITE << KIND_SHIFT) | i, WR_RDMA_WRITE, 0, data.addr, write,
                               data.lkey, 0, req.sgl_address, req.sgl_key))
             if req.sgl_id == _SGL_INVALIDATE and req.length:
-                sends.append(((_SEND << _KIND_SHIFT) | i, WR_SEND_WITH_INV, SEND_SIGNALED, rslot.addr,
+                sends.append(((KIND_SEND << KIND_SHIFT) | i, WR_SEND_WITH_INV, SEND_SIGNALED, rslot.addr,
                               CQE_SIZE, pool.lkey, req.sgl_key, 0, 0))
             else:
-                sends.append(((_SEND << _KIND_SHIFT) | i, WR_SEND, SEND_SIGNALED, rslot.addr,
+                sends.append(((KIND_SEND << KIND_SHIFT) | i, WR_SEND, SEND_SIGNALED, rslot.addr,
                               CQE_SIZE, pool.lkey, 0, 0, 0))
             # before the response: the host may reuse the slot as soon as it has it
-            recvs.append(self._recv_wrs[cmd.recv])
+            recvs.append(self.recv_wrs[cmd.recv])
             cmd.recv = -1
-        if not self._batching and (sends or recvs):
-            self._flush()
+        if not self.batching and (sends or recvs):
+            self.flush()
 
     def _send_done(self, idx: int, status: int) -> None:
-        cmd = self._resp_cmd[idx]
+        cmd = self.resp_cmd[idx]
         if cmd is None:
             return
-        self._resp_cmd[idx] = None
+        self.resp_cmd[idx] = None
         self.resp_pool.put(self.resp_pool.slots[idx])
         self._drop(cmd)
         if status and not self.closing:
-            self._wc_failed("SEND", status)
+            self.wc_failed("SEND", status)
             return
         self.queue.response_sent(cmd.req)
         if self.resp_wait:
-            self._pump_responses()
+            self.pump_responses()
 
-    def _drop(self, cmd: _Cmd) -> None:
+    def _drop(self, cmd: RdmaCommand) -> None:
         """The command is over (answered or abandoned): give back its data slot."""
         self.cmds.discard(cmd)
         cmd.view = None
         if cmd.data is not None:
             slot, cmd.data = cmd.data, None
             if self.closing and not self.destroyed:
-                self._held.append(slot)  # maybe still posted: free once the QP is gone
+                self.held.append(slot)  # maybe still posted: free once the QP is gone
             else:
                 self.data.put(slot)
 
@@ -615,7 +615,7 @@ class RdmaTargetConnection:
             return
         self.queue.note_teardown("local shutdown")
         self.closing = True
-        self._held = []
+        self.held = []
         if self._hello is not None:
             self._hello.cancel()
         self.listener.connections.discard(self)
@@ -661,21 +661,21 @@ class RdmaTargetConnection:
             if cmd.req is not None and self._request(cmd).state is _NEED_DATA:
                 self.queue.data_failed(cmd.req)
         # data slots still owned by commands (READ sinks / WRITE sources) are now free
-        held, self._held = self._held, []
+        held, self.held = self.held, []
         for cmd in list(self.cmds):
             if cmd.data is not None:
                 held.append(cmd.data)
                 cmd.data = None
-        # a command the compiled path served stands in _resp_cmd as its data slot (False: none)
+        # a command the compiled path served stands in resp_cmd as its data slot (False: none)
         # until its SEND completes
-        held.extend(e for e in self._resp_cmd if e is not None and e is not False and type(e) is not _Cmd)
+        held.extend(e for e in self.resp_cmd if e is not None and e is not False and type(e) is not RdmaCommand)
         self.cmds.clear()
         self.tokens.clear()
-        self._resp_cmd[:] = [None] * len(self._resp_cmd)  # in place: the compiled path holds this list
+        self.resp_cmd[:] = [None] * len(self.resp_cmd)  # in place: the compiled path holds this list
         self.read_wait.clear()
         self.resp_wait.clear()
-        self._recv_out.clear()
-        self._send_out.clear()
+        self.recv_out.clear()
+        self.send_out.clear()
         self.closing = True
         self.destroyed = True
         self.recv_pool.close()

@@ -71,7 +71,7 @@ _HELLO_STAGING = IC_REQ.sizeof()
 
 TERM_LINGER = 2.0
 """Seconds a terminated connection waits for the host to close after its C2HTermReq (see
-``TcpTargetConnection._terminate``)."""
+``TcpTargetConnection.terminate``)."""
 
 
 class _Discard:
@@ -140,7 +140,7 @@ class TcpTargetConnection(PduProtocol):
         self.r2t_pending: dict[int, tuple[Request, int]] = {}
         """Writes whose R2T was sent, by transfer tag: the request and the bytes received (the
         compiled path's own R2Ts hold an ``R2tWrite`` in place of the request)."""
-        self._next_ttag = 0
+        self.next_ttag = 0
         self.local_address = ""
         self.limits = target.limits
         self.host = ""
@@ -150,15 +150,15 @@ class TcpTargetConnection(PduProtocol):
         commands already received wait in the reader until the replies drain."""
         self._stopped_by_queue = False
         self._stopped_by_total = False
-        self._batched = 0
+        self.batched = 0
         """Read data queued in the output batch since it last went to the socket."""
-        self._flush_at = self.limits.max_unsent // 4
+        self.flush_at = self.limits.max_unsent // 4
         self._unsent = target.unsent
-        self._r2t_waiting: deque[Request] = deque()
+        self.r2t_waiting: deque[Request] = deque()
         """Writes whose R2T waits for budget, in arrival order."""
-        self._r2t_held = 0
+        self.r2t_held = 0
         """Bytes of write buffers this queue holds (for R2Ts sent)."""
-        self._sock = -1
+        self.sock = -1
         """The socket's descriptor, for reads sent by reference (-1: none; e.g. not a socket)."""
         self.pipe: ReplyPipe | None = None
         """The pipe of reads sent by reference (:mod:`target.file_send`), made at the first."""
@@ -185,7 +185,7 @@ class TcpTargetConnection(PduProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock = sock.fileno()
+            self.sock = sock.fileno()
         # pause_writing once this much waits to be sent; resume_writing once below a quarter of it
         self.transport.set_write_buffer_limits(high=self.limits.max_unsent)
         self.reader.allowed = _BEFORE_IC
@@ -212,18 +212,18 @@ class TcpTargetConnection(PduProtocol):
         # writes still waiting for their H2CData end here (no response goes out on a closed
         # transport), so they let go of their namespace: a removed one may then close
         pending = [req for req, _ in self.r2t_pending.values()]
-        pending += self._r2t_waiting
+        pending += self.r2t_waiting
         self.r2t_pending.clear()
-        self._r2t_waiting.clear()
+        self.r2t_waiting.clear()
         for req in pending:
             self._data_failed(req)
-        if self.out is not _DISCARD:  # else _terminate closed the queue already
+        if self.out is not _DISCARD:  # else terminate closed the queue already
             self.queue.close()
         budget = self.target.r2t_budget
-        budget.forget(self._send_r2ts)
-        if self._r2t_held:
-            budget.give(self._r2t_held)
-            self._r2t_held = 0
+        budget.forget(self.send_r2ts)
+        if self.r2t_held:
+            budget.give(self.r2t_held)
+            self.r2t_held = 0
         if self.pipe is not None:
             self.pipe.close()
             self.pipe = None
@@ -294,23 +294,23 @@ class TcpTargetConnection(PduProtocol):
 
     def _receive(self, nbytes: int) -> None:
         """The reference receive loop; with the compiled plane ``TcpFastPath.buffer_updated``
-        runs the same loop in C (and calls ``_take`` for every PDU it does not serve itself)."""
+        runs the same loop in C (and calls ``take_pdu`` for every PDU it does not serve itself)."""
         while True:
             try:
                 for pdu in self.reader.buffer_updated(nbytes):
-                    if not self._take(pdu):
+                    if not self.take_pdu(pdu):
                         return
                 return
             except FramingError as exc:
-                self._terminate(exc)
+                self.terminate(exc)
                 return
             except DataDigestError as exc:
-                self._digest_error(exc)
+                self.digest_error(exc)
                 if self.transport.is_closing():
                     return
                 nbytes = 0  # the reader skipped the bad PDU; go on with what follows it
 
-    def _take(self, pdu: Pdu) -> bool:
+    def take_pdu(self, pdu: Pdu) -> bool:
         """Handle one PDU from the reader; False: take no more now (the connection paused, the
         rest stays in the reader until resume_writing; or it ends)."""
         ptype = pdu.pdu_type
@@ -351,26 +351,26 @@ class TcpTargetConnection(PduProtocol):
     def fetch_data(self, req: Request) -> None:
         """Ask for the write's data with one R2T once the budgets have room for its buffer;
         ``_place`` puts the H2CData in ``req.data``."""
-        self._r2t_waiting.append(req)
-        self._send_r2ts()
-        if self._r2t_waiting:  # this write (the last in line) waits for budget
+        self.r2t_waiting.append(req)
+        self.send_r2ts()
+        if self.r2t_waiting:  # this write (the last in line) waits for budget
             self.target.rejections.add(R2T_BUDGET_WAIT)
 
-    def _send_r2ts(self) -> None:
+    def send_r2ts(self) -> None:
         """Send the R2Ts of waiting writes, oldest first, while this queue's budget and the
         daemon's have room for their buffers (called again when either frees some)."""
-        waiting = self._r2t_waiting
+        waiting = self.r2t_waiting
         per_queue = self.limits.r2t_budget
         while waiting and not self.transport.is_closing():
             req = waiting[0]
             length = req.length
-            if self._r2t_held + length > per_queue or not self.target.r2t_budget.take(length, self._send_r2ts):
+            if self.r2t_held + length > per_queue or not self.target.r2t_budget.take(length, self.send_r2ts):
                 return
             waiting.popleft()
-            self._r2t_held += length
+            self.r2t_held += length
             req.transport_ctx = length  # given back in queue_response
-            ttag = self._next_ttag
-            self._next_ttag = (ttag + 1) & 0xFFFF
+            ttag = self.next_ttag
+            self.next_ttag = (ttag + 1) & 0xFFFF
             self.r2t_pending[ttag] = (req, 0)
             req.data = data_buffer(length)
             self.out.send(self.writer.r2t(req.cid, ttag, 0, length))
@@ -417,7 +417,7 @@ class TcpTargetConnection(PduProtocol):
         ``R2tWrite`` until then, handed over as the queue's request)."""
         self.queue.data_failed(req if self.fast is None else self.fast.request(req))
 
-    def _digest_error(self, exc: DataDigestError) -> None:
+    def digest_error(self, exc: DataDigestError) -> None:
         """A corrupt data PDU fails its command with Data Transfer Error (docs/wire-facts.md,
         "Digests")."""
         header = exc.header
@@ -429,7 +429,7 @@ class TcpTargetConnection(PduProtocol):
         elif exc.pdu_type == PduType.CAPSULE_CMD:
             self.queue.capsule_data_failed(header[_CAPSULE_SQE])
             return
-        self._terminate(FramingError(TermReqFes.HEADER_DIGEST_ERROR, 0, "data digest error", header))
+        self.terminate(FramingError(TermReqFes.HEADER_DIGEST_ERROR, 0, "data digest error", header))
 
     # -- replies ----------------------------------------------------------------------------------
 
@@ -443,7 +443,7 @@ class TcpTargetConnection(PduProtocol):
         ns = req.ns
         length = req.length
         if (length < file_send.BY_REFERENCE_MIN or req.opcode != _READ or ns is None
-                or type(ns.backend) is not FileBackend or self._sock < 0 or self.writer.hdgst or self.writer.ddgst):
+                or type(ns.backend) is not FileBackend or self.sock < 0 or self.writer.hdgst or self.writer.ddgst):
             return None
         pipe = self.reply_pipe()
         if not pipe.room_for(length):
@@ -463,16 +463,16 @@ class TcpTargetConnection(PduProtocol):
             return  # connection_lost gives back any write buffer (and the pipe's next fill empties it)
         held = req.transport_ctx
         if held:  # a write's buffer is free again
-            self._r2t_held -= held
+            self.r2t_held -= held
             self.target.r2t_budget.give(held)
-            if self._r2t_waiting:
-                self._send_r2ts()
+            if self.r2t_waiting:
+                self.send_r2ts()
         queue = self.queue
         reply = req.reply
         if type(reply) is PipedRead:  # the header and data are in the pipe (the flags set in read_buffer)
             tail = None if queue.sqhd_disabled else _CAPSULE_RESP_HEADER + req.cqe
-            if reply.pipe.drain(self.out, self.transport, self._sock, tail):
-                self._batched = 0
+            if reply.pipe.drain(self.out, self.transport, self.sock, tail):
+                self.batched = 0
                 self.out.flush()  # what the socket did not take: to the transport now (its backlog shows)
             queue.response_sent(req)
             return
@@ -480,11 +480,11 @@ class TcpTargetConnection(PduProtocol):
             # without SQ flow control the data PDU completes the command (as Linux's nvmet-tcp)
             success = PduFlags.SUCCESS if queue.sqhd_disabled else 0
             self.out.send(self.writer.data_pdu(_C2H_DATA, req.cid, 0, 0, req.reply, PduFlags.LAST_PDU | success))
-            self._batched += req.length
-            if self._batched > self._flush_at or self._unsent.over:
+            self.batched += req.length
+            if self.batched > self.flush_at or self._unsent.over:
                 # to the socket now, so that a host not reading shows (pause_writing, or the
                 # daemon-wide count) before the rest of this receive's commands pile up more replies
-                self._batched = 0
+                self.batched = 0
                 self.out.flush()
             if success:
                 queue.response_sent(req)
@@ -495,7 +495,7 @@ class TcpTargetConnection(PduProtocol):
             self.out.send([_CAPSULE_RESP_HEADER + req.cqe])
         queue.response_sent(req)
 
-    def _terminate(self, exc: FramingError) -> None:
+    def terminate(self, exc: FramingError) -> None:
         """Send the C2HTermReq, then close: after a FIN, reading and dropping what the host still
         sends for up to ``TERM_LINGER`` seconds. Closing a socket with unread bytes sends a reset,
         and a reset makes the host's kernel drop the C2HTermReq it has not read yet; before ICReq
@@ -540,10 +540,10 @@ class TcpTargetConnection(PduProtocol):
 
     def _peer_ended(self) -> bool:
         """The host has shut down its side of the socket, or the socket failed."""
-        if self._sock < 0:
+        if self.sock < 0:
             return False
         poller = select.poll()
-        poller.register(self._sock, select.POLLRDHUP)
+        poller.register(self.sock, select.POLLRDHUP)
         return bool(poller.poll(0))
 
     def close(self) -> None:

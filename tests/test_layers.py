@@ -12,6 +12,11 @@ From the bottom up:
 No module takes part in an import cycle, and the sans-I/O modules import no event loop and no
 socket, directly or through the project modules they import.
 
+The compiled modules count too: a ``.pyx``'s ``import`` and ``cimport`` statements, and its
+``.pxd``'s, are the module's imports (read by ``tests/pyx_source.py``), so a compiled module is
+held to the layers it sits in, and the compiled transports to theirs: the NVMe/RDMA path cimports
+the core and file modules, never a TCP one.
+
 Every import counts, at module level or inside a function (a lazy import is still a dependency,
 it only fails later). Imports under ``if TYPE_CHECKING:`` count for the package layers but not
 for cycles: they never run, and two classes that name each other in annotations (a controller
@@ -25,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.pyx_source import compiled_imports
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("protocol", "blockd", "target", "initiator")
@@ -60,7 +67,22 @@ def _path_of(module: str) -> str:
 
 
 def _project_modules() -> dict[str, Path]:
-    return {_module_name(p): p for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))}
+    """Every module of the packages by name: its ``.py``, or a compiled one's ``.pyx``."""
+    return {_module_name(p): p for pkg in PACKAGES for ext in ("*.py", "*.pyx") for p in sorted((REPO / pkg).rglob(ext))}
+
+
+def _compiled_module_imports(module: str, path: Path, modules: dict[str, Path]) -> list[Import]:
+    """The imports and cimports of a compiled module, from its ``.pyx`` and its ``.pxd``."""
+    found = []
+    for source in (path, path.with_suffix(".pxd")):
+        if not source.exists():
+            continue
+        for origin, names, line in compiled_imports(source.read_text()):
+            for name in names if not origin else [f"{origin}.{n}" for n in names]:
+                target = name if name in modules else (origin or name)
+                found.append(Import(module, target if target.split(".")[0] in PACKAGES else target.split(".")[0],
+                                    line, False))
+    return found
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -107,7 +129,8 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> list[Import]:
 
 def _all_imports() -> list[Import]:
     modules = _project_modules()
-    return [imp for name, path in modules.items() for imp in _imports(name, path, modules)]
+    return [imp for name, path in modules.items()
+            for imp in (_compiled_module_imports if path.suffix == ".pyx" else _imports)(name, path, modules)]
 
 
 def _in(module: str, package: str) -> bool:
@@ -220,6 +243,35 @@ def test_every_import_kind_is_seen() -> None:
     assert has("blockd.cli.daemon", "target.service")                 # inside a function
     assert has("blockd.rdma.slots", "blockd.rdma.verbs")              # from .verbs import
     assert has("target.controller", "target.queue", typing_only=True)  # if TYPE_CHECKING:
+    assert has("target._rdma_fast", "target._io_core")                # a .pyx's cimport
+    assert has("target._rdma_fast", "target.rdma")                    # a .pyx's lazy import
+    assert has("target._tcp_io", "blockd._pdu_reader")                # cimport of a .pxd's class
+    assert has("target._io_core", "target._file_io")                  # a .pxd's cimport
+
+
+TRANSPORT_MODULES = {"tcp": ("target.tcp", "target._tcp_io", "target._tcp_thread"),
+                     "rdma": ("target.rdma", "target._rdma_fast")}
+"""The target's transport modules, Python and compiled, by transport."""
+
+
+def _cross_transport(imports: list[Import]) -> list[str]:
+    """A compiled transport module that imports another transport's module."""
+    return [str(imp) for imp in imports for name, own in TRANSPORT_MODULES.items()
+            if imp.importer in own[1:]
+            for other, theirs in TRANSPORT_MODULES.items() if other != name and imp.target in theirs]
+
+
+def test_a_compiled_transport_imports_no_other_transport() -> None:
+    """The RDMA path takes the core and the file I/O from their own modules, not from the TCP
+    one (as the kernel's ``rdma.c`` calls ``core.c`` and ``io-cmd-file.c``, not ``tcp.c``)."""
+    assert _cross_transport(_all_imports()) == []
+
+
+def test_a_cross_transport_cimport_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "_rdma_fast.pyx"
+    path.write_text("from target._tcp_io cimport TcpFastPath\nfrom target._io_core cimport eligible\n")
+    found = _cross_transport(_compiled_module_imports("target._rdma_fast", path, _project_modules()))
+    assert len(found) == 1 and "target._tcp_io" in found[0]
 
 
 @pytest.mark.parametrize("source, rule", [

@@ -48,7 +48,7 @@ from blockd import dataplane
 
 from . import _fast, _raw
 
-_impl = dataplane.twin("blockd.rdma._fast_verbs", "blockd.rdma._fast",
+_impl = dataplane.twin("blockd.rdma._fast_verbs",
                        hint="install libibverbs-dev and rebuild (scripts/setup.sh)")
 FAST_PATH = "compiled" if _impl is not _fast else \
     f"ctypes ({dataplane.NOT_BUILT.get('blockd.rdma._fast_verbs', dataplane.REASON)})"

@@ -137,7 +137,7 @@ cdef class FuseLoop:
         self.session = session
         self.connections = session.connections
         self.name = session.name
-        self.spare = session._spare
+        self.spare = session.spare
         self.cap = buffer_size
         self.copy_limit = copy_limit
         self.max_batch = max_batch
@@ -152,7 +152,7 @@ cdef class FuseLoop:
         self.tasks = self.session.tasks
         self.stats = self.session.stats
         self.fail = self.session.fail
-        self.range_lock = self.session.files._range_lock
+        self.range_lock = self.session.files.range_lock
         self.locks = self.session.files.locks
         self.recycle = self.session.recycle
         self.fd = fd
@@ -265,7 +265,7 @@ cdef class FuseLoop:
         lane (whose ``transfer`` is the lane's, ``Controller.__init__``), the lane's as a C call,
         ~0.45k instructions per I/O less than the Python call's six arguments (callgrind,
         docs/dataplane.md); for any other (a multipath mount's, the Python plane's), the Python
-        call. The lane of the last controller seen is kept (a controller's ``_lane`` is set
+        call. The lane of the last controller seen is kept (a controller's ``lane`` is set
         once, in its ``__init__``), and looked up again when the mount's name maps to another."""
         if self._lane_of(ctrl) is not None:
             return self.lane._transfer(write, nsid, offset, buf, done, False)
@@ -276,7 +276,7 @@ cdef class FuseLoop:
         """The compiled lane of ``ctrl`` (None for a controller without one), kept for the last
         controller seen (see ``_transfer``)."""
         if ctrl is not self.ctrl:
-            lane = getattr(ctrl, "_lane", None)
+            lane = getattr(ctrl, "lane", None)
             self.lane = lane if isinstance(lane, IoLane) else None
             self.ctrl = ctrl
         return self.lane
@@ -337,7 +337,7 @@ cdef class FuseLoop:
             bs = info.block_size
             end = offset + <uint64_t>length
             if offset < file_size and end <= file_size and length and bs and not offset % bs and not end % bs:
-                locks = self.locks.get(nsid)  # BlockFiles._range_lock without its frame, once made
+                locks = self.locks.get(nsid)  # BlockFiles.range_lock without its frame, once made
                 if locks is None:
                     locks = self.range_lock(nsid)
                 token = locks._share_now(offset // bs, end // bs)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from initiator.fuse.needs import MountController
     from initiator.fuse.session import FuseSession
 
-RangeLocks = twin("initiator.fuse._rangelock", "initiator.fuse.rangelock").RangeLocks
+RangeLocks = twin("initiator.fuse._rangelock").RangeLocks
 """The namespaces' range locks: the compiled twin on the compiled plane (the compiled FUSE loop
 calls its C methods), else the Python reference."""
 WRITE_ZEROES_MAX_BLOCKS = 1 << 16
@@ -68,7 +68,7 @@ class BlockFiles:
             raise FsError(errno.EIO)
         return ctrl, info
 
-    def _range_lock(self, nsid: int) -> RangeLocks:
+    def range_lock(self, nsid: int) -> RangeLocks:
         locks = self.locks.get(nsid)
         if locks is None:
             locks = self.locks[nsid] = RangeLocks()
@@ -133,7 +133,7 @@ class BlockFiles:
                 data = data[:info.size - offset]
             bs = info.block_size
             end = offset + len(data)
-            locks = self._range_lock(nsid)
+            locks = self.range_lock(nsid)
             if offset % bs or end % bs:
                 self.session.spawn(unique, self._patch_write(unique, ctrl, info, offset, data, owned, locks))
                 return
@@ -265,7 +265,7 @@ class BlockFiles:
         """Zero [offset, end): whole blocks by Deallocate (punch) or Write Zeroes, edges by RMW."""
         bs = info.block_size
         first, last = -(-offset // bs), end // bs
-        locks = self._range_lock(info.nsid)
+        locks = self.range_lock(info.nsid)
         token = await locks.acquire(offset // bs, -(-end // bs), True)
         try:
             jobs = []

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("blockd.initiator.fuse")
 
-FuseLoop: Any = getattr(twin("initiator.fuse._loop", None), "FuseLoop", None)
+FuseLoop: Any = getattr(twin("initiator.fuse._loop"), "FuseLoop", None)
 """The compiled request loop (``initiator/fuse/_loop.pyx``) when the data plane is compiled; its
 reference is this module's ``py_on_readable`` and replies, so there is no twin module to name."""
 
@@ -77,7 +77,7 @@ class FuseSession:
         """Requests served by callbacks, by FUSE unique id (see ``BlockFiles``): taken out when
         answered, by their completion or by an INTERRUPT, whichever comes first."""
         self.stats = {"read": 0, "write": 0, "errors": 0}
-        self._spare: list[bytearray] = []
+        self.spare: list[bytearray] = []
         self._fast: Any = None
         """The compiled loop (see ``FuseLoop``), or None when this session runs the Python one."""
         if FuseLoop is not None if compiled is None else compiled:
@@ -216,7 +216,7 @@ class FuseSession:
             else:  # big write: hand the request buffer itself to the write, read into another
                 owned = self._buf
                 data = view[_RW_DATA:_RW_DATA + size]
-                self._buf = self._spare.pop() if self._spare else bytearray(BUFFER_SIZE)
+                self._buf = self.spare.pop() if self.spare else bytearray(BUFFER_SIZE)
                 self._view = memoryview(self._buf)
             self._write(unique, nodeid - 1, offset, data, owned)
         else:
@@ -280,8 +280,8 @@ class FuseSession:
         """A big write's request buffer back to the pool. Only after the write succeeded: a failed
         write's data may still sit in a closing transport's buffer and must not be overwritten by
         the next request."""
-        if len(self._spare) < SPARE_BUFFERS:
-            self._spare.append(buf)
+        if len(self.spare) < SPARE_BUFFERS:
+            self.spare.append(buf)
 
     # -- replies ------------------------------------------------------------------------------------
 

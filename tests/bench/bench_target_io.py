@@ -1,6 +1,6 @@
 """Micro-benchmark: the target's CPU time per 4 KiB QD1 Read and Write, from the capsule's bytes
 arriving to the reply handed to the transport, with the compiled I/O path
-(``target/_io_fast.pyx``) and with every capsule going to the Python ``TargetQueue``.
+(``target/_tcp_io.pyx``) and with every capsule going to the Python ``TargetQueue``.
 
 A real :class:`target.tcp.TcpTargetConnection` of a real :class:`target.service.TargetService`
 (one namespace on a file in /dev/shm, page cache) is driven in-process: its reader is fed each

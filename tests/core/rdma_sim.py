@@ -27,7 +27,7 @@ from blockd.rdma.abi import WR_RDMA_READ, WR_RDMA_WRITE, WR_SEND, WR_SEND_WITH_I
 from blockd.rdma.verbs import BufferPool, Slot
 from tests.rdma.test_fast_path import FakeProvider, _send_fields
 
-_impl = dataplane.twin("blockd.rdma._fast_verbs", "blockd.rdma._fast")
+_impl = dataplane.twin("blockd.rdma._fast_verbs")
 _RECV = 1
 HOST_BASE = 0x7F00_0000_0000
 """Where the host's buffers seem to be (a command's at ``HOST_BASE + cid << 21``, key ``0x10000 + cid``)."""

@@ -54,7 +54,7 @@ class _Stack:
         self.compiled = compiled
         self.clock = clock
         self.ctrl: Controller = _controller(compiled, clock)
-        assert (self.ctrl._lane is not None) is compiled
+        assert (self.ctrl.lane is not None) is compiled
         self.connections = {"c": self.ctrl}
         self.mount = FuseSession(self.connections, "c", "/nonexistent", 60.0, compiled=compiled)
         assert (self.mount.on_readable == self.mount.py_on_readable) is not compiled

@@ -1,4 +1,4 @@
-"""The target's compiled Read/Write path (target/_io_fast.pyx) against the Python TargetQueue.
+"""The target's compiled Read/Write path (target/_tcp_io.pyx) against the Python TargetQueue.
 
 The differential test sends the same random command streams to a target whose connections use
 the compiled path and to one where every capsule goes to the Python queue (the reference), and
@@ -301,7 +301,7 @@ def test_what_the_compiled_path_leaves_to_python(tmp_path: Path) -> None:
 
 def test_the_compiled_target_path_runs_with_the_compiled_plane() -> None:
     """The glue offers the compiled path exactly when the data plane is compiled (so the tests
-    above skip only under BLOCKD_PURE=1, never because target/_io_fast alone failed to build)."""
+    above skip only under BLOCKD_PURE=1, never because target/_tcp_io alone failed to build)."""
     assert (TcpFastPath is not None) == COMPILED
 
 
@@ -406,7 +406,7 @@ def test_r2t_writes_are_written_and_answered_by_the_compiled_path(tmp_path: Path
                 io.send(capsule(_r2t_write(i, i * length // 512, length)))
                 cid, ttag, asked = await _r2t_of(io)
                 assert (cid, asked, queue.in_flight, namespace.in_flight) == (i, length, 1, 1)
-                assert (conn._r2t_held, service.target.r2t_budget.used) == (length, length)
+                assert (conn.r2t_held, service.target.r2t_budget.used) == (length, length)
                 data = bytes([i + 1]) * length
                 step = length // pieces
                 for at in range(0, length, step):
@@ -414,7 +414,7 @@ def test_r2t_writes_are_written_and_answered_by_the_compiled_path(tmp_path: Path
                 pdu = await io.recv()
                 assert pdu is not None and pdu.ptype == PduType.CAPSULE_RESP
                 assert CQE_FAST.unpack_from(pdu.header, 8)[_CQE_STATUS] == 0
-                assert (queue.in_flight, namespace.in_flight, conn._r2t_held, service.target.r2t_budget.used) == (
+                assert (queue.in_flight, namespace.in_flight, conn.r2t_held, service.target.r2t_budget.used) == (
                     0, 0, 0, 0)
             assert conn.fast.served == 3
             written = (tmp_path / "vol.img").read_bytes()[:3 * length]
@@ -438,7 +438,7 @@ def test_r2t_writes_are_written_and_answered_by_the_compiled_path(tmp_path: Path
             pdu = await io.recv()
             assert pdu is not None and CQE_FAST.unpack_from(pdu.header, 8)[_CQE_STATUS] == 0
             assert conn.fast.served == 4  # its R2T was the queue's, its write the compiled path's
-            assert (queue.in_flight, namespace.in_flight, conn._r2t_held, budget.used) == (0, 0, 0, 0)
+            assert (queue.in_flight, namespace.in_flight, conn.r2t_held, budget.used) == (0, 0, 0, 0)
 
     run(main(), timeout=30)
 

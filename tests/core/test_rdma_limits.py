@@ -155,7 +155,7 @@ def test_replies_waiting_for_a_data_slot_count_against_max_unsent_total() -> Non
     async def main() -> None:
         c = object.__new__(RdmaTargetConnection)
         c.loop = asyncio.get_running_loop()
-        c.closing, c._batching, c._send_out, c._recv_out = False, False, [], []
+        c.closing, c.batching, c.send_out, c.recv_out = False, False, [], []
         c.unsent_total = UnsentTotal(MiB // 2)
         c.unsent_total.POLL = 0.01
         c.waiting_bytes, c.deferring, c.deferred = 0, False, collections.deque()
@@ -163,7 +163,7 @@ def test_replies_waiting_for_a_data_slot_count_against_max_unsent_total() -> Non
         c.recv_pool = SimpleNamespace(slots=[SimpleNamespace(view=memoryview(bytes([i]) * 128)) for i in range(4)])
         responded: list[object] = []
         c._respond = responded.append
-        cmd = rdma._Cmd(0)
+        cmd = rdma.RdmaCommand(0)
         reply = bytes(range(256)) * 4096
         req = SimpleNamespace(reply=reply, length=MiB, transport_ctx=cmd)
         c.queue_response(req)

@@ -12,7 +12,7 @@ import pytest
 
 from blockd.rdma.abi import WR_RDMA_READ
 from target import rdma
-from target.rdma import READ_BYTES_IN_FLIGHT, READ_CHUNK, RdmaTargetConnection, _Cmd
+from target.rdma import READ_BYTES_IN_FLIGHT, READ_CHUNK, RdmaTargetConnection, RdmaCommand
 
 
 @dataclass
@@ -72,8 +72,8 @@ def _connection(budget: int = READ_BYTES_IN_FLIGHT) -> RdmaTargetConnection:
     return c
 
 
-def _submit(c: RdmaTargetConnection, cid: int, length: int) -> _Cmd:
-    cmd = _Cmd(cid)
+def _submit(c: RdmaTargetConnection, cid: int, length: int) -> RdmaCommand:
+    cmd = RdmaCommand(cid)
     cmd.req = _Req(cid, length, sgl_address=(cid + 1) << 32)
     c._read_slot(cmd, _Slot(addr=(cid + 1) << 24))
     return cmd
@@ -87,7 +87,7 @@ def _complete_all(c: RdmaTargetConnection) -> list[tuple]:
         outstanding = c.qp.posted[done:]
         assert len(outstanding) <= c.cm.initiator_depth
         assert sum(wr[4] for wr in outstanding) <= budget
-        c._read_done(outstanding[0][0] & rdma._MASK, 0)
+        c._read_done(outstanding[0][0] & rdma.WR_ID_MASK, 0)
         done += 1
     return c.qp.posted
 
@@ -124,7 +124,7 @@ def test_initiator_depth_bounds_small_reads() -> None:
 def test_a_failed_piece_fails_its_command_once_and_names_the_cause() -> None:
     c = _connection()
     _submit(c, 1, 1 << 20)
-    first = c.qp.posted[0][0] & rdma._MASK
+    first = c.qp.posted[0][0] & rdma.WR_ID_MASK
     c._read_done(first, 12)
     assert c.queue.failed == [1] and not c.queue.ready
     cause, detail = c.queue.teardown
@@ -147,7 +147,7 @@ def test_a_flushed_piece_waits_for_the_event_that_explains_it() -> None:
     c = _connection(2 * READ_CHUNK)  # two pieces of one command in flight
     c.loop, c._flush_timer = _Loop(), None
     _submit(c, 1, 1 << 20)
-    tokens = [wr[0] & rdma._MASK for wr in c.qp.posted]
+    tokens = [wr[0] & rdma.WR_ID_MASK for wr in c.qp.posted]
     c._read_done(tokens[0], 5)
     c._read_done(tokens[1], 5)
     assert c.queue.failed == [1] and not c.closing and len(c.loop.later) == 1
@@ -161,7 +161,7 @@ def test_a_flush_nothing_explains_is_named_after_the_grace() -> None:
     c = _connection()
     c.loop, c._flush_timer = _Loop(), None
     _submit(c, 1, 4096)
-    c._read_done(c.qp.posted[0][0] & rdma._MASK, 5)
+    c._read_done(c.qp.posted[0][0] & rdma.WR_ID_MASK, 5)
     assert not c.closing
     c.loop.later[0][1]()
     assert c.closing and c.queue.teardown == (

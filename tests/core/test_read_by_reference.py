@@ -1,5 +1,5 @@
-"""Large reads sent by reference (``target/file_send.py`` and ``TcpFastPath._read_by_reference``)
-against the ordinary path (``pread`` into the reply and one ``send``), in both twins, over real
+"""Large reads sent by reference (``target/file_send.py`` and ``TcpFastPath._read_by_reference``,
+over ``target/_file_io.pyx``) against the ordinary path (``pread`` into the reply and one ``send``), in both twins, over real
 loopback sockets (``splice`` needs one).
 
 Each test runs the same commands with reads by reference and without (``BY_REFERENCE_MIN`` out of

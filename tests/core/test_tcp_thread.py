@@ -1,4 +1,4 @@
-"""The target's threaded NVMe/TCP queue (target/_io_fast.pyx, ``TcpFastPath._run``): an idle I/O
+"""The target's threaded NVMe/TCP queue (target/_tcp_thread.pyx, ``TcpFastPath._run``): an idle I/O
 queue goes to a thread of its own, which serves steady Reads and Writes blocking in the socket
 (R2T writes: test_tcp_thread_r2t.py) and hands everything else back to the loop; every way a
 connection ends leaves no thread and no descriptor behind, and a host that stops reading its

@@ -1,4 +1,4 @@
-"""R2T writes on a target queue's thread (target/_io_fast.pyx, ``TcpFastPath._h2c_on_thread``).
+"""R2T writes on a target queue's thread (target/_tcp_thread.pyx, ``TcpFastPath._h2c_on_thread``).
 
 The thread sends a write's R2T and takes its H2CData itself, straight into the write's buffer,
 instead of handing the socket back to the loop for every write. What it takes must be exactly
