@@ -8,7 +8,8 @@ held from the second one on; a block-aligned READ or WRITE inside the file sent 
 from here (``BlockFiles.read``'s and ``write``'s common case, the reply written from a C
 completion object), and so is an FSYNC's Flush (``BlockFiles.fsync``'s common case); every other
 READ, WRITE and FSYNC handed to the block files with their fields as C integers, every other
-opcode to the session's Python handler. What changes is the cost per
+opcode to the session's opcode table (``initiator/fuse/ops.py``, whose ``compiled`` rows are the
+ones served here). What changes is the cost per
 request: /dev/fuse is read with ``read(2)`` into a preallocated buffer (no FileIO call, no
 BlockingIOError object when nothing is queued), the request header and READ/WRITE arguments are
 read through a pointer instead of two ``struct.unpack_from`` tuples, and a reply is one
@@ -36,7 +37,8 @@ from initiator.fuse._rangelock cimport RangeLocks
 import os
 import struct
 
-from initiator.fuse.abi import FSYNC, IN_HEADER, OUT_HEADER, READ, RW_IN, WRITE, WRITE_OUT
+from initiator.fuse.abi import IN_HEADER, OUT_HEADER, RW_IN, WRITE_OUT
+from initiator.fuse.ops import compiled_opcodes
 from protocol.commands import flush_command
 
 
@@ -69,11 +71,17 @@ cdef Py_ssize_t _RW_DATA = _HDR + RW_IN.size
 cdef Py_ssize_t _OUT = OUT_HEADER.size
 cdef Py_ssize_t _O_OUT_ERR = _out[1]
 cdef Py_ssize_t _O_OUT_UNIQUE = _out[2]
-cdef uint32_t _READ = READ
+_compiled = compiled_opcodes()
+"""The opcode table's rows this loop serves itself (initiator/fuse/ops.py); an opcode whose row
+is not marked so is left to the table (no FUSE opcode is 0xFFFFFFFF)."""
+cdef uint32_t _READ = _compiled.get("READ", 0xFFFFFFFF)
 cdef Py_ssize_t _WRITE_OUT = WRITE_OUT.size
 cdef Py_ssize_t _O_WRITE_SIZE = _offsets(WRITE_OUT)[0]
-cdef uint32_t _WRITE = WRITE
-cdef uint32_t _FSYNC = FSYNC
+cdef uint32_t _WRITE = _compiled.get("WRITE", 0xFFFFFFFF)
+cdef uint32_t _FSYNC = _compiled.get("FSYNC", 0xFFFFFFFF)
+if set(_compiled) - {"READ", "WRITE", "FSYNC"}:
+    raise ImportError(f"initiator/fuse/ops.py marks {sorted(set(_compiled) - {'READ', 'WRITE', 'FSYNC'})} "
+                      "compiled, which initiator/fuse/_loop.pyx does not serve")
 # The reads below take native 32/64-bit fields at those offsets (FUSE structs are the kernel's
 # native layout; abi.py spells them little-endian, as every host we run on is): a header packed
 # by abi.py must read back, and a reply header built here must unpack with OUT_HEADER.
@@ -232,7 +240,7 @@ cdef class FuseLoop:
         elif opcode == _FSYNC:
             self._fsync(unique, nodeid - 1)
         else:
-            self.session.serve_other(opcode, unique, nodeid, memoryview(self.buf)[_HDR:n])
+            self.session.serve(opcode, unique, nodeid, memoryview(self.buf)[_HDR:n])
 
     cdef _read(self, uint64_t unique, uint64_t nsid, uint64_t offset, uint32_t size):
         """``BlockFiles.read`` for a block-aligned range inside the file on a live controller,
