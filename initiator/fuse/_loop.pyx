@@ -71,17 +71,12 @@ cdef Py_ssize_t _RW_DATA = _HDR + RW_IN.size
 cdef Py_ssize_t _OUT = OUT_HEADER.size
 cdef Py_ssize_t _O_OUT_ERR = _out[1]
 cdef Py_ssize_t _O_OUT_UNIQUE = _out[2]
-_compiled = compiled_opcodes()
-"""The opcode table's rows this loop serves itself (initiator/fuse/ops.py); an opcode whose row
-is not marked so is left to the table (no FUSE opcode is 0xFFFFFFFF)."""
-cdef uint32_t _READ = _compiled.get("READ", 0xFFFFFFFF)
 cdef Py_ssize_t _WRITE_OUT = WRITE_OUT.size
 cdef Py_ssize_t _O_WRITE_SIZE = _offsets(WRITE_OUT)[0]
-cdef uint32_t _WRITE = _compiled.get("WRITE", 0xFFFFFFFF)
-cdef uint32_t _FSYNC = _compiled.get("FSYNC", 0xFFFFFFFF)
-if set(_compiled) - {"READ", "WRITE", "FSYNC"}:
-    raise ImportError(f"initiator/fuse/ops.py marks {sorted(set(_compiled) - {'READ', 'WRITE', 'FSYNC'})} "
-                      "compiled, which initiator/fuse/_loop.pyx does not serve")
+cdef uint32_t _NO_OPCODE = 0xFFFFFFFF
+"""What an opcode served here is set to when its table row is not marked ``compiled`` (no FUSE
+opcode has this value): that opcode then goes to the table like any other."""
+_SERVED_HERE = frozenset({"READ", "WRITE", "FSYNC"})
 # The reads below take native 32/64-bit fields at those offsets (FUSE structs are the kernel's
 # native layout; abi.py spells them little-endian, as every host we run on is): a header packed
 # by abi.py must read back, and a reply header built here must unpack with OUT_HEADER.
@@ -139,8 +134,18 @@ cdef class FuseLoop:
     cdef int max_batch
     cdef object ctrl
     cdef IoLane lane
+    cdef uint32_t op_read
+    cdef uint32_t op_write
+    cdef uint32_t op_fsync
 
     def __init__(self, session, Py_ssize_t buffer_size, Py_ssize_t copy_limit, int max_batch):
+        compiled = compiled_opcodes()  # the opcode table's rows this loop serves itself
+        if set(compiled) - _SERVED_HERE:
+            raise ValueError(f"initiator/fuse/ops.py marks {sorted(set(compiled) - _SERVED_HERE)} compiled, "
+                             "which initiator/fuse/_loop.pyx does not serve")
+        self.op_read = compiled.get("READ", _NO_OPCODE)
+        self.op_write = compiled.get("WRITE", _NO_OPCODE)
+        self.op_fsync = compiled.get("FSYNC", _NO_OPCODE)
         self.fd = -1
         self.session = session
         self.connections = session.connections
@@ -224,9 +229,9 @@ cdef class FuseLoop:
         cdef uint64_t nodeid = _u64(p + _O_NODEID)
         cdef uint32_t size
         cdef Py_ssize_t end
-        if opcode == _READ:
+        if opcode == self.op_read:
             self._read(unique, nodeid - 1, _u64(p + _O_OFFSET), _u32(p + _O_SIZE))
-        elif opcode == _WRITE:
+        elif opcode == self.op_write:
             size = _u32(p + _O_SIZE)
             end = _RW_DATA + size
             if end > self.cap:  # as the reference's slice of the buffer
@@ -237,7 +242,7 @@ cdef class FuseLoop:
                 owned = self.buf
                 self._take(self.spare.pop() if self.spare else bytearray(self.cap))
             self._write(unique, nodeid - 1, _u64(p + _O_OFFSET), p + _RW_DATA, end - _RW_DATA, owned)
-        elif opcode == _FSYNC:
+        elif opcode == self.op_fsync:
             self._fsync(unique, nodeid - 1)
         else:
             self.session.serve(opcode, unique, nodeid, memoryview(self.buf)[_HDR:n])

@@ -7,8 +7,8 @@ itself (or raises :class:`initiator.fuse.errors.FsError`, answered with its errn
 opcode with no row is answered ENOSYS. Adding an operation is one handler and one row.
 
 ``compiled`` rows are the per-I/O ones ``initiator/fuse/_loop.pyx`` serves in C in their common
-case (it reads their opcodes from this table at import); it hands every other request, and the
-uncommon cases of its own, to the same Python handlers.
+case (it reads their opcodes from this table when a session makes it); it hands every other
+request, and the uncommon cases of its own, to the same Python handlers.
 """
 
 from __future__ import annotations

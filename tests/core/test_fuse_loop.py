@@ -16,7 +16,8 @@ from initiator.errors import NvmeError, QueueLost
 from initiator.fuse import blockfile
 from initiator.fuse import session as session_module
 from initiator.fuse.abi import (
-    FSYNC, FSYNC_IN, GETXATTR, IN_HEADER, INTERRUPT, INTERRUPT_IN, OUT_HEADER, READ, RW_IN, WRITE, WRITE_OUT,
+    FSYNC, FSYNC_IN, GETXATTR, IN_HEADER, INTERRUPT, INTERRUPT_IN, OUT_HEADER, READ, RW_IN, STATFS_OUT, WRITE,
+    WRITE_OUT,
 )
 from initiator.fuse.ops import OPS, FuseOp
 from initiator.fuse.session import MAX_BATCH, FuseSession
@@ -500,3 +501,23 @@ def test_an_opcode_is_served_by_its_table_row_alone(compiled: bool, monkeypatch:
             assert replies[1][:2] == (3, 0)
             assert (replies[1][2] == bytes([1]) * BS) is compiled  # else STATFS_OUT, by the row
     run(main())
+
+
+def test_the_compiled_loop_takes_its_fast_opcodes_from_the_table(compiled: bool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A READ row not marked ``compiled``: either loop hands READ to the row's handler (here
+    STATFS's) instead of reading the file; a row marked ``compiled`` that the compiled loop does
+    not serve is refused when a session makes that loop."""
+    monkeypatch.setitem(OPS, READ, FuseOp("READ", "directory", "statfs"))
+
+    async def main() -> None:
+        with _mount(compiled=compiled) as (mount, _, kernel):
+            kernel.send(_request(3, 1))
+            mount.on_readable()
+            [(unique, err, payload)] = _replies(kernel, 1)
+            assert (unique, err, len(payload)) == (3, 0, STATFS_OUT.size)  # not the 4 KiB block
+    run(main())
+    if compiled:
+        monkeypatch.setitem(OPS, GETXATTR, FuseOp("GETXATTR", "session", "ok", compiled=True))
+        with pytest.raises(ValueError, match="GETXATTR"):
+            FuseSession({}, "c", "/nonexistent", 60.0, compiled=True)
