@@ -36,7 +36,8 @@ import construct
 import structlog
 
 from blockd.iostats import IoCounters
-from initiator.controller import RETRYABLE, Controller, IoDone, NamespaceInfo
+from initiator.association import RETRYABLE
+from initiator.controller import Controller, IoDone, NamespaceInfo
 from initiator.errors import ConnectError, NvmeError, QueueLost
 from protocol.constants import AEN_ANA_CHANGED, AEN_DW0_MASK, CMIC_ANA, AnaState, LogPageId
 from protocol.layout import field_offset

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from blockd.dhchap_secret import Secret, SecretError, parse_secret
+from initiator.transport import TRANSPORTS
 from protocol.constants import DEFAULT_IO_PORT
 
-TRANSPORT_NAMES = ("tcp", "rdma")
+TRANSPORT_NAMES = tuple(TRANSPORTS)
+"""The registered transports (:mod:`initiator.transport`), as they stand when this is imported."""
 RDMA_KEY_MODES = ("auto", "mw", "mr")
 
 

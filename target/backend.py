@@ -16,10 +16,13 @@ import fcntl
 import os
 import stat
 import struct
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from blockd.linux_files import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE, fallocate
 from target.io_fast import FastFile
+
+if TYPE_CHECKING:
+    from target.config import NamespaceConfig
 
 _BLKGETSIZE64 = 0x80081272
 _BLKDISCARD = 0x1277
@@ -173,6 +176,12 @@ class FileBackend:
                 self.fast.fd = -1  # withdrawn before the number can be reused
             os.close(self.fd)
             self.fd = -1
+
+
+def open_file(nc: NamespaceConfig) -> FileBackend:
+    """The ``file`` backend's opener (:mod:`target.backend_registry`): ``path`` is the file or
+    device, created at ``size`` when missing."""
+    return FileBackend(nc.path, nc.size, read_only=nc.read_only)
 
 
 class MemoryBackend:

@@ -53,7 +53,8 @@ Example::
 
     [[subsystem.namespace]]
     nsid = 1
-    path = "/var/lib/blockd/vol1.img"
+    backend = "file"          # optional: the storage behind it, by name (target/backend_registry.py)
+    path = "/var/lib/blockd/vol1.img"   # the backend's locator: the file or block device
     size = "10GiB"            # files are created at this size when missing
     block_size = 512          # or 4096
     read_only = false
@@ -105,7 +106,8 @@ from blockd.dhchap_secret import Secret, SecretError, parse_secret
 from protocol.auth import DhGroup, HashId
 from protocol.constants import ANA_STATE_NAMES, DEFAULT_IO_PORT, DISCOVERY_NQN, AnaState
 from target.ana import DEFAULT_ANA_GROUP, MAX_ANA_GROUPS, STANDBY_ANA_GROUP
-from target.transport import DEFAULT_MAX_TRANSFER
+from target.backend_registry import DEFAULT_BACKEND, backend_names
+from target.transport import DEFAULT_MAX_TRANSFER, transport_names
 
 DEFAULT_CONTROL_SOCKET = "/run/blockd/target.sock"
 DEFAULT_METRICS_PORT = 9469
@@ -166,6 +168,8 @@ class NamespaceConfig:
     this node is the standby (target.replication.standby)."""
     standby_hosts: frozenset[str] = frozenset()
     """Host NQNs allowed on the standby subsystem; empty: any host."""
+    backend: str = DEFAULT_BACKEND
+    """The registered backend that opens ``path`` (:mod:`target.backend_registry`)."""
 
 
 MAX_CNTLID = 0xFFEF
@@ -359,9 +363,7 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
     for i, p in enumerate(take(raw, "port", list, source, [])):
         where = f"{source} port #{i + 1}"
         unknown(p, {"id", "transport", "address", "port"}, where)
-        transport = take(p, "transport", str, where, "tcp")
-        if transport not in ("tcp", "rdma"):
-            raise ConfigError(f"{where}: transport must be 'tcp' or 'rdma', not {transport!r}")
+        transport = _transport(p, where)
         address = take(p, "address", str, where)
         if transport == "rdma" and address in ("0.0.0.0", "::"):
             raise ConfigError(f"{where}: RDMA ports must name a local address, not the wildcard {address}")
@@ -414,8 +416,22 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
                         limits, control_socket, metrics, ana, threaded_queues=threaded_queues)
 
 
+def _one_of(table: dict[str, Any], key: str, names: tuple[str, ...], where: str) -> str:
+    """``table[key]`` (default the first name), which must be one of ``names``."""
+    value = take(table, key, str, where, names[0])
+    if value not in names:
+        raise ConfigError(f"{where}: {key} must be one of {', '.join(names)}, not {value!r}")
+    return value
+
+
+def _transport(table: dict[str, Any], where: str) -> str:
+    """A port's or a replica's transport: a name of the registry (:mod:`target.transport`; a
+    replica is reached through the host's transports, which have the same names)."""
+    return _one_of(table, "transport", transport_names(), where)
+
+
 def _namespace(n: dict[str, Any], where: str, default_nsid: int) -> NamespaceConfig:
-    unknown(n, {"nsid", "path", "size", "block_size", "read_only", "ana_group", "nguid", "uuid", "eui64",
+    unknown(n, {"nsid", "backend", "path", "size", "block_size", "read_only", "ana_group", "nguid", "uuid", "eui64",
                 "replica", "region_size", "min_in_sync", "resync_rate", "standby_nqn", "standby_hosts"}, where)
     nsid = take(n, "nsid", int, where, default_nsid)
     size = n.get("size")
@@ -427,14 +443,15 @@ def _namespace(n: dict[str, Any], where: str, default_nsid: int) -> NamespaceCon
         raise ConfigError(f"{where}: size must be a multiple of the block size {block_size}")
     read_only = take(n, "read_only", bool, where, False)
     path = take(n, "path", str, where)
-    ana = {"ana_group": _ana_group(n, where), "ids": _namespace_ids(n, where)}
+    common = {"ana_group": _ana_group(n, where), "ids": _namespace_ids(n, where),
+              "backend": _one_of(n, "backend", backend_names(), where)}
     replicas = tuple(_replica(r, f"{where} replica #{k + 1}")
                      for k, r in enumerate(take(n, "replica", list, where, [])))
     if not replicas:
         extra = {"region_size", "min_in_sync", "resync_rate", "standby_nqn", "standby_hosts"} & n.keys()
         if extra:
             raise ConfigError(f"{where}: {', '.join(sorted(extra))} apply only to a namespace with replicas")
-        return NamespaceConfig(nsid, path, size_b, block_size, read_only, **ana)
+        return NamespaceConfig(nsid, path, size_b, block_size, read_only, **common)
     if read_only:
         raise ConfigError(f"{where}: a replicated namespace cannot be read_only")
     if len(replicas) > MAX_REPLICAS:
@@ -459,18 +476,16 @@ def _namespace(n: dict[str, Any], where: str, default_nsid: int) -> NamespaceCon
     for host in standby_hosts:
         if not isinstance(host, str) or not _NQN.match(host):
             raise ConfigError(f"{where}: standby_hosts: {host!r} is not a valid host NQN")
-    if standby_nqn is not None and ana["ana_group"] == STANDBY_ANA_GROUP:
+    if standby_nqn is not None and common["ana_group"] == STANDBY_ANA_GROUP:
         raise ConfigError(f"{where}: ANA group {STANDBY_ANA_GROUP} holds the standby subsystems")
     return NamespaceConfig(nsid, path, size_b, block_size, False, replicas=replicas, region_size=region_size,
                            min_in_sync=min_in_sync, resync_rate=resync_rate, standby_nqn=standby_nqn,
-                           standby_hosts=frozenset(standby_hosts), **ana)
+                           standby_hosts=frozenset(standby_hosts), **common)
 
 
 def _replica(r: dict[str, Any], where: str) -> ReplicaConfig:
     unknown(r, {"transport", "address", "port", "nqn", "nsid", "hostnqn", "timeout"}, where)
-    transport = take(r, "transport", str, where, "tcp")
-    if transport not in ("tcp", "rdma"):
-        raise ConfigError(f"{where}: transport must be 'tcp' or 'rdma', not {transport!r}")
+    transport = _transport(r, where)
     port = take(r, "port", int, where, DEFAULT_IO_PORT)
     if not 1 <= port <= 65535:
         raise ConfigError(f"{where}: port {port} is out of range")

@@ -44,19 +44,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes
 import functools
 import ipaddress
-import os
-import socket
 from typing import Any
 
 import structlog
 
+from blockd.rdma import netdev
 from blockd.rdma.abi import (SEND_SIGNALED, WC_WR_FLUSH_ERR, WR_RDMA_READ, WR_RDMA_WRITE, WR_SEND,
                              WR_SEND_WITH_INV, wc_status_name)
 from protocol.constants import SglId, TransportType
 from protocol.logpage import TSAS_RDMA
+from protocol.nvme import CQE_SIZE, SQE_SIZE
 from target.controller import MQES
 from target.io_fast import RdmaFastPath
 from target.queue import TargetQueue
@@ -67,8 +66,6 @@ from target.transport import DEFAULT_MAX_TRANSFER, TransportInfo
 
 log = structlog.get_logger("blockd.target.rdma")
 
-SQE_SIZE = 64
-CQE_SIZE = 16
 KIND_SHIFT = 48
 KIND_RECV, KIND_READ, KIND_SEND, KIND_WRITE = 1, 2, 3, 4
 WR_ID_MASK = (1 << KIND_SHIFT) - 1
@@ -121,56 +118,9 @@ def _device_slots(dev):
     return s
 
 
-def rdma_netdev_addresses() -> dict[str, str]:
-    """IPv4 address -> RDMA device name, for every netdev an RDMA device sits on."""
-    base = "/sys/class/infiniband"
-    netdevs: dict[str, str] = {}
-    try:
-        devs = os.listdir(base)
-    except OSError:
-        return {}
-    for dev in devs:
-        ports = os.path.join(base, dev, "ports")
-        for port in os.listdir(ports) if os.path.isdir(ports) else []:
-            nd = os.path.join(ports, port, "gid_attrs", "ndevs")
-            for ent in os.listdir(nd) if os.path.isdir(nd) else []:
-                try:
-                    with open(os.path.join(nd, ent)) as f:
-                        name = f.read().strip()
-                except OSError:
-                    continue
-                if name:
-                    netdevs.setdefault(name, dev)
-    out: dict[str, str] = {}
-    if not netdevs:
-        return out
-    from pyroute2 import IPRoute
-    with IPRoute() as ipr:
-        names = {link["index"]: link.get_attr("IFLA_IFNAME") for link in ipr.get_links()}
-        for msg in ipr.get_addr(family=socket.AF_INET):
-            name = names.get(msg["index"])
-            addr = msg.get_attr("IFA_LOCAL") or msg.get_attr("IFA_ADDRESS")
-            if name in netdevs and addr:
-                out[addr] = netdevs[name]
-    return out
-
-
 def _inline_size(qid: int) -> int:
     """In-capsule data a queue's receive buffers hold: none on the admin queue, as nvmet."""
     return INFO.admin_inline if qid == 0 else INFO.io_inline
-
-
-def _peer_of(cmid) -> str:
-    """The peer's IPv4 address:port from the raw rdma_cm_id (route.addr.dst_addr @160)."""
-    try:
-        from blockd.rdma import _raw
-        base = _raw.raw_ptr(cmid) + 160
-        raw = ctypes.string_at(base, 8)
-        if int.from_bytes(raw[0:2], "little") == socket.AF_INET:
-            return f"{socket.inet_ntoa(raw[4:8])}:{int.from_bytes(raw[2:4], 'big')}"
-    except Exception:  # best effort, only for logs
-        pass
-    return ""
 
 
 _NEED_DATA = RequestState.NEED_DATA
@@ -248,7 +198,7 @@ class RdmaTargetConnection:
         self.send_out: list = []
         self._admitted = None
         self._hello: asyncio.TimerHandle | None = None
-        self.peer = _peer_of(creq.cmid)
+        self.peer = creq.peer
         port = listener.port
         self.queue = TargetQueue(listener.target, self, port.port_id, peer=self.peer,
                                  local_address=creq.listener.addr, inline_size=self.inline)
@@ -708,8 +658,8 @@ class RdmaListener:
     async def start(self) -> None:
         from blockd.rdma.cm import CmEventChannel
         addr = self.port.address
-        # pyroute2's IPRoute runs its own event loop: keep it off ours
-        local = await asyncio.get_running_loop().run_in_executor(None, rdma_netdev_addresses)
+        # a synchronous netlink exchange (blockd.rdma.netdev): keep it off our loop
+        local = await asyncio.get_running_loop().run_in_executor(None, netdev.rdma_netdev_addresses)
         wildcard = addr in ("", "0.0.0.0", "::") or ipaddress.ip_address(addr).is_unspecified
         if wildcard:
             addrs = sorted(local)
@@ -753,7 +703,7 @@ class RdmaListener:
                         why=pcm.REJECT_STS.get(sts, "?"), request=str(nv))
             _reject(creq, sts)
             return
-        peer = _peer_of(creq.cmid)
+        peer = creq.peer
         host = peer.rpartition(":")[0]
         recv_bytes = (nv.hsqsize + 1) * (SQE_SIZE + _inline_size(nv.qid))
         if not self._admit(host, recv_bytes, peer, nv.qid):

@@ -17,7 +17,8 @@ from target.config import MAX_REPLICAS, NamespaceConfig, PortConfig, SubsystemCo
 from blockd.control_socket import RequestError
 from protocol.constants import ANA_STATE_NAMES, AnaState
 from target.ana import MAX_ANA_GROUPS, STANDBY_ANA_GROUP
-from target.backend import Backend, FileBackend
+from target.backend import Backend
+from target.backend_registry import open_backend
 from target.control import ControlServer
 from blockd.prometheus import MetricsServer
 from target.metrics import target_metrics_server
@@ -61,7 +62,7 @@ async def _open_namespace(sub: Subsystem, nc: NamespaceConfig, open_replica: Rep
     state: see :meth:`TargetService._role_changes`)."""
     where = f"{sub.nqn} namespace {nc.nsid}"
     try:
-        backend: Backend = FileBackend(nc.path, nc.size, read_only=nc.read_only)
+        backend: Backend = open_backend(nc)
     except OSError as exc:
         raise RuntimeError(f"{where}: cannot open {nc.path}: {exc.strerror}") from None
     except ValueError as exc:

@@ -106,6 +106,11 @@ module has ``INFO``, its :class:`TransportInfo`; imported on first use, so a TCP
 never loads the RDMA module's dependencies."""
 
 
+def transport_names() -> tuple[str, ...]:
+    """The names a port's ``transport`` may take, the default (``tcp``) first."""
+    return tuple(_REGISTRY)
+
+
 def transport_info(name: str) -> TransportInfo:
     """The identity of transport ``name``; KeyError for an unknown one."""
     return importlib.import_module(_REGISTRY[name][0]).INFO

@@ -298,3 +298,38 @@ def test_io_reached_through_a_project_module_is_reported() -> None:
     imports = [Import("blockd.tcp_pdu", "protocol.tcp", 1, False),
                Import("protocol.tcp", "socket", 3, False)]
     assert any(v.startswith("blockd.tcp_pdu -> protocol.tcp imports socket") for v in _io_violations(imports))
+
+
+def _module_assignments(name: str) -> list[str]:
+    """The project modules that assign ``name`` at module level."""
+    found = []
+    for module, path in _project_modules().items():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                found.append(module)
+    return found
+
+
+def _transport_name_lists() -> list[str]:
+    """Tuples, lists and sets written out of exactly the transport names (issue 36: the names
+    come from the registries, ``target/transport.py`` and ``initiator/transport.py``)."""
+    found = []
+    for module, path in _project_modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) > 1 and all(
+                    isinstance(e, ast.Constant) for e in node.elts) and {
+                    e.value for e in node.elts} == {"tcp", "rdma"}:
+                found.append(f"{_path_of(module)}:{node.lineno}")
+    return found
+
+
+def test_each_thing_is_defined_in_its_one_place() -> None:
+    """The RDMA transport drives queues: the raw cm_id read (ctypes) and the netdev discovery
+    (pyroute2) are ``blockd/rdma``'s; the SQE and CQE sizes are ``protocol/nvme.py``'s; no list
+    of transport names is written out beside the registries."""
+    rdma = {i.target for i in _all_imports() if i.importer == "target.rdma"}
+    assert rdma & {"ctypes", "pyroute2"} == set()
+    assert (_module_assignments("SQE_SIZE"), _module_assignments("CQE_SIZE")) == (["protocol.nvme"], ["protocol.nvme"])
+    assert _transport_name_lists() == []

@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_discover(args: argparse.Namespace) -> int:
-    from initiator.controller import discover
+    from initiator.discovery import discover
 
     port = args.trsvcid or (DEFAULT_TCP_DISCOVERY_PORT if args.transport == "tcp" else DEFAULT_IO_PORT)
     from blockd import eventloop

@@ -9,7 +9,9 @@ Modules (import them explicitly; importing this package does not import pyverbs)
 * :mod:`blockd.rdma.cm` -- rdma_cm on an asyncio loop: listen/accept/reject with NVMe-oF
   private data, connect, disconnect, per-id event demultiplexing.
 * :mod:`blockd.rdma._raw` -- raw pointers out of pyverbs objects and librdmacm via ctypes
-  (the pyverbs 44 gaps), with start-up layout checks.
+  (the pyverbs 44 gaps: event fields, a CM id's peer address), with start-up layout checks.
+* :mod:`blockd.rdma.netdev` -- the local IPv4 addresses with an RDMA device behind them
+  (sysfs + pyroute2), which an RDMA listener may bind.
 
 Typical target side::
 

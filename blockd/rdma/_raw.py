@@ -12,7 +12,7 @@ any other layout (:class:`LayoutError`) rather than reading garbage.
 C layouts used (rdma-core 44 headers, x86-64): ``rdma_event_channel.fd`` @0;
 ``rdma_cm_event``: id @0, listen_id @8, event @16, status @20, param.conn.private_data @24,
 private_data_len @32 (u8), responder_resources @33, initiator_depth @34;
-``ibv_comp_channel.fd`` @8.
+``ibv_comp_channel.fd`` @8; ``rdma_cm_id.route.addr.dst_addr`` @160 (a ``sockaddr``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import socket
 import struct
 import sys
 from dataclasses import dataclass
@@ -168,6 +169,19 @@ def set_reuseaddr(cmid: CMID, on: bool = True) -> None:
     v = ctypes.c_int(1 if on else 0)
     _check(_rdmacm.rdma_set_option(raw_ptr(cmid), RDMA_OPTION_ID, RDMA_OPTION_ID_REUSEADDR,
                                    ctypes.byref(v), ctypes.sizeof(v)), "rdma_set_option(REUSEADDR)")
+
+
+def peer_address(cmid: CMID) -> str:
+    """The peer's IPv4 ``address:port`` from ``rdma_cm_id.route.addr.dst_addr`` (@160), which
+    pyverbs does not expose; "" when it is not IPv4 or cannot be read (it only names the peer
+    in logs and in the per-host connection count)."""
+    try:
+        raw = ctypes.string_at(raw_ptr(cmid) + 160, 8)
+    except (TypeError, ValueError):  # not a CMID, or a closed one
+        return ""
+    if int.from_bytes(raw[0:2], "little") != socket.AF_INET:
+        return ""
+    return f"{socket.inet_ntoa(raw[4:8])}:{int.from_bytes(raw[2:4], 'big')}"
 
 
 def migrate_id(cmid: CMID, channel: CMEventChannel) -> None:

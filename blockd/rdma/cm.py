@@ -284,7 +284,7 @@ class ConnectionRequest:
     not RDMA READ at all); ``peer_initiator_depth`` how many READs it wants to issue to us.
     (The kernel reports these from the passive side's point of view: ``event->initiator_depth``
     is the peer's responder resources and vice versa; librdmacm clamps accept to them.)  ``dev_name`` is the local RDMA device the request arrived on: create the
-    QP there (``verbs.open_device(req.dev_name)``).
+    QP there (``verbs.open_device(req.dev_name)``); ``peer`` the host's ``address:port``.
     """
 
     def __init__(self, listener: RdmaListener, cmid: CMID, raw: _raw.RawCmEvent) -> None:
@@ -294,6 +294,8 @@ class ConnectionRequest:
         self.peer_responder_resources = raw.initiator_depth
         self.peer_initiator_depth = raw.responder_resources
         self.dev_name = cmid.dev_name
+        self.peer = _raw.peer_address(cmid)
+        """The host's ``address:port`` ("" when not IPv4)."""
         try:
             self.nvme: nvme_cm.ConnectRequest | None = nvme_cm.parse_request(raw.private_data)
             self.nvme_error: nvme_cm.PrivateDataError | None = None

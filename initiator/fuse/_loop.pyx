@@ -8,7 +8,8 @@ held from the second one on; a block-aligned READ or WRITE inside the file sent 
 from here (``BlockFiles.read``'s and ``write``'s common case, the reply written from a C
 completion object), and so is an FSYNC's Flush (``BlockFiles.fsync``'s common case); every other
 READ, WRITE and FSYNC handed to the block files with their fields as C integers, every other
-opcode to the session's Python handler. What changes is the cost per
+opcode to the session's opcode table (``initiator/fuse/ops.py``, whose ``compiled`` rows are the
+ones served here). What changes is the cost per
 request: /dev/fuse is read with ``read(2)`` into a preallocated buffer (no FileIO call, no
 BlockingIOError object when nothing is queued), the request header and READ/WRITE arguments are
 read through a pointer instead of two ``struct.unpack_from`` tuples, and a reply is one
@@ -36,7 +37,8 @@ from initiator.fuse._rangelock cimport RangeLocks
 import os
 import struct
 
-from initiator.fuse.abi import FSYNC, IN_HEADER, OUT_HEADER, READ, RW_IN, WRITE, WRITE_OUT
+from initiator.fuse.abi import IN_HEADER, OUT_HEADER, RW_IN, WRITE_OUT
+from initiator.fuse.ops import compiled_opcodes
 from protocol.commands import flush_command
 
 
@@ -69,11 +71,12 @@ cdef Py_ssize_t _RW_DATA = _HDR + RW_IN.size
 cdef Py_ssize_t _OUT = OUT_HEADER.size
 cdef Py_ssize_t _O_OUT_ERR = _out[1]
 cdef Py_ssize_t _O_OUT_UNIQUE = _out[2]
-cdef uint32_t _READ = READ
 cdef Py_ssize_t _WRITE_OUT = WRITE_OUT.size
 cdef Py_ssize_t _O_WRITE_SIZE = _offsets(WRITE_OUT)[0]
-cdef uint32_t _WRITE = WRITE
-cdef uint32_t _FSYNC = FSYNC
+cdef uint32_t _NO_OPCODE = 0xFFFFFFFF
+"""What an opcode served here is set to when its table row is not marked ``compiled`` (no FUSE
+opcode has this value): that opcode then goes to the table like any other."""
+_SERVED_HERE = frozenset({"READ", "WRITE", "FSYNC"})
 # The reads below take native 32/64-bit fields at those offsets (FUSE structs are the kernel's
 # native layout; abi.py spells them little-endian, as every host we run on is): a header packed
 # by abi.py must read back, and a reply header built here must unpack with OUT_HEADER.
@@ -131,8 +134,18 @@ cdef class FuseLoop:
     cdef int max_batch
     cdef object ctrl
     cdef IoLane lane
+    cdef uint32_t op_read
+    cdef uint32_t op_write
+    cdef uint32_t op_fsync
 
     def __init__(self, session, Py_ssize_t buffer_size, Py_ssize_t copy_limit, int max_batch):
+        compiled = compiled_opcodes()  # the opcode table's rows this loop serves itself
+        if set(compiled) - _SERVED_HERE:
+            raise ValueError(f"initiator/fuse/ops.py marks {sorted(set(compiled) - _SERVED_HERE)} compiled, "
+                             "which initiator/fuse/_loop.pyx does not serve")
+        self.op_read = compiled.get("READ", _NO_OPCODE)
+        self.op_write = compiled.get("WRITE", _NO_OPCODE)
+        self.op_fsync = compiled.get("FSYNC", _NO_OPCODE)
         self.fd = -1
         self.session = session
         self.connections = session.connections
@@ -216,9 +229,9 @@ cdef class FuseLoop:
         cdef uint64_t nodeid = _u64(p + _O_NODEID)
         cdef uint32_t size
         cdef Py_ssize_t end
-        if opcode == _READ:
+        if opcode == self.op_read:
             self._read(unique, nodeid - 1, _u64(p + _O_OFFSET), _u32(p + _O_SIZE))
-        elif opcode == _WRITE:
+        elif opcode == self.op_write:
             size = _u32(p + _O_SIZE)
             end = _RW_DATA + size
             if end > self.cap:  # as the reference's slice of the buffer
@@ -229,10 +242,10 @@ cdef class FuseLoop:
                 owned = self.buf
                 self._take(self.spare.pop() if self.spare else bytearray(self.cap))
             self._write(unique, nodeid - 1, _u64(p + _O_OFFSET), p + _RW_DATA, end - _RW_DATA, owned)
-        elif opcode == _FSYNC:
+        elif opcode == self.op_fsync:
             self._fsync(unique, nodeid - 1)
         else:
-            self.session.serve_other(opcode, unique, nodeid, memoryview(self.buf)[_HDR:n])
+            self.session.serve(opcode, unique, nodeid, memoryview(self.buf)[_HDR:n])
 
     cdef _read(self, uint64_t unique, uint64_t nsid, uint64_t offset, uint32_t size):
         """``BlockFiles.read`` for a block-aligned range inside the file on a live controller,

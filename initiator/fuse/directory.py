@@ -11,9 +11,8 @@ import time
 from typing import TYPE_CHECKING, Mapping
 
 from initiator.fuse.abi import (
-    ACCESS, ATTR_OUT, DIRENT, ENTRY_OUT, FATTR_GID, FATTR_MODE, FATTR_SIZE, FATTR_UID, FLUSH,
-    FOPEN_DIRECT_IO, FOPEN_PARALLEL_DIRECT_WRITES, FSYNCDIR, GETATTR, LOOKUP, OPEN, OPEN_IN, OPEN_OUT,
-    OPENDIR, READDIR, RELEASE, RELEASEDIR, ROOT_ID, RW_IN, SETATTR, SETATTR_IN, STATFS, STATFS_OUT,
+    ATTR_OUT, DIRENT, ENTRY_OUT, FATTR_GID, FATTR_MODE, FATTR_SIZE, FATTR_UID, FOPEN_DIRECT_IO,
+    FOPEN_PARALLEL_DIRECT_WRITES, OPEN_IN, OPEN_OUT, ROOT_ID, RW_IN, SETATTR_IN, STATFS_OUT,
 )
 from initiator.fuse.errors import FsError
 
@@ -54,52 +53,55 @@ class NamespaceDir:
         mode = stat.S_IFREG | (0o444 if info.read_only else 0o644)
         return _attr(nodeid, info.size, mode, 1, self.mtime, self.uid, self.gid)
 
-    def serve(self, opcode: int, unique: int, nodeid: int, arg: memoryview) -> None:
-        """Answer one metadata request (FsError for a refusal)."""
-        reply = self.session.reply
+    # -- the directory's rows of the opcode table (initiator.fuse.ops): FsError for a refusal ------
+
+    def get_attr(self, unique: int, nodeid: int, arg: memoryview) -> None:
         secs, nsecs = self.ttl
-        if opcode == GETATTR:
-            reply(unique, ATTR_OUT.pack(secs, nsecs, 0, *self._node_attr(nodeid)))
-        elif opcode == LOOKUP:
-            name = bytes(arg).split(b"\0", 1)[0]
-            nsid = int(name[2:]) if nodeid == ROOT_ID and name[:2] == b"ns" and name[2:].isdigit() else 0
-            if nsid not in self.namespaces() or name != b"ns%d" % nsid:
-                raise FsError(errno.ENOENT)
-            reply(unique, ENTRY_OUT.pack(nsid + 1, 0, secs, secs, nsecs, nsecs, *self._node_attr(nsid + 1)))
-        elif opcode == OPEN:
-            flags, _ = OPEN_IN.unpack_from(arg)
-            info = self.namespaces().get(nodeid - 1)
-            if info is None:
-                raise FsError(errno.ENOENT)
-            if info.read_only and flags & os.O_ACCMODE != os.O_RDONLY:
-                raise FsError(errno.EROFS)
-            open_flags = FOPEN_PARALLEL_DIRECT_WRITES
-            if flags & os.O_DIRECT:
-                open_flags |= FOPEN_DIRECT_IO
-            reply(unique, OPEN_OUT.pack(0, open_flags, 0))
-        elif opcode in (RELEASE, RELEASEDIR, FLUSH, ACCESS, FSYNCDIR):
-            reply(unique)
-        elif opcode == OPENDIR:
-            if nodeid != ROOT_ID:
-                raise FsError(errno.ENOTDIR)
-            reply(unique, OPEN_OUT.pack(0, 0, 0))
-        elif opcode == READDIR:
-            fh, offset, size, _, _, _, _ = RW_IN.unpack_from(arg)
-            reply(unique, self._readdir(offset, size))
-        elif opcode == SETATTR:
-            valid = SETATTR_IN.unpack_from(arg)[0]
-            size = SETATTR_IN.unpack_from(arg)[3]
-            attr = self._node_attr(nodeid)
-            if valid & (FATTR_MODE | FATTR_UID | FATTR_GID):
-                raise FsError(errno.EPERM)
-            if valid & FATTR_SIZE and size != attr[1]:
-                raise FsError(errno.EINVAL)  # like a block device: its size is the volume's
-            reply(unique, ATTR_OUT.pack(secs, nsecs, 0, *attr))
-        elif opcode == STATFS:
-            total = sum(ns.size for ns in self.namespaces().values()) // 4096
-            reply(unique, STATFS_OUT.pack(total, 0, 0, 0, 0, 4096, 255, 4096, 0, *(0,) * 6))
-        else:
-            raise FsError(errno.ENOSYS)
+        self.session.reply(unique, ATTR_OUT.pack(secs, nsecs, 0, *self._node_attr(nodeid)))
+
+    def lookup(self, unique: int, nodeid: int, arg: memoryview) -> None:
+        name = bytes(arg).split(b"\0", 1)[0]
+        nsid = int(name[2:]) if nodeid == ROOT_ID and name[:2] == b"ns" and name[2:].isdigit() else 0
+        if nsid not in self.namespaces() or name != b"ns%d" % nsid:
+            raise FsError(errno.ENOENT)
+        secs, nsecs = self.ttl
+        self.session.reply(unique, ENTRY_OUT.pack(nsid + 1, 0, secs, secs, nsecs, nsecs, *self._node_attr(nsid + 1)))
+
+    def open(self, unique: int, nodeid: int, arg: memoryview) -> None:
+        flags, _ = OPEN_IN.unpack_from(arg)
+        info = self.namespaces().get(nodeid - 1)
+        if info is None:
+            raise FsError(errno.ENOENT)
+        if info.read_only and flags & os.O_ACCMODE != os.O_RDONLY:
+            raise FsError(errno.EROFS)
+        open_flags = FOPEN_PARALLEL_DIRECT_WRITES
+        if flags & os.O_DIRECT:
+            open_flags |= FOPEN_DIRECT_IO
+        self.session.reply(unique, OPEN_OUT.pack(0, open_flags, 0))
+
+    def opendir(self, unique: int, nodeid: int, arg: memoryview) -> None:
+        if nodeid != ROOT_ID:
+            raise FsError(errno.ENOTDIR)
+        self.session.reply(unique, OPEN_OUT.pack(0, 0, 0))
+
+    def readdir(self, unique: int, nodeid: int, arg: memoryview) -> None:
+        fh, offset, size, _, _, _, _ = RW_IN.unpack_from(arg)
+        self.session.reply(unique, self._readdir(offset, size))
+
+    def set_attr(self, unique: int, nodeid: int, arg: memoryview) -> None:
+        valid = SETATTR_IN.unpack_from(arg)[0]
+        size = SETATTR_IN.unpack_from(arg)[3]
+        attr = self._node_attr(nodeid)
+        if valid & (FATTR_MODE | FATTR_UID | FATTR_GID):
+            raise FsError(errno.EPERM)
+        if valid & FATTR_SIZE and size != attr[1]:
+            raise FsError(errno.EINVAL)  # like a block device: its size is the volume's
+        secs, nsecs = self.ttl
+        self.session.reply(unique, ATTR_OUT.pack(secs, nsecs, 0, *attr))
+
+    def statfs(self, unique: int, nodeid: int, arg: memoryview) -> None:
+        total = sum(ns.size for ns in self.namespaces().values()) // 4096
+        self.session.reply(unique, STATFS_OUT.pack(total, 0, 0, 0, 0, 4096, 255, 4096, 0, *(0,) * 6))
 
     def _readdir(self, offset: int, size: int) -> bytes:
         entries = [(ROOT_ID, b".", stat.S_IFDIR), (ROOT_ID, b"..", stat.S_IFDIR)]

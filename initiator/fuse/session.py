@@ -15,20 +15,20 @@ import errno
 import io
 import os
 import time
-from typing import TYPE_CHECKING, Any, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Mapping
 
 import structlog
 
 from blockd.dataplane import twin
 from initiator.fuse.abi import (
-    BATCH_FORGET, DESTROY, FALLOCATE, FALLOCATE_IN, FORGET, FSYNC, FUSE_ASYNC_DIO, FUSE_ASYNC_READ,
-    FUSE_ATOMIC_O_TRUNC, FUSE_BIG_WRITES, FUSE_KERNEL_MINOR, FUSE_KERNEL_VERSION, FUSE_MAX_PAGES,
-    FUSE_MIN_MINOR, FUSE_PARALLEL_DIROPS, IN_HEADER, INIT, INIT_IN, INIT_OUT, INTERRUPT, INTERRUPT_IN,
-    OUT_HEADER, READ, RW_IN, WRITE,
+    FALLOCATE_IN, FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_ATOMIC_O_TRUNC, FUSE_BIG_WRITES, FUSE_KERNEL_MINOR,
+    FUSE_KERNEL_VERSION, FUSE_MAX_PAGES, FUSE_MIN_MINOR, FUSE_PARALLEL_DIROPS, IN_HEADER, INIT_IN, INIT_OUT,
+    INTERRUPT_IN, OUT_HEADER, RW_IN,
 )
 from initiator.fuse.blockfile import BlockFiles
 from initiator.fuse.directory import NamespaceDir
 from initiator.fuse.errors import FsError, errno_for
+from initiator.fuse.ops import OPS
 
 if TYPE_CHECKING:
     from initiator.fuse.needs import MountController
@@ -89,6 +89,10 @@ class FuseSession:
         """What runs when /dev/fuse is readable: the compiled loop or its Python reference."""
         self.files = BlockFiles(self, connections, name)
         self.directory = NamespaceDir(self, connections, name, attr_ttl)
+        owners = {"session": self, "directory": self.directory}
+        self._handlers: dict[int, Callable[[int, int, memoryview], None]] = {
+            opcode: getattr(owners[op.owner], op.method) for opcode, op in OPS.items()}
+        """The opcode table, bound to this session (see :meth:`serve`)."""
         self.disconnected = False
         """The kernel ended the connection (an unmount from outside, or an abort)."""
         self.ready: asyncio.Future[None] | None = None
@@ -202,64 +206,70 @@ class FuseSession:
         self.close()
 
     def _serve(self, n: int) -> None:
-        """Start the request of ``n`` bytes in ``_buf``."""
-        view = self._view
-        _, opcode, unique, nodeid, _, _, _, _, _ = _unpack_in(view, 0)
-        if opcode == READ:
-            fh, offset, size, _, _, _, _ = _unpack_rw(view, _HDR)
-            self._read(unique, nodeid - 1, offset, size)
-        elif opcode == WRITE:
-            fh, offset, size, _, _, _, _ = _unpack_rw(view, _HDR)
-            if size <= COPY_LIMIT:  # a copy out of the request buffer, as a view like the other
-                data = memoryview(self._buf[_RW_DATA:_RW_DATA + size])
-                owned = None
-            else:  # big write: hand the request buffer itself to the write, read into another
-                owned = self._buf
-                data = view[_RW_DATA:_RW_DATA + size]
-                self._buf = self.spare.pop() if self.spare else bytearray(BUFFER_SIZE)
-                self._view = memoryview(self._buf)
-            self._write(unique, nodeid - 1, offset, data, owned)
-        else:
-            self.serve_other(opcode, unique, nodeid, view[_HDR:n])
+        """Serve the request of ``n`` bytes in ``_buf``."""
+        _, opcode, unique, nodeid, _, _, _, _, _ = _unpack_in(self._view, 0)
+        self.serve(opcode, unique, nodeid, self._view[_HDR:n])
 
-    def serve_other(self, opcode: int, unique: int, nodeid: int, arg: memoryview) -> None:
-        """Serve a request other than READ and WRITE (either loop's way out of the fast path)."""
+    def serve(self, opcode: int, unique: int, nodeid: int, arg: memoryview) -> None:
+        """Serve one request by its row of the opcode table (:mod:`initiator.fuse.ops`); the
+        compiled loop's way out of its fast path too."""
         try:
-            self._other(opcode, unique, nodeid, arg)
+            handler = self._handlers.get(opcode)
+            if handler is None:
+                raise FsError(errno.ENOSYS)
+            handler(unique, nodeid, arg)
         except FsError as exc:
             self.reply_err(unique, exc.errno)
         except Exception:
-            log.exception("fuse request failed", opcode=opcode)
+            log.exception("fuse request failed", opcode=opcode, op=OPS[opcode].name if opcode in OPS else "?")
             self.reply_err(unique, errno.EIO)
 
-    def _other(self, opcode: int, unique: int, nodeid: int, arg: memoryview) -> None:
-        if opcode == FSYNC:
-            self.files.fsync(unique, nodeid - 1)
-        elif opcode == FALLOCATE:
-            _, offset, length, mode, _ = FALLOCATE_IN.unpack_from(arg)
-            self.spawn(unique, self.files.fallocate(unique, nodeid - 1, offset, length, mode))
-        elif opcode in (FORGET, BATCH_FORGET):
-            pass  # no reply
-        elif opcode == INTERRUPT:
-            # The caller got a signal. Once we have read its request the kernel waits for our
-            # answer even through SIGKILL, and a command the controller holds while it
-            # reconnects may take until ctrl_loss_tmo: answer EINTR now. A coroutine is
-            # cancelled (it answers); a callback request is answered here and its completion,
-            # finding it gone from ``inflight``, answers nothing.
-            target = INTERRUPT_IN.unpack_from(arg)[0]
-            task = self.tasks.get(target)
-            if task is not None:
-                task.cancel()
-            elif self.inflight.pop(target, False):
-                self.reply_err(target, errno.EINTR)
-        elif opcode == INIT:
-            self._init(unique, arg)
-        elif opcode == DESTROY:
-            self.reply(unique)
-        else:
-            self.directory.serve(opcode, unique, nodeid, arg)
+    # -- the session's rows of the opcode table (each called as handler(unique, nodeid, arg)) ----------
 
-    def _init(self, unique: int, arg: memoryview) -> None:
+    def read(self, unique: int, nodeid: int, arg: memoryview) -> None:
+        fh, offset, size, _, _, _, _ = _unpack_rw(arg)
+        self._read(unique, nodeid - 1, offset, size)
+
+    def write(self, unique: int, nodeid: int, arg: memoryview) -> None:
+        fh, offset, size, _, _, _, _ = _unpack_rw(arg)
+        if size <= COPY_LIMIT:  # a copy out of the request buffer, as a view like the other
+            data = memoryview(self._buf[_RW_DATA:_RW_DATA + size])
+            owned = None
+        else:  # big write: hand the request buffer itself to the write, read into another
+            owned = self._buf
+            data = self._view[_RW_DATA:_RW_DATA + size]
+            self._buf = self.spare.pop() if self.spare else bytearray(BUFFER_SIZE)
+            self._view = memoryview(self._buf)
+        self._write(unique, nodeid - 1, offset, data, owned)
+
+    def fsync(self, unique: int, nodeid: int, arg: memoryview) -> None:
+        self.files.fsync(unique, nodeid - 1)
+
+    def fallocate(self, unique: int, nodeid: int, arg: memoryview) -> None:
+        _, offset, length, mode, _ = FALLOCATE_IN.unpack_from(arg)
+        self.spawn(unique, self.files.fallocate(unique, nodeid - 1, offset, length, mode))
+
+    def forget(self, unique: int, nodeid: int, arg: memoryview) -> None:
+        """FORGET and BATCH_FORGET: no node is ever dropped, and these take no reply."""
+
+    def ok(self, unique: int, nodeid: int, arg: memoryview) -> None:
+        """An empty success: RELEASE, FLUSH, ACCESS and the like have nothing to do here."""
+        self.reply(unique)
+
+    def interrupt(self, unique: int, nodeid: int, arg: memoryview) -> None:
+        """The caller got a signal. Once we have read its request the kernel waits for our
+        answer even through SIGKILL, and a command the controller holds while it reconnects may
+        take until ctrl_loss_tmo: answer EINTR now. A coroutine is cancelled (it answers); a
+        callback request is answered here and its completion, finding it gone from
+        ``inflight``, answers nothing."""
+        target = INTERRUPT_IN.unpack_from(arg)[0]
+        task = self.tasks.get(target)
+        if task is not None:
+            task.cancel()
+        elif self.inflight.pop(target, False):
+            self.reply_err(target, errno.EINTR)
+
+    def init(self, unique: int, nodeid: int, arg: memoryview) -> None:
         major, minor, max_readahead, flags = INIT_IN.unpack_from(arg)
         if major != FUSE_KERNEL_VERSION or minor < FUSE_MIN_MINOR:
             log.error("unsupported FUSE protocol", major=major, minor=minor)

@@ -129,7 +129,7 @@ class FakeRequest:
     def __init__(self, qid: int, depth: int) -> None:
         self.nvme = SimpleNamespace(qid=qid, hsqsize=depth - 1, hrqsize=depth)
         self.dev_name = FakeDevice.name
-        self.cmid = None
+        self.peer = ""
         self.listener = SimpleNamespace(addr="192.0.2.1")
         self.done = False
 
@@ -241,7 +241,8 @@ class Host:
 def open_queue(listener: Any, qid: int, depth: int) -> tuple[Any, Host]:
     """An RDMA queue of ``listener``'s target on a :class:`FakeDevice`, and its host (patch
     ``blockd.rdma.verbs.open_device`` to return that device first: :func:`patch_device`)."""
-    from target.rdma import SQE_SIZE, RdmaTargetConnection, _inline_size
+    from protocol.nvme import SQE_SIZE
+    from target.rdma import RdmaTargetConnection, _inline_size
     creq = FakeRequest(qid, depth)
     recv_bytes = depth * (SQE_SIZE + _inline_size(qid))
     assert listener._admit("192.0.2.2", recv_bytes, "192.0.2.2:4420", qid)

@@ -16,8 +16,10 @@ from initiator.errors import NvmeError, QueueLost
 from initiator.fuse import blockfile
 from initiator.fuse import session as session_module
 from initiator.fuse.abi import (
-    FSYNC, FSYNC_IN, IN_HEADER, INTERRUPT, INTERRUPT_IN, OUT_HEADER, READ, RW_IN, WRITE, WRITE_OUT,
+    FSYNC, FSYNC_IN, GETXATTR, IN_HEADER, INTERRUPT, INTERRUPT_IN, OUT_HEADER, READ, RW_IN, STATFS_OUT, WRITE,
+    WRITE_OUT,
 )
+from initiator.fuse.ops import OPS, FuseOp
 from initiator.fuse.session import MAX_BATCH, FuseSession
 from protocol.commands import flush_command
 from protocol.status import MORE, Status
@@ -472,3 +474,50 @@ def test_an_fsync_through_a_controller_answers_the_targets_status(compiled: bool
             finally:
                 await ctrl.close()
     run(main())
+
+
+def _bare(opcode: int, unique: int, nodeid: int = 1) -> bytes:
+    return IN_HEADER.pack(IN_HEADER.size, opcode, unique, nodeid, 0, 0, 0, 0, 0)
+
+
+def test_an_opcode_is_served_by_its_table_row_alone(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Either loop answers an opcode with no row ENOSYS, and one row added for it (no handler
+    code touched) serves it; a READ whose row points elsewhere goes there in the Python loop,
+    while the compiled loop keeps the READ it serves itself (its row says ``compiled``)."""
+    async def main() -> None:
+        with _mount(compiled=compiled) as (mount, _, kernel):
+            kernel.send(_bare(GETXATTR, 1))
+            mount.on_readable()
+            assert _replies(kernel, 1) == [(1, -errno.ENOSYS, b"")]
+        monkeypatch.setitem(OPS, GETXATTR, FuseOp("GETXATTR", "session", "ok"))
+        monkeypatch.setitem(OPS, READ, FuseOp("READ", "directory", "statfs", compiled=True))
+        with _mount(compiled=compiled) as (mount, _, kernel):
+            kernel.send(_bare(GETXATTR, 2))
+            mount.on_readable()
+            kernel.send(_request(3, 1))
+            mount.on_readable()
+            replies = _replies(kernel, 2)
+            assert replies[0] == (2, 0, b"")
+            assert replies[1][:2] == (3, 0)
+            assert (replies[1][2] == bytes([1]) * BS) is compiled  # else STATFS_OUT, by the row
+    run(main())
+
+
+def test_the_compiled_loop_takes_its_fast_opcodes_from_the_table(compiled: bool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A READ row not marked ``compiled``: either loop hands READ to the row's handler (here
+    STATFS's) instead of reading the file; a row marked ``compiled`` that the compiled loop does
+    not serve is refused when a session makes that loop."""
+    monkeypatch.setitem(OPS, READ, FuseOp("READ", "directory", "statfs"))
+
+    async def main() -> None:
+        with _mount(compiled=compiled) as (mount, _, kernel):
+            kernel.send(_request(3, 1))
+            mount.on_readable()
+            [(unique, err, payload)] = _replies(kernel, 1)
+            assert (unique, err, len(payload)) == (3, 0, STATFS_OUT.size)  # not the 4 KiB block
+    run(main())
+    if compiled:
+        monkeypatch.setitem(OPS, GETXATTR, FuseOp("GETXATTR", "session", "ok", compiled=True))
+        with pytest.raises(ValueError, match="GETXATTR"):
+            FuseSession({}, "c", "/nonexistent", 60.0, compiled=True)

@@ -1,5 +1,5 @@
 """The host controller's middle without sockets: a fake transport (registered in
-``initiator.controller.TRANSPORTS``) answers the association set-up itself and leaves every
+``initiator.transport.TRANSPORTS``) answers the association set-up itself and leaves every
 I/O command to the test, which completes, fails or loses it by hand.
 
 Covered here: status -> NvmeError, waiting for room, reconnect with I/O in flight (each
@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 
 import initiator.controller as controller_module
-from initiator.controller import MAX_ATTEMPTS, TRANSPORTS, Controller
+from initiator.association import MAX_ATTEMPTS
+from initiator.controller import Controller
 from initiator.errors import ConnectError, NvmeError, QueueLost
 from initiator.params import ConnectParams
+from initiator.transport import TRANSPORTS
 from initiator.queue import HostCommand, HostQueue
 from protocol.constants import AdminOpcode, Cns, FabricsType, FeatureId, IoOpcode, Property
 from protocol.fabrics import FABRICS_COMMAND, PROPERTY_COMMAND

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 import structlog
 
-from initiator.controller import MAX_ATTEMPTS, Controller, QueueLost
+from initiator.association import MAX_ATTEMPTS
+from initiator.controller import Controller, QueueLost
 from protocol.constants import IoOpcode
 from target.service import TargetService
 from tests.rawpeer import IoCommand, ScriptedTarget, TargetConnection

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from initiator.controller import ConnectError, Controller, discover
+from initiator.controller import ConnectError, Controller
+from initiator.discovery import discover
 from initiator.errors import NvmeError, QueueLost
 from protocol.commands import identify_command, read_command
 from protocol.constants import DISCOVERY_NQN, Cns

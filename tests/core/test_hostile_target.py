@@ -20,7 +20,8 @@ from typing import Any, Awaitable, Callable
 
 import pytest
 
-from initiator.controller import ConnectError, ConnectParams, Controller, NvmeError, discover
+from initiator.controller import ConnectError, ConnectParams, Controller, NvmeError
+from initiator.discovery import discover
 from protocol.commands import CQE_CID_OFFSET, field_offset
 from protocol.constants import LogPageId, TransportType
 from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_HEADER

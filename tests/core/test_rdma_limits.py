@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from protocol import rdma_cm as pcm
+from protocol.nvme import SQE_SIZE
 from target import rdma
 from target.config import Limits
-from target.rdma import RDMA_INLINE, SQE_SIZE, RdmaListener, RdmaTargetConnection
+from target.rdma import RDMA_INLINE, RdmaListener, RdmaTargetConnection
 from target.target import PortInfo, Target
 
 MiB = 1 << 20
@@ -30,7 +31,7 @@ class _Request:
 
     def __init__(self, qid: int, depth: int) -> None:
         self.nvme = SimpleNamespace(qid=qid, hsqsize=depth - 1, hrqsize=depth)
-        self.cmid = None  # no peer address: every request counts for the host ""
+        self.peer = ""  # no peer address: every request counts for the host ""
         self.done = False
         self.rejected: int | None = None
 

@@ -501,7 +501,8 @@ def test_hostile_host_limits(rxe, record_property):
     from initiator.rdma import open_queue
     from target.config import Limits
     from target.controller import MQES
-    from target.rdma import SQE_SIZE, RDMA_INLINE
+    from protocol.nvme import SQE_SIZE
+    from target.rdma import RDMA_INLINE
     from tests.vm.guest_tests.rdma_target import serve
 
     vol = "/dev/shm/rdma-limits.img"
