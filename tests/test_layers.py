@@ -26,6 +26,7 @@ and its queues) do not make a load order.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,6 +305,10 @@ def _module_assignments(name: str) -> list[str]:
     """The project modules that assign ``name`` at module level."""
     found = []
     for module, path in _project_modules().items():
+        if path.suffix == ".pyx":  # Cython, not Python: a module-level assignment is a line of its own
+            if re.search(rf"^{name}\s*=", path.read_text(), re.M):
+                found.append(module)
+            continue
         for node in ast.parse(path.read_text(), str(path)).body:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
                 node, ast.AnnAssign) else []
@@ -317,6 +322,10 @@ def _transport_name_lists() -> list[str]:
     come from the registries, ``target/transport.py`` and ``initiator/transport.py``)."""
     found = []
     for module, path in _project_modules().items():
+        if path.suffix == ".pyx":
+            found += [f"{path.relative_to(REPO)}:{m.group(0)}" for m in re.finditer(
+                r"[(\[{]\s*(['\"])(tcp|rdma)\1\s*,\s*(['\"])(?!\2)(tcp|rdma)\3\s*,?\s*[)\]}]", path.read_text())]
+            continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) > 1 and all(
                     isinstance(e, ast.Constant) for e in node.elts) and {
