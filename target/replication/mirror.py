@@ -94,12 +94,15 @@ class _InFlight:
     """One command that changes data, in flight: its byte range, and the future that a later
     overlapping command waits on (made only when one does)."""
 
-    __slots__ = ("start", "end", "done")
+    __slots__ = ("start", "end", "done", "over")
 
     def __init__(self, start: int, end: int) -> None:
         self.start = start
         self.end = end
         self.done: asyncio.Future[None] | None = None
+        self.over = False
+        """Completed: a command that found it in flight, and waited for another first, must
+        not make a future that nobody will complete."""
 
 
 class ReplicatedBackend(BackendFilter):
@@ -261,6 +264,8 @@ class ReplicatedBackend(BackendFilter):
         self._recent.update(regions)
         try:
             for other in earlier:
+                if other.over:
+                    continue
                 if other.done is None:
                     other.done = self._loop.create_future()
                 await asyncio.shield(other.done)
@@ -284,6 +289,7 @@ class ReplicatedBackend(BackendFilter):
                 del inflight[r]
             else:
                 here.remove(me)
+        me.over = True
         if me.done is not None:
             me.done.set_result(None)
 
