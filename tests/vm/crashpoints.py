@@ -93,10 +93,15 @@ class TickedReplica:
         self.tick = tick
         self.name = inner.name
         self.size = inner.size
+        self.stale_for = inner.stale_for
 
     @property
     def block_size(self) -> int:
         return self.inner.block_size
+
+    @property
+    def gave_up(self) -> bool:
+        return self.inner.gave_up
 
     def submit_write(self, offset: int, data: Any, fua: bool, done: Callable[[BaseException | None], None]) -> None:
         def completed(exc: BaseException | None) -> None:
