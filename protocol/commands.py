@@ -21,6 +21,7 @@ from protocol.auth import AUTH_COMMAND, SECP_DHCHAP, SPSP_DHCHAP
 from protocol.constants import PSDT_SGL, AdminOpcode, FabricsType, IoOpcode
 from protocol.fabrics import CONNECT_COMMAND, CONNECT_DATA, FABRICS_COMMAND, PROPERTY_COMMAND
 from protocol.layout import FixedLayout, at_offsets, field_offset, fixed_layout
+from protocol.reservation import CPTPL_SHIFT, EDS, IEKEY, REPORT_COMMAND, RESERVATION_COMMAND
 from protocol.nvme import (
     CQE, GET_LOG_PAGE_COMMAND, IDENTIFY_COMMAND, NVM_COMMAND_HEAD, RW_CONTROL_DEAC,
     RW_CONTROL_FUA, RW_FAST, SGL_SIZE, SQE, SQE_FAST, SQE_SIZE,
@@ -78,6 +79,8 @@ _get_log_page = _packer(fixed_layout(GET_LOG_PAGE_COMMAND))
 _connect = _packer(fixed_layout(CONNECT_COMMAND))
 _property = _packer(fixed_layout(PROPERTY_COMMAND))
 _auth = _packer(fixed_layout(AUTH_COMMAND))
+_reservation = _packer(fixed_layout(RESERVATION_COMMAND))
+_report = _packer(fixed_layout(REPORT_COMMAND))
 
 # -- NVM I/O commands ---------------------------------------------------------------------------
 
@@ -125,6 +128,30 @@ def dsm_command(nsid: int, nr0: int, attributes: int) -> bytearray:
     return _dsm(opcode=IoOpcode.DATASET_MANAGEMENT, nsid=nsid, nr=nr0, attributes=attributes)
 
 
+def reservation_register_command(nsid: int, action: int, iekey: bool = False, cptpl: int = 0) -> bytearray:
+    """Reservation Register (RREGA ``action``, CPTPL ``cptpl``); the data is the two keys
+    (:data:`protocol.reservation.REGISTER_DATA`)."""
+    return _reservation(opcode=IoOpcode.RESERVATION_REGISTER, nsid=nsid, action=action | (IEKEY if iekey else 0),
+                        cptpl=cptpl << CPTPL_SHIFT)
+
+
+def reservation_acquire_command(nsid: int, action: int, rtype: int, iekey: bool = False) -> bytearray:
+    """Reservation Acquire (RACQA ``action``, type ``rtype``); data: CRKEY, PRKEY."""
+    return _reservation(opcode=IoOpcode.RESERVATION_ACQUIRE, nsid=nsid, action=action | (IEKEY if iekey else 0),
+                        rtype=rtype)
+
+
+def reservation_release_command(nsid: int, action: int, rtype: int, iekey: bool = False) -> bytearray:
+    """Reservation Release (RRELA ``action``, type ``rtype``); data: CRKEY."""
+    return _reservation(opcode=IoOpcode.RESERVATION_RELEASE, nsid=nsid, action=action | (IEKEY if iekey else 0),
+                        rtype=rtype)
+
+
+def reservation_report_command(nsid: int, numd0: int, extended: bool = True) -> bytearray:
+    """Reservation Report of ``numd0 + 1`` dwords; ``extended``: the 128-bit host id structure."""
+    return _report(opcode=IoOpcode.RESERVATION_REPORT, nsid=nsid, numd=numd0, cdw11=EDS if extended else 0)
+
+
 # -- admin commands -------------------------------------------------------------------------------
 
 
@@ -141,8 +168,8 @@ def get_log_page_command(lid: int, numd0: int, offset: int = 0, nsid: int = 0,
                          numdl=numd0 & 0xFFFF, numdu=numd0 >> 16, lpo=offset)
 
 
-def set_features_command(fid: int, cdw11: int) -> bytearray:
-    return _set_features(opcode=AdminOpcode.SET_FEATURES, fid=fid, cdw11=cdw11)
+def set_features_command(fid: int, cdw11: int, nsid: int = 0) -> bytearray:
+    return _set_features(opcode=AdminOpcode.SET_FEATURES, fid=fid, cdw11=cdw11, nsid=nsid)
 
 
 def keep_alive_command() -> bytearray:

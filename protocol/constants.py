@@ -31,6 +31,10 @@ class IoOpcode(IntEnum):
     READ = 0x02
     WRITE_ZEROES = 0x08
     DATASET_MANAGEMENT = 0x09
+    RESERVATION_REGISTER = 0x0D
+    RESERVATION_REPORT = 0x0E
+    RESERVATION_ACQUIRE = 0x11
+    RESERVATION_RELEASE = 0x15
     FABRICS = 0x7F
 
 
@@ -62,6 +66,9 @@ class FeatureId(IntEnum):
     WRITE_ATOMICITY = 0x0A
     ASYNC_EVENT_CONFIG = 0x0B
     KEEP_ALIVE_TIMER = 0x0F
+    HOST_IDENTIFIER = 0x81
+    RESERVATION_NOTIFICATION_MASK = 0x82
+    RESERVATION_PERSISTENCE = 0x83
 
 
 class LogPageId(IntEnum):
@@ -72,6 +79,7 @@ class LogPageId(IntEnum):
     COMMANDS_EFFECTS = 0x05
     ANA = 0x0C
     DISCOVERY = 0x70
+    RESERVATION_NOTIFICATION = 0x80
 
 
 class Property(IntEnum):
@@ -144,10 +152,13 @@ AEN_NS_ATTR_CHANGED = 0x00040002
 AEN_ANA_CHANGED = 0x000C0302
 """Notice, ANA change (info 03h), ANA log page (0Ch)."""
 AEN_DISCOVERY_CHANGED = 0x0070F002
+AEN_RESERVATION_LOG = 0x00800006
+"""I/O command specific status (type 6), Reservation Log Page Available (info 00h), log 80h."""
 
 # Identify Controller fields this implementation advertises.
 ONCS_DSM = 1 << 2
 ONCS_WRITE_ZEROES = 1 << 3
+ONCS_RESERVATIONS = 1 << 5
 OAES_NS_ATTR = 1 << 8
 OAES_ANA_CHANGE = 1 << 11
 """Also the Asynchronous Event Configuration bit that enables the ANA change event."""

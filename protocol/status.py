@@ -22,6 +22,9 @@ class Status(IntEnum):
     DATA_TRANSFER_ERROR = 0x004
     INTERNAL_ERROR = 0x006 | DNR
     INVALID_NS = 0x00B | DNR
+    HOST_ID_INCONSISTENT_FORMAT = 0x018 | DNR
+    """Reservation Report without the extended structure, Get Features 81h without EXHID: the
+    host identifier is 128 bits and cannot be given in 64."""
     COMMAND_SEQUENCE_ERROR = 0x00C | DNR
     SGL_INVALID_DATA_LENGTH = 0x00F | DNR
     SGL_INVALID_TYPE = 0x011 | DNR
@@ -32,6 +35,9 @@ class Status(IntEnum):
     LBA_RANGE = 0x080 | DNR
     CAPACITY_EXCEEDED = 0x081 | DNR
     NS_NOT_READY = 0x082
+    RESERVATION_CONFLICT = 0x083 | DNR
+    """The namespace's reservation refuses this host the command (DNR, as nvmet's pr.c: the
+    answer will not change by retrying; the Linux host makes it BLK_STS_RESV_CONFLICT, EBADE)."""
     INVALID_QID = 0x101 | DNR
     INVALID_QUEUE_SIZE = 0x102 | DNR
     ASYNC_LIMIT = 0x105 | DNR

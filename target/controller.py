@@ -20,7 +20,7 @@ from protocol.constants import (
     ANACAP_ALL_STATES, AEN_ANA_CHANGED, CC_EN, CC_SHN_MASK, CMIC_ANA, CMIC_MULTI_CONTROLLER, CMIC_MULTI_PORT,
     CSTS_CFS, CSTS_RDY, CSTS_SHST_COMPLETE, CTRATT_HOST_ID_128, CTRATT_TBKAS, DISCOVERY_NQN,
     GET_LOG_PAGE_LSP_RGO, NMIC_SHARED, OAES_ANA_CHANGE, OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, ONCS_DSM,
-    ONCS_WRITE_ZEROES, AdminOpcode, Cns, FeatureId, IoOpcode, LogPageId, NidType, Property,
+    ONCS_RESERVATIONS, ONCS_WRITE_ZEROES, AdminOpcode, Cns, FeatureId, IoOpcode, LogPageId, NidType, Property,
 )
 from protocol.fabrics import PROPERTY_COMMAND_FAST, PROPERTY_SIZE_8, PROPERTY_SIZE_MASK
 from protocol.identify import (
@@ -34,10 +34,12 @@ from protocol.nvme import (
     GET_LOG_PAGE_COMMAND, GET_LOG_PAGE_RAE, IDENTIFY_COMMAND, IO_CONTROL, IO_NLB, IO_SLBA, NSID_ALL,
     RW_CONTROL_FUA, SQE,
 )
+from protocol.reservation import EXHID, PTPL, RESCAP_ALL
 from protocol.status import Status, to_wire
 from target.ana import ANATT_SECONDS, MAX_ANA_GROUPS, MAX_ANA_NAMESPACES
 from target.file_send import PipedRead
 from target.request import Direction, Request
+from target.reservation_commands import ReservationCommands
 
 if TYPE_CHECKING:
     from target.queue import CommandTable, TargetQueue
@@ -50,6 +52,7 @@ log = structlog.get_logger("blockd.target.controller")
 _READ, _WRITE_ZEROES = int(IoOpcode.READ), int(IoOpcode.WRITE_ZEROES)
 _SUCCESS, _INVALID_NS, _LBA_RANGE = Status.SUCCESS, Status.INVALID_NS, Status.LBA_RANGE
 _WRITE_PROTECTED, _BAD_LENGTH = Status.NS_WRITE_PROTECTED, Status.SGL_INVALID_DATA_LENGTH
+_CONFLICT = Status.RESERVATION_CONFLICT
 _TO_HOST = Direction.CONTROLLER_TO_HOST
 """Bound once: read several times per I/O, an IntEnum class attribute costs several globals."""
 _PROP_ATTRIB, _PROP_OFFSET, _PROP_VALUE = (PROPERTY_COMMAND_FAST.index(n) for n in ("attrib", "offset", "value"))
@@ -150,12 +153,14 @@ class Controller:
         masks the event until then: one event per change the host has not seen)."""
         if not self.is_discovery:
             self.refresh_access()
+        self.reservation = ReservationCommands(self)
+        """Reservation commands, notices and features on this controller (target.reservation_commands)."""
         self.admin_commands: CommandTable = {
             AdminOpcode.KEEP_ALIVE: (_no_data, self._keep_alive),
             AdminOpcode.IDENTIFY: (_identify_length, self._identify),
             AdminOpcode.GET_LOG_PAGE: (_check_get_log_page, self._get_log_page),
             AdminOpcode.SET_FEATURES: (_no_data, self._set_features),
-            AdminOpcode.GET_FEATURES: (_no_data, self._get_features),
+            AdminOpcode.GET_FEATURES: (_check_get_features, self._get_features),
             AdminOpcode.ASYNC_EVENT_REQUEST: (_no_data, self._async_event_request),
         }
         """Admin commands (as nvmet_parse_admin_cmd): opcode -> (checks, handler)."""
@@ -167,6 +172,7 @@ class Controller:
             IoOpcode.WRITE_ZEROES: (self._check_write_zeroes, self._write_zeroes),
             IoOpcode.FLUSH: (self._check_flush, self._flush),
             IoOpcode.DATASET_MANAGEMENT: (self._check_dsm, self._dsm),
+            **self.reservation.rows(),
         }
         """NVM I/O commands (as nvmet_parse_io_cmd): opcode -> (checks, handler)."""
 
@@ -244,6 +250,10 @@ class Controller:
             param_location=location, lba=0, nsid=req.nsid, vs=0, trtype=0, cs=0,
             trtype_specific=0)))
         return True
+
+    def ana_refusal(self, nsid: int) -> int:
+        """The status a command naming ``nsid`` gets when it is not in ``io_namespaces``."""
+        return self._ana_refusals.get(nsid, _INVALID_NS)
 
     def refresh_access(self) -> None:
         """Recompute which namespaces serve I/O through this port (after an ANA change or a
@@ -384,7 +394,7 @@ class Controller:
             ]))
         else:
             self._give(req, IDENTIFY_CSI_INDEPENDENT_NS.build(dict(
-                nsfeat=0, nmic=NMIC_SHARED, rescap=0, fpi=0, anagrpid=ns.ana_group, nsattr=int(ns.read_only),
+                nsfeat=0, nmic=NMIC_SHARED, rescap=rescap(ns), fpi=0, anagrpid=ns.ana_group, nsattr=int(ns.read_only),
                 nvmsetid=0, endgid=0, nstat=1)))
 
     def identify_controller(self) -> bytes:
@@ -417,7 +427,7 @@ class Controller:
         when the host identifies the controller, from the namespaces it has then."""
         backends = [ns.backend for ns in self._namespaces.values()]
         return ((ONCS_DSM if any(b.can_trim for b in backends) else 0)
-                | (ONCS_WRITE_ZEROES if any(b.can_zero for b in backends) else 0))
+                | (ONCS_WRITE_ZEROES if any(b.can_zero for b in backends) else 0) | ONCS_RESERVATIONS)
 
     async def _get_log_page(self, req: Request) -> None:
         fields = GET_LOG_PAGE_COMMAND.parse(req.sqe)
@@ -440,6 +450,8 @@ class Controller:
                 return
             if not fields.lsp_rae & GET_LOG_PAGE_RAE:
                 self.ana_event_masked = False
+        elif lid == LogPageId.RESERVATION_NOTIFICATION:
+            page = self.reservation.log_page(bool(fields.lsp_rae & GET_LOG_PAGE_RAE))
         elif lid == LogPageId.CHANGED_NS_LIST:
             ids = sorted(self.changed_nsids)[:1024]
             page = CHANGED_NS_LIST.build(ids + [0] * (1024 - len(ids)))
@@ -468,6 +480,10 @@ class Controller:
             self.async_event_config = value
         elif fid == FeatureId.VOLATILE_WRITE_CACHE and not self.is_discovery:
             req.status = Status.INVALID_FIELD if value != 1 else _SUCCESS
+        elif fid == FeatureId.HOST_IDENTIFIER and not self.is_discovery:
+            req.status = Status.COMMAND_SEQUENCE_ERROR  # over fabrics it is Connect's, as nvmet
+        elif fid in _RESERVATION_FEATURES and not self.is_discovery:
+            req.status = await self.reservation.set_feature(req.nsid, fid, value)
         else:
             req.status = Status.INVALID_FIELD
 
@@ -482,6 +498,13 @@ class Controller:
             req.dw0 = self.async_event_config
         elif fid == FeatureId.VOLATILE_WRITE_CACHE and not self.is_discovery:
             req.dw0 = 1
+        elif fid == FeatureId.HOST_IDENTIFIER and not self.is_discovery:
+            if not FEATURES_COMMAND.parse(req.sqe).value & EXHID:
+                req.status = Status.HOST_ID_INCONSISTENT_FORMAT  # ours are 128 bits (CTRATT.HIDS)
+                return
+            self._give(req, self.hostid)
+        elif fid in _RESERVATION_FEATURES and not self.is_discovery:
+            req.status, req.dw0 = self.reservation.get_feature(req.nsid, fid)
         else:
             req.status = Status.INVALID_FIELD
 
@@ -513,11 +536,13 @@ class Controller:
         # refused command also counts on its namespace (blockd.iostats).
         req.ns = ns
         ns.in_flight += 1
+        opc = req.opcode
+        if ns.reserved and not ns.reservations.allows(self.hostid, opc != _READ):
+            return _CONFLICT
         fields = req.fields
         nlb = fields[IO_NLB]
         if fields[IO_SLBA] + nlb + 1 > ns.blocks:
             return _LBA_RANGE
-        opc = req.opcode
         if opc != _READ and ns.backend.read_only:  # not ns.read_only: a property call per write
             return _WRITE_PROTECTED
         expected = 0 if opc == _WRITE_ZEROES else (nlb + 1) << ns.lba_shift
@@ -536,6 +561,8 @@ class Controller:
         if ns is None:
             return self._ana_refusals.get(req.nsid, _INVALID_NS)
         ns.in_flight += 1
+        if ns.reserved and not ns.reservations.allows(self.hostid, True):
+            return _CONFLICT  # Flush is of the write command group
         return _SUCCESS
 
     def _check_dsm(self, req: Request) -> int:
@@ -543,6 +570,8 @@ class Controller:
         if ns is None:
             return self._ana_refusals.get(req.nsid, _INVALID_NS)
         ns.in_flight += 1  # held until it completes, refused or not (as _check_rw)
+        if ns.reserved and not ns.reservations.allows(self.hostid, True):
+            return _CONFLICT
         if ns.read_only:
             return _WRITE_PROTECTED
         if req.length < _dsm_ranges(req) * DSM_RANGE_FAST.size or req.direction is not Direction.HOST_TO_CONTROLLER:
@@ -570,6 +599,10 @@ class Controller:
 
     async def _write(self, req: Request) -> None:
         ns = req.ns
+        if ns.reserved and not ns.reservations.allows(self.hostid, True):
+            # checked at parsing, again now: a write whose data came after a preempt and abort
+            req.status = _CONFLICT
+            return
         fields = req.fields
         offset = fields[IO_SLBA] << ns.lba_shift
         backend = ns.backend
@@ -676,6 +709,16 @@ def _no_data(req: Request) -> int:
     return _BAD_LENGTH if req.length else _SUCCESS
 
 
+_RESERVATION_FEATURES = (FeatureId.RESERVATION_NOTIFICATION_MASK, FeatureId.RESERVATION_PERSISTENCE)
+
+
+def _check_get_features(req: Request) -> int:
+    """Get Features moves data only for the Host Identifier (16 bytes: the 128-bit one)."""
+    if FEATURES_COMMAND.parse(req.sqe).fid == FeatureId.HOST_IDENTIFIER:
+        return _SUCCESS if req.length == 16 else _BAD_LENGTH
+    return _no_data(req)
+
+
 def _identify_length(req: Request) -> int:
     return _SUCCESS if req.length == IDENTIFY_SIZE else _BAD_LENGTH
 
@@ -695,13 +738,19 @@ def _mdts(max_transfer: int) -> int:
     return (max_transfer >> 12).bit_length() - 1
 
 
+def rescap(ns: Namespace) -> int:
+    """Identify Namespace RESCAP (and NSRESCAP): every type and IEKEY; PTPL where the state can
+    be kept (a sidecar beside the namespace's file, target.reservations)."""
+    return RESCAP_ALL if ns.reservations.sidecar else RESCAP_ALL & ~PTPL
+
+
 def identify_namespace(ns: Namespace, in_use: bool) -> bytes:
     """Identify Namespace; NUSE is 0 unless ``in_use`` (see :data:`_NUSE_ZERO`)."""
     blocks = ns.blocks
     lbaf = [dict(ms=0, lbads=ns.lba_shift, rp=0)] + [dict(ms=0, lbads=0, rp=0)] * 63
     return IDENTIFY_NAMESPACE.build(dict(
         nsze=blocks, ncap=blocks, nuse=blocks if in_use else 0, nsfeat=0, nlbaf=0, flbas=0, mc=0, dpc=0,
-        dps=0, nmic=NMIC_SHARED, rescap=0, fpi=0, dlfeat=DLFEAT_ZEROES if ns.backend.can_trim else 0,
+        dps=0, nmic=NMIC_SHARED, rescap=rescap(ns), fpi=0, dlfeat=DLFEAT_ZEROES if ns.backend.can_trim else 0,
         nawun=0, nawupf=0, nacwu=0, noiob=0,
         anagrpid=ns.ana_group, nsattr=int(ns.read_only), nguid=ns.nguid, eui64=ns.eui64, lbaf=lbaf))
 

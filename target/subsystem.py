@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass, field
 
@@ -11,6 +12,7 @@ from blockd.iocounters import IoCounters
 from protocol.constants import DISCOVERY_NQN
 from target.backend import Backend
 from target.io_fast import fast_namespace
+from target.reservations import SIDECAR_SUFFIX, Reservations
 
 _ID_NAMESPACE = uuid.UUID("6d1c7a43-3b64-4a63-9c55-0b7c0d0ad0b1")
 
@@ -45,6 +47,9 @@ class Namespace:
     fast: object = field(default=None, init=False, repr=False, compare=False)
     """Its C copy for the compiled I/O path (:func:`target.io_fast.fast_namespace`), None when
     that path does not serve it; ``fast.accessible = False`` withdraws it."""
+    reserved: bool = field(default=False, init=False, repr=False, compare=False)
+    """Some host is registered (:mod:`target.reservations`): every I/O command is checked
+    against the reservation, on the Python queue (the compiled plane leaves it there)."""
 
     def __post_init__(self) -> None:
         if self.block_size not in (512, 4096):
@@ -58,6 +63,9 @@ class Namespace:
         self.eui64 = eui64 if eui64 is not None else derived.bytes[:8]
         self.lba_shift = self.block_size.bit_length() - 1
         self.fast = fast_namespace(self)
+        sidecar = self.path + SIDECAR_SUFFIX if self.path and os.path.isfile(self.path) else ""
+        self.reservations = Reservations(self, sidecar)
+        self.reservations.load()
 
     @property
     def read_only(self) -> bool:

@@ -7,6 +7,7 @@ import errno
 import os
 
 from initiator.errors import NvmeError, QueueLost
+from protocol.status import Status
 
 
 class FsError(Exception):
@@ -20,9 +21,12 @@ class FsError(Exception):
 def errno_for(exc: Exception | asyncio.CancelledError) -> int | None:
     """The errno a failed request answers with; None for a fault of ours (a bug: the caller logs
     it with its traceback and answers EIO). Any failure of the connection or the target is EIO,
-    as a block device reports it; an interrupted request is EINTR."""
+    as a block device reports it, but a Reservation Conflict, which is EBADE as the Linux block
+    layer makes it (BLK_STS_RESV_CONFLICT); an interrupted request is EINTR."""
     if isinstance(exc, FsError):
         return exc.errno
+    if isinstance(exc, NvmeError) and exc.status == Status.RESERVATION_CONFLICT:
+        return errno.EBADE
     if isinstance(exc, asyncio.CancelledError):
         return errno.EINTR
     if isinstance(exc, (NvmeError, QueueLost, ConnectionError, TimeoutError, OSError)):

@@ -1,0 +1,304 @@
+"""One namespace's reservation: its registrants, holder and type, the access rule every I/O
+command passes, and the rules of the four reservation commands (NVMe Base 2.0, 8.19).
+
+A registrant is a *host* (its 128-bit Host Identifier from Connect), not a controller: every
+controller of one host shares its registration, as nvmet's ``pr.c`` and SPDK's
+``nvmf_ns_reservation_*`` key registrants by host id. The command methods here only decide and
+change state; they return the status and the notices to deliver (:class:`Outcome`), which
+:class:`target.controller.Controller` turns into log pages and AENs on the hosts' controllers.
+
+While the namespace has no registrant the I/O path pays one flag test (``Namespace.reserved``)
+and the compiled plane serves it; with any registrant the compiled plane's per-namespace flag
+(``fast.accessible``) is off and every command goes through the Python queue, which applies
+:meth:`Reservations.allows`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import structlog
+
+from protocol.reservation import (
+    AcquireAction, Cptpl, NotificationType, RegisterAction, ReleaseAction, ReservationType,
+)
+from protocol.status import Status
+
+if TYPE_CHECKING:
+    from target.subsystem import Namespace
+
+log = structlog.get_logger("blockd.target.reservations")
+
+_CONFLICT, _INVALID_FIELD = Status.RESERVATION_CONFLICT, Status.INVALID_FIELD
+_WE, _EA = ReservationType.WRITE_EXCLUSIVE, ReservationType.EXCLUSIVE_ACCESS
+_ALL_REGISTRANTS = frozenset({ReservationType.WRITE_EXCLUSIVE_ALL_REGS, ReservationType.EXCLUSIVE_ACCESS_ALL_REGS})
+"""Types whose every registrant is a holder."""
+_REGISTRANTS_ONLY = frozenset({ReservationType.WRITE_EXCLUSIVE_REG_ONLY, ReservationType.EXCLUSIVE_ACCESS_REG_ONLY})
+_EXCLUSIVE_ACCESS = frozenset({ReservationType.EXCLUSIVE_ACCESS, ReservationType.EXCLUSIVE_ACCESS_REG_ONLY,
+                               ReservationType.EXCLUSIVE_ACCESS_ALL_REGS})
+"""Types that refuse reads to non-holders (to every non-holder for Exclusive Access, to
+non-registrants for the other two)."""
+SIDECAR_SUFFIX = ".resv"
+"""The PTPL state of a namespace backed by ``path`` lives in ``path + SIDECAR_SUFFIX``."""
+Notice = tuple[bytes, NotificationType]
+"""(host identifier, what happened to it)."""
+
+
+@dataclass
+class Outcome:
+    """What a reservation command did: its status and the notices owed to other hosts."""
+
+    status: int = Status.SUCCESS
+    notices: list[Notice] = field(default_factory=list)
+    changed: bool = False
+    """The persistent state changed: with PTPL it must be on disk before the command completes."""
+
+
+class Reservations:
+    """The reservation state of one namespace (see the module docstring)."""
+
+    def __init__(self, ns: Namespace, sidecar: str = "") -> None:
+        self._ns = ns
+        self.sidecar = sidecar
+        """Where the state is kept with PTPL; "" when the namespace cannot persist it (RESCAP
+        bit 0 is then clear and CPTPL 11b / Set Features 83h are refused)."""
+        self.registrants: dict[bytes, int] = {}
+        """host identifier -> registration key, in registration order (the Report's order)."""
+        self.holder: bytes | None = None
+        """The holding host for types 1-4; for types 5 and 6 every registrant holds and this is None."""
+        self.rtype = 0
+        self.generation = 0
+        self.ptpl = False
+        self.save_lock = asyncio.Lock()
+        """Sidecar writes one at a time, in command order (:func:`target.reservation_commands.persist`)."""
+
+    # -- access -------------------------------------------------------------------------------
+
+    def holds(self, hostid: bytes) -> bool:
+        """Whether ``hostid`` is a reservation holder."""
+        if not self.rtype:
+            return False
+        if self.rtype in _ALL_REGISTRANTS:
+            return hostid in self.registrants
+        return self.holder == hostid
+
+    def allows(self, hostid: bytes, write: bool) -> bool:
+        """The access table (NVMe Base 2.0, "Command Behavior in the Presence of a Reservation"):
+        whether a command of the write (or else the read) command group from ``hostid`` runs."""
+        rtype = self.rtype
+        if not rtype or self.holds(hostid):
+            return True
+        registered = hostid in self.registrants
+        if write:
+            # only the registrants-only and all-registrants types let a registrant write
+            return registered and rtype not in (_WE, _EA)
+        if rtype not in _EXCLUSIVE_ACCESS:
+            return True
+        return registered and rtype != _EA
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def register(self, hostid: bytes, action: int, iekey: bool, crkey: int, nrkey: int, cptpl: int) -> Outcome:
+        """Reservation Register: register, unregister or replace the host's key; CPTPL."""
+        if cptpl == Cptpl.RESERVED or (cptpl == Cptpl.SET and not self.sidecar):
+            return Outcome(_INVALID_FIELD)
+        key = self.registrants.get(hostid)
+        out = Outcome()
+        if action == RegisterAction.REGISTER:
+            if not nrkey:
+                return Outcome(_INVALID_FIELD)  # as SPDK: a zero key cannot be registered
+            if key is None:
+                self.registrants[hostid] = nrkey
+            elif key != nrkey:
+                return Outcome(_CONFLICT)  # registering again with the same key is no error
+        elif action == RegisterAction.UNREGISTER:
+            if key is None or (not iekey and key != crkey):
+                return Outcome(_CONFLICT)
+            out.notices = self._unregister(hostid)
+        elif action == RegisterAction.REPLACE:
+            if not nrkey:
+                return Outcome(_INVALID_FIELD)
+            if key is None or (not iekey and key != crkey):
+                return Outcome(_CONFLICT)
+            self.registrants[hostid] = nrkey
+        else:
+            return Outcome(_INVALID_FIELD)
+        self.generation = (self.generation + 1) & 0xFFFFFFFF
+        if cptpl in (Cptpl.CLEAR, Cptpl.SET):
+            self.ptpl = cptpl == Cptpl.SET
+        out.changed = True
+        self._changed()
+        return out
+
+    def _unregister(self, hostid: bytes) -> list[Notice]:
+        """Drop ``hostid``'s registration; a holder's goes with it (types 1-4), and in the
+        registrants-only types the others hear the reservation was released."""
+        del self.registrants[hostid]
+        if not self.rtype:
+            return []
+        if self.rtype in _ALL_REGISTRANTS:
+            if not self.registrants:
+                self.rtype = 0
+            return []
+        if self.holder != hostid:
+            return []
+        released = self.rtype in _REGISTRANTS_ONLY
+        self.holder, self.rtype = None, 0
+        if released:
+            return [(h, NotificationType.RESERVATION_RELEASED) for h in self.registrants]
+        return []
+
+    def acquire(self, hostid: bytes, action: int, iekey: bool, rtype: int, crkey: int, prkey: int) -> Outcome:
+        """Reservation Acquire: acquire, preempt, or preempt and abort (the core refuses the
+        preempted hosts' commands from here on: see ``Controller._write``)."""
+        key = self.registrants.get(hostid)
+        if key is None or (not iekey and key != crkey):
+            return Outcome(_CONFLICT)
+        if not ReservationType.WRITE_EXCLUSIVE <= rtype <= ReservationType.EXCLUSIVE_ACCESS_ALL_REGS:
+            return Outcome(_INVALID_FIELD)
+        if action == AcquireAction.ACQUIRE:
+            if not self.rtype:
+                self._take(hostid, rtype)
+                return Outcome(changed=True)
+            if self.holds(hostid) and self.rtype == rtype:
+                return Outcome()
+            return Outcome(_CONFLICT)
+        if action in (AcquireAction.PREEMPT, AcquireAction.PREEMPT_AND_ABORT):
+            return self._preempt(hostid, rtype, prkey)
+        return Outcome(_INVALID_FIELD)
+
+    def _take(self, hostid: bytes, rtype: int) -> None:
+        self.rtype = rtype
+        self.holder = None if rtype in _ALL_REGISTRANTS else hostid
+        self._changed()
+
+    def _preempt(self, hostid: bytes, rtype: int, prkey: int) -> Outcome:
+        """The preempt rules of 8.19.7: by the holder's key (or 0 under an all-registrants
+        type) the reservation moves to this host; by any other key only those registrants go."""
+        out = Outcome(changed=True)
+        held = self.rtype
+        if held in _ALL_REGISTRANTS and not prkey:
+            victims = [h for h in self.registrants if h != hostid]
+            take = True
+        elif held and held not in _ALL_REGISTRANTS and self.registrants.get(self.holder) == prkey:
+            victims = [h for h, k in self.registrants.items() if k == prkey and h != hostid]
+            take = True
+        else:
+            if not prkey:
+                return Outcome(_INVALID_FIELD)
+            victims = [h for h, k in self.registrants.items() if k == prkey and h != hostid]
+            take = False
+            if not victims:
+                return Outcome(_CONFLICT)  # as nvmet/SPDK: nobody registered with that key
+        for victim in victims:
+            del self.registrants[victim]
+            out.notices.append((victim, NotificationType.REGISTRATION_PREEMPTED))
+        if take:
+            moved = held != rtype or self.holder != hostid
+            self._take(hostid, rtype)
+            if moved:
+                out.notices.extend((h, NotificationType.RESERVATION_PREEMPTED)
+                                   for h in self.registrants if h != hostid)
+        elif held in _ALL_REGISTRANTS and not self.registrants:
+            self.rtype = 0
+        self.generation = (self.generation + 1) & 0xFFFFFFFF
+        self._changed()
+        return out
+
+    def release(self, hostid: bytes, action: int, iekey: bool, rtype: int, crkey: int) -> Outcome:
+        """Reservation Release: release the reservation, or clear it and every registration."""
+        key = self.registrants.get(hostid)
+        if key is None or (not iekey and key != crkey):
+            return Outcome(_CONFLICT)
+        if action == ReleaseAction.CLEAR:
+            others = [h for h in self.registrants if h != hostid]
+            self.registrants.clear()
+            self.holder, self.rtype = None, 0
+            self.generation = (self.generation + 1) & 0xFFFFFFFF
+            self._changed()
+            return Outcome(notices=[(h, NotificationType.RESERVATION_PREEMPTED) for h in others], changed=True)
+        if action != ReleaseAction.RELEASE:
+            return Outcome(_INVALID_FIELD)
+        if not self.holds(hostid):
+            return Outcome()  # not the holder: succeeds with no effect
+        if rtype != self.rtype:
+            return Outcome(_INVALID_FIELD)
+        released = self.rtype not in (_WE, _EA)
+        self.holder, self.rtype = None, 0
+        self._changed()
+        notices = [(h, NotificationType.RESERVATION_RELEASED) for h in self.registrants if h != hostid]
+        return Outcome(notices=notices if released else [], changed=True)
+
+    def set_ptpl(self, on: bool) -> int:
+        """Set Features 83h: a status (Invalid Field when this namespace cannot persist)."""
+        if on and not self.sidecar:
+            return _INVALID_FIELD
+        self.ptpl = on
+        self._changed()
+        return Status.SUCCESS
+
+    def _changed(self) -> None:
+        """Keep the namespace's I/O flags in step: with any registrant the compiled plane leaves
+        its commands to the Python queue (``fast.accessible``), which then checks each one."""
+        ns = self._ns
+        reserved = bool(self.registrants)
+        ns.reserved = reserved
+        if ns.fast is not None and not ns.removed:
+            ns.fast.accessible = not reserved
+
+    # -- persistence --------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, object]:
+        """The state as JSON-able data (the sidecar's and the replication link's form)."""
+        return {"version": 1, "ptpl": self.ptpl, "generation": self.generation, "rtype": self.rtype,
+                "holder": self.holder.hex() if self.holder is not None else None,
+                "registrants": [[h.hex(), k] for h, k in self.registrants.items()]}
+
+    def restore(self, state: dict[str, object]) -> None:
+        """Take ``state`` (a :meth:`snapshot`) as this namespace's."""
+        self.ptpl = bool(state["ptpl"])
+        self.generation = int(state["generation"])  # type: ignore[arg-type]
+        self.rtype = int(state["rtype"])  # type: ignore[arg-type]
+        holder = state["holder"]
+        self.holder = bytes.fromhex(holder) if isinstance(holder, str) else None
+        self.registrants = {bytes.fromhex(h): int(k) for h, k in state["registrants"]}  # type: ignore[union-attr]
+        self._changed()
+
+    def load(self) -> None:
+        """At start: the state saved with PTPL, if any (without PTPL a restart clears it, as a
+        power loss does)."""
+        if not self.sidecar:
+            return
+        try:
+            with open(self.sidecar, encoding="utf-8") as f:
+                state = json.load(f)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"namespace {self._ns.nsid}: reservation state {self.sidecar} unreadable: {exc}") from exc
+        if state.get("ptpl"):
+            self.restore(state)
+            log.info("reservation state restored", nsid=self._ns.nsid, registrants=len(self.registrants),
+                     rtype=self.rtype)
+
+    def save(self, state: dict[str, object]) -> None:
+        """Write ``state`` durably: a new file fsync'd, renamed over the old, the directory
+        fsync'd, so a crash leaves the old state or the new, never half of one. Blocking: the
+        controller runs it in a thread, one at a time per namespace."""
+        tmp = self.sidecar + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps(state).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, self.sidecar)
+        dfd = os.open(os.path.dirname(os.path.abspath(self.sidecar)), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
