@@ -15,6 +15,7 @@ from blockd.control_socket import RequestError
 from blockd.prometheus import MetricsServer
 from initiator.control import CHUNK, socket_path
 from initiator.controller import Controller
+from initiator import reservations
 from initiator.errors import ConnectError, NvmeError, QueueLost
 from initiator.fuse import FuseMounts
 from initiator.metrics import initiator_metrics_server
@@ -46,6 +47,10 @@ class InitiatorDaemon:
             "mount": self.mounts.op_mount,
             "umount": self.mounts.op_umount,
             "mounts": self.mounts.op_mounts,
+            "resv-register": self.op_resv_register,
+            "resv-acquire": self.op_resv_acquire,
+            "resv-release": self.op_resv_release,
+            "resv-report": self.op_resv_report,
         }
         self.metrics: MetricsServer | None = (
             initiator_metrics_server(self, metrics.address, metrics.port) if metrics is not None else None)
@@ -158,6 +163,23 @@ class InitiatorDaemon:
     async def op_id_ns(self, name: str, nsid: int) -> dict[str, Any]:
         ident = await self.find(name).identify_namespace(nsid)
         return {"identify": _plain(ident)}
+
+    async def op_resv_register(self, name: str, nsid: int, rrega: int, crkey: int, nrkey: int,
+                               iekey: bool, cptpl: int) -> None:
+        await reservations.register(self.find(name), nsid, rrega, crkey, nrkey, iekey, cptpl)
+
+    async def op_resv_acquire(self, name: str, nsid: int, racqa: int, rtype: int, crkey: int, prkey: int,
+                              iekey: bool) -> None:
+        await reservations.acquire(self.find(name), nsid, racqa, rtype, crkey, prkey, iekey)
+
+    async def op_resv_release(self, name: str, nsid: int, rrela: int, rtype: int, crkey: int, iekey: bool) -> None:
+        await reservations.release(self.find(name), nsid, rrela, rtype, crkey, iekey)
+
+    async def op_resv_report(self, name: str, nsid: int) -> dict[str, Any]:
+        status = await reservations.report(self.find(name), nsid)
+        return {"generation": status.generation, "rtype": status.rtype, "ptpl": status.ptpl,
+                "registrants": [{"hostid": r.hostid.hex(), "key": r.key, "holds": r.holds, "cntlid": r.cntlid}
+                                for r in status.registrants]}
 
     async def op_read(self, writer: asyncio.StreamWriter, name: str, nsid: int, offset: int,
                       length: int) -> None:

@@ -12,6 +12,7 @@ which the shared modules of ``blockd/`` may not (``tests/test_layers.py``); noth
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -105,8 +106,41 @@ def _parser() -> argparse.ArgumentParser:
     n = sub.add_parser("id-ns", help="Identify Namespace")
     n.add_argument("name")
     n.add_argument("-N", "--nsid", type=int, default=1)
+    _reservation_parsers(sub)
     targetctl.add_parsers(sub)
     return parser
+
+
+def _reservation_parsers(sub: Any) -> None:
+    """resv-register|acquire|release|report with nvme-cli's flags (-n -c -k -p -t -a -r -i)."""
+    key = functools.partial(int, base=0)
+    for verb, helptext in (("resv-register", "register, unregister or replace a reservation key"),
+                           ("resv-acquire", "acquire or preempt a reservation"),
+                           ("resv-release", "release or clear a reservation"),
+                           ("resv-report", "show a namespace's reservation and registrants")):
+        p = sub.add_parser(verb, help=helptext)
+        p.add_argument("name", help="connection name or NQN")
+        p.add_argument("-n", "--namespace-id", dest="nsid", type=int, default=1)
+        if verb == "resv-report":
+            continue
+        p.add_argument("-c", "--crkey", type=key, default=0, help="current reservation key")
+        p.add_argument("-i", "--iekey", action="store_true", help="ignore the existing key")
+        if verb == "resv-register":
+            p.add_argument("-k", "--nrkey", type=key, default=0, help="new reservation key")
+            p.add_argument("-r", "--rrega", type=int, default=0, choices=(0, 1, 2),
+                           help="0 register, 1 unregister, 2 replace")
+            p.add_argument("-p", "--cptpl", type=int, default=0, choices=(0, 2, 3),
+                           help="persist through power loss: 0 no change, 2 off, 3 on")
+            continue
+        p.add_argument("-t", "--rtype", type=int, default=0, choices=range(7),
+                       help="1 write exclusive, 2 exclusive access, 3/4 the same for registrants only, "
+                            "5/6 for all registrants")
+        if verb == "resv-acquire":
+            p.add_argument("-p", "--prkey", type=key, default=0, help="preempt reservation key")
+            p.add_argument("-a", "--racqa", type=int, default=0, choices=(0, 1, 2),
+                           help="0 acquire, 1 preempt, 2 preempt and abort")
+        else:
+            p.add_argument("-a", "--rrela", type=int, default=0, choices=(0, 1), help="0 release, 1 clear")
 
 
 # -- commands -----------------------------------------------------------------------------------
@@ -328,6 +362,22 @@ def cmd_id_ns(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_resv(args: argparse.Namespace) -> int:
+    """The four reservation verbs: the daemon sends the command on the connection; a refusal
+    (Reservation Conflict and the rest) is one line on stderr and exit status 1."""
+    request = {k: v for k, v in vars(args).items() if k not in ("command", "socket", "func")}
+    with ControlClient(args.socket) as client:
+        reply = client.call({"op": args.command, **request})
+    if args.command != "resv-report":
+        print(f"{args.command}: success", file=sys.stderr)
+        return 0
+    print(f"generation : {reply['generation']}\nrtype      : {reply['rtype']}\nptpl       : {int(reply['ptpl'])}"
+          f"\nregctl     : {len(reply['registrants'])}")
+    for i, r in enumerate(reply["registrants"]):
+        print(f"regctl[{i}]  : cntlid {r['cntlid']:#x} rcsts {int(r['holds'])} hostid {r['hostid']} rkey {r['key']:#x}")
+    return 0
+
+
 def cmd_mount(args: argparse.Namespace) -> int:
     with ControlClient(args.socket) as client:
         reply = client.call({"op": "mount", "name": args.name, "mountpoint": os.path.abspath(args.mountpoint)})
@@ -382,6 +432,7 @@ COMMANDS = {
     "list": cmd_list, "read": cmd_read, "write": cmd_write, "id-ctrl": cmd_id_ctrl,
     "id-ns": cmd_id_ns, "mount": cmd_mount, "umount": cmd_umount, "mounts": cmd_mounts,
     "target": targetctl.cmd_target, "iostat": targetctl.cmd_iostat,
+    "resv-register": cmd_resv, "resv-acquire": cmd_resv, "resv-release": cmd_resv, "resv-report": cmd_resv,
 }
 
 
