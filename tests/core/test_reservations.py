@@ -9,12 +9,15 @@ section 8.19), written out here independently of ``target/reservations.py``'s ru
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from initiator.errors import NvmeError
+from initiator.fuse.errors import errno_for
 from protocol.commands import (
     get_log_page_command, reservation_acquire_command, reservation_register_command,
     reservation_release_command, reservation_report_command, set_features_command,
@@ -414,3 +417,33 @@ def test_ptpl_sidecar_written_before_completion(tmp_path: Path, monkeypatch: pyt
         assert (tmp_path / "vol.img.resv").exists()
         await target.close()
     asyncio.run(main())
+
+
+def test_preempt_and_abort_fences_a_write_waiting_for_its_data() -> None:
+    """A write checked and accepted, whose data arrives after its host was preempted and aborted,
+    does not reach the namespace."""
+    def body() -> Target:
+        backend = MemoryBackend(64 * 512)
+        target = _target(backend)
+        a, b = Host(target, A), Host(target, B)
+        assert a.register(nrkey=0xA) == 0 and b.register(nrkey=0xB) == 0
+        assert a.acquire(ReservationType.WRITE_EXCLUSIVE_REG_ONLY, crkey=0xA) == 0
+        b.io_transport.hold = True
+        sqe = bytearray(b._next(rw_sqe(IoOpcode.WRITE, 0, 5, 1, transport_sgl(512))))
+        b.io_transport.host_data[b.cid] = b"\xee" * 512
+        b.io.submit(bytes(sqe), None)
+        [waiting] = b.io_transport.fetching  # accepted: B is a registrant, it may write
+        assert a.acquire(ReservationType.WRITE_EXCLUSIVE_REG_ONLY, AcquireAction.PREEMPT_AND_ABORT,
+                         crkey=0xA, prkey=0xB) == 0
+        b.io_transport.deliver(waiting)
+        assert b.io_transport.responses[-1][1] & ~to_wire(MORE) == CONFLICT
+        assert backend.data[5 * 512:6 * 512] == bytes(512)
+        return target
+    run(body)
+
+
+def test_conflict_is_ebade_for_a_mount() -> None:
+    """The FUSE mount answers a Reservation Conflict with EBADE, as the Linux block layer does
+    (BLK_STS_RESV_CONFLICT); any other target status stays EIO."""
+    assert errno_for(NvmeError(Status.RESERVATION_CONFLICT | MORE)) == errno.EBADE
+    assert errno_for(NvmeError(Status.WRITE_FAULT)) == errno.EIO
