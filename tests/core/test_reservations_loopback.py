@@ -37,12 +37,12 @@ def test_two_hosts_library_and_both_planes(tmp_path: Path) -> None:
                 await b.write(1, 0, block)  # no reservation: the compiled plane, when built, serves it
                 assert namespace.fast is None or namespace.fast.accessible
                 await reservations.register(a, 1, RegisterAction.REGISTER, 0, 0xA)
-                assert namespace.fast is None or not namespace.fast.accessible
                 await reservations.register(b, 1, RegisterAction.REGISTER, 0, 0xB)
                 await reservations.acquire(a, 1, AcquireAction.ACQUIRE, WE, 0xA)
                 with pytest.raises(NvmeError) as refused:
                     await b.write(1, 0, block)
                 assert refused.value.status == Status.RESERVATION_CONFLICT
+                assert namespace.fast is None or not namespace.fast.accessible
                 assert await b.read(1, 0, 1) == block  # write exclusive: others still read
                 await a.write(1, 1, b"\x22" * 512)
                 report = await reservations.report(b, 1)
