@@ -104,7 +104,7 @@ class Reservations:
 
     def register(self, hostid: bytes, action: int, iekey: bool, crkey: int, nrkey: int, cptpl: int) -> Outcome:
         """Reservation Register: register, unregister or replace the host's key; CPTPL."""
-        if cptpl == Cptpl.RESERVED or (cptpl == Cptpl.SET and not self.sidecar):
+        if cptpl == Cptpl.RESERVED:
             return Outcome(_INVALID_FIELD)
         key = self.registrants.get(hostid)
         out = Outcome()
@@ -129,7 +129,9 @@ class Reservations:
             return Outcome(_INVALID_FIELD)
         self.generation = (self.generation + 1) & 0xFFFFFFFF
         if cptpl in (Cptpl.CLEAR, Cptpl.SET):
-            self.ptpl = cptpl == Cptpl.SET
+            # Where the state cannot persist (RESCAP bit 0 clear) a request for PTPL is ignored,
+            # as nvmet ignores CPTPL: the Linux host's IOC_PR_REGISTER always asks for it
+            self.ptpl = cptpl == Cptpl.SET and bool(self.sidecar)
         out.changed = True
         self._changed()
         return out
@@ -198,10 +200,9 @@ class Reservations:
             del self.registrants[victim]
             out.notices.append((victim, NotificationType.REGISTRATION_PREEMPTED))
         if take:
-            moved = held != rtype or self.holder != hostid
             self._take(hostid, rtype)
-            if moved:
-                out.notices.extend((h, NotificationType.RESERVATION_PREEMPTED)
+            if held != rtype:  # a new type: the others' reservation as they knew it is gone (as nvmet)
+                out.notices.extend((h, NotificationType.RESERVATION_RELEASED)
                                    for h in self.registrants if h != hostid)
         elif held in _ALL_REGISTRANTS and not self.registrants:
             self.rtype = 0
