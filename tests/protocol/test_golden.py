@@ -16,7 +16,7 @@ import construct as c
 import pytest
 
 from blockd.tcp_pdu import PduReader, PduWriter, term_req
-from protocol import fabrics, identify, logpage, nvme, rdma_cm, status, tcp
+from protocol import fabrics, identify, logpage, nvme, rdma_cm, reservation, status, tcp
 from protocol.status import Status
 
 # --------------------------------------------------------------------------------------------
@@ -130,6 +130,8 @@ STATUS_TABLE = [
     ("CONNECT_INVALID_PARAMETERS", 1, 0x82, 1, 0x8304),
     ("CONNECT_RESTART_DISCOVERY", 1, 0x83, 0, 0x0306),
     ("CONNECT_INVALID_HOST", 1, 0x84, 1, 0x8308),
+    ("RESERVATION_CONFLICT", 0, 0x83, 1, 0x8106),
+    ("HOST_ID_INCONSISTENT_FORMAT", 0, 0x18, 1, 0x8030),
     ("WRITE_FAULT", 2, 0x80, 0, 0x0500),
     ("UNRECOVERED_READ_ERROR", 2, 0x81, 0, 0x0502),
 ]
@@ -770,3 +772,54 @@ def test_rdma_cm_private_data():
     check(rdma_cm.CmReject, bytes(rej), dict(recfmt=0, sts=3))
     assert rdma_cm.Reject(sts=rdma_cm.STS_INVALID_QID).pack() == bytes(rej)
     assert rdma_cm.parse_reject(bytes(rej) + bytes(144)).sts == 3
+
+
+# --------------------------------------------------------------------------------------------
+# docs/wire-facts.md, "Reservations"
+
+
+def test_reservation_commands_and_data():
+    golden = bytearray(64)
+    put(golden, 40, 0x0A, 1)  # RACQA preempt-and-abort (2) | IEKEY (8)
+    put(golden, 41, 0x06, 1)  # RTYPE
+    put(golden, 43, 0xC0, 1)  # CPTPL 11b in bits 31:30
+    check(reservation.RESERVATION_COMMAND, bytes(golden), {"action": 0x0A, "rtype": 6, "cptpl": 0xC0})
+    golden = bytearray(64)
+    put(golden, 40, 1023, 4)  # NUMD
+    put(golden, 44, 1, 4)  # EDS
+    check(reservation.REPORT_COMMAND, bytes(golden), {"numd": 1023, "cdw11": 1})
+    golden = bytearray(16)
+    put(golden, 0, 0x1122334455667788, 8)
+    put(golden, 8, 0x99AABBCCDDEEFF00, 8)
+    check(reservation.REGISTER_DATA, bytes(golden), {"crkey": 0x1122334455667788, "nrkey": 0x99AABBCCDDEEFF00})
+    check(reservation.ACQUIRE_DATA, bytes(golden), {"crkey": 0x1122334455667788, "prkey": 0x99AABBCCDDEEFF00})
+    check(reservation.RELEASE_DATA, bytes(golden[:8]), {"crkey": 0x1122334455667788})
+
+
+def test_reservation_status_extended():
+    golden = bytearray(64)
+    put(golden, 0, 0x01020304, 4)  # GEN
+    put(golden, 4, 3, 1)  # RTYPE
+    put(golden, 5, 2, 2)  # REGCTL
+    put(golden, 9, 1, 1)  # PTPLS
+    check(reservation.EXT_STATUS_HEADER, bytes(golden), {"gen": 0x01020304, "rtype": 3, "regctl": 2, "ptpls": 1})
+    golden = bytearray(64)
+    put(golden, 0, 0xFFFF, 2)  # CNTLID
+    put(golden, 2, 1, 1)  # RCSTS: holds
+    put(golden, 8, 0xABCDEF, 8)  # RKEY
+    put_bytes(golden, 16, HOSTID)
+    check(reservation.EXT_REGISTRANT, bytes(golden), {"cntlid": 0xFFFF, "rcsts": 1, "rkey": 0xABCDEF, "hostid": HOSTID})
+    golden = bytearray(24)
+    put(golden, 0, 7, 2)
+    put_bytes(golden, 8, HOSTID[:8])
+    put(golden, 16, 0x42, 8)
+    check(reservation.REGISTRANT, bytes(golden), {"cntlid": 7, "hostid": HOSTID[:8], "rkey": 0x42})
+
+
+def test_reservation_notification_log():
+    golden = bytearray(64)
+    put(golden, 0, 5, 8)  # log page count
+    put(golden, 8, 1, 1)  # registration preempted
+    put(golden, 9, 2, 1)  # available
+    put(golden, 12, 1, 4)  # NSID
+    check(reservation.NOTIFICATION_LOG, bytes(golden), {"count": 5, "type": 1, "available": 2, "nsid": 1})
