@@ -58,6 +58,25 @@ FLAG_INCONSISTENT = 1 << 0
 """This copy is the target of an unfinished sync: its data area mixes generations and must
 not be promoted or used as a sync source."""
 
+RESERVATIONS_AREA = 2048
+"""Bytes of the superblock that hold the namespace's reservation state
+(:data:`RESERVATION_STATE`, issue 38): the superblock reaches every copy, so the state holds on
+the standby after a failover. Zero in a superblock written before it existed: no state."""
+RESERVATION_REGISTRANT = c.Struct("hostid" / c.Bytes(16), "key" / c.Int64ul)
+RESERVATION_STATE = c.Struct(
+    "generation" / c.Int32ul,
+    "rtype" / c.Int8ul,
+    "ptpl" / c.Int8ul,
+    "holder" / c.Int8ul,
+    "count" / c.Int8ul,
+    "registrants" / c.Array(c.this.count, RESERVATION_REGISTRANT),
+)
+"""A namespace's reservations as the superblock keeps them: ``holder`` is the index of the
+holding registrant (FFh: none, or every registrant under an all-registrants type); at most
+:data:`MAX_STORED_REGISTRANTS` registrants fit."""
+NO_HOLDER = 0xFF
+MAX_STORED_REGISTRANTS = (RESERVATIONS_AREA - 8) // RESERVATION_REGISTRANT.sizeof()
+
 PEER_SLOT = c.Struct(
     "node_id" / c.Int64ul,
     "bitmap_generation" / c.Int64ul,
@@ -78,6 +97,8 @@ SUPERBLOCK_BODY = at_offsets(SUPERBLOCK_SIZE - 4, [
     (56, "current", c.Int64ul),
     (64, "history", c.Array(HISTORY_LENGTH, c.Int64ul)),
     (128, "peers", c.Array(MAX_PEERS, PEER_SLOT)),
+    (1024, "reservations_length", c.Int16ul),
+    (1026, "reservations", c.Bytes(RESERVATIONS_AREA)),
 ])
 """Everything but the CRC. ``magic`` is plain bytes (not ``Const``) so that a wrong magic gets
 its own message; ``device_size`` is the size the layout was made for (a device that changed
@@ -115,11 +136,15 @@ class Superblock:
     peers: tuple[PeerSlot, ...]
     """``max_peers`` slots."""
     flags: int = 0
+    reservations: bytes = b""
+    """The encoded :data:`RESERVATION_STATE`, or nothing."""
 
 
 def build_superblock(sb: Superblock) -> bytes:
     if not 1 <= sb.max_peers <= MAX_PEERS or len(sb.peers) != sb.max_peers:
         raise ValueError(f"{len(sb.peers)} peer slots for max_peers {sb.max_peers}")
+    if len(sb.reservations) > RESERVATIONS_AREA:
+        raise ValueError(f"reservation state of {len(sb.reservations)} bytes; the superblock holds {RESERVATIONS_AREA}")
     history = (tuple(sb.history) + (0,) * HISTORY_LENGTH)[:HISTORY_LENGTH]
     peers = list(sb.peers) + [PeerSlot()] * (MAX_PEERS - sb.max_peers)
     body = dict(magic=MAGIC, version=VERSION, flags=sb.flags, sequence=sb.sequence,
@@ -127,7 +152,9 @@ def build_superblock(sb: Superblock) -> bytes:
                 device_size=sb.device_size, data_size=sb.data_size, current=sb.current,
                 history=list(history),
                 peers=[dict(node_id=p.node_id, bitmap_generation=p.bitmap_generation)
-                       for p in peers])
+                       for p in peers],
+                reservations_length=len(sb.reservations),
+                reservations=sb.reservations.ljust(RESERVATIONS_AREA, b"\0"))
     return SUPERBLOCK.build(dict(body=dict(value=body), crc=None))
 
 
@@ -150,7 +177,7 @@ def parse_superblock(raw: bytes) -> Superblock:
         max_peers=body.max_peers, device_size=body.device_size, data_size=body.data_size,
         current=body.current, history=tuple(body.history),
         peers=tuple(PeerSlot(p.node_id, p.bitmap_generation) for p in body.peers[:body.max_peers]),
-        flags=body.flags)
+        flags=body.flags, reservations=body.reservations[:min(body.reservations_length, RESERVATIONS_AREA)])
 
 
 def superblock_offsets(device_size: int) -> tuple[int, int]:

@@ -740,8 +740,8 @@ def _mdts(max_transfer: int) -> int:
 
 def rescap(ns: Namespace) -> int:
     """Identify Namespace RESCAP (and NSRESCAP): every type and IEKEY; PTPL where the state can
-    be kept (a sidecar beside the namespace's file, target.reservations)."""
-    return RESCAP_ALL if ns.reservations.sidecar else RESCAP_ALL & ~PTPL
+    be kept (a sidecar beside the namespace's file, or the replication metadata: target.reservations)."""
+    return RESCAP_ALL if ns.reservations.can_persist else RESCAP_ALL & ~PTPL
 
 
 def identify_namespace(ns: Namespace, in_use: bool) -> bytes:

@@ -9,7 +9,6 @@ durable when PTPL is on, and tells the other hosts' controllers what happened to
 
 from __future__ import annotations
 
-import asyncio
 import collections
 from typing import TYPE_CHECKING
 
@@ -30,7 +29,7 @@ from target.reservations import Outcome, Reservations
 if TYPE_CHECKING:
     from target.controller import Controller
     from target.queue import CommandTable
-    from target.subsystem import Namespace, Subsystem
+    from target.subsystem import Subsystem
 
 log = structlog.get_logger("blockd.target.reservations")
 
@@ -124,11 +123,11 @@ class ReservationCommands:
             fields[_RTYPE], data.crkey))
 
     async def _finish(self, req: Request, resv: Reservations, ptpl_before: bool, out: Outcome) -> None:
-        """Make a change durable (with PTPL on before or after it), then tell the other hosts."""
+        """Make a change durable (see ``Reservations.must_save``), then tell the other hosts."""
         req.status = out.status
-        if out.changed and (ptpl_before or resv.ptpl):
+        if out.changed and resv.must_save(ptpl_before):
             try:
-                await persist(req.ns)
+                await resv.save_now()
             except OSError as exc:
                 req.status = Status.INTERNAL_ERROR
                 log.error("reservation state not saved", nsid=req.nsid, error=str(exc))
@@ -170,9 +169,9 @@ class ReservationCommands:
         resv = ns.reservations
         before = resv.ptpl
         status = resv.set_ptpl(bool(value & PTPL))
-        if not status and (before or resv.ptpl):
+        if not status and resv.must_save(before):
             try:
-                await persist(ns)
+                await resv.save_now()
             except OSError as exc:
                 log.error("reservation state not saved", nsid=nsid, error=str(exc))
                 return Status.INTERNAL_ERROR
@@ -221,12 +220,3 @@ def deliver(ctrl: Controller, nsid: int, hostid: bytes, kind: NotificationType) 
     for other in list(ctrl.target.controllers.values()):
         if other.subsystem is sub and other.hostid == hostid and not other.dead:
             other.reservation.notice(nsid, kind)
-
-
-async def persist(ns: Namespace) -> None:
-    """Write ``ns``'s reservation state to its sidecar (in a thread, one write at a time per
-    namespace so they land in the order the commands ran)."""
-    resv = ns.reservations
-    state = resv.snapshot()
-    async with resv.save_lock:
-        await asyncio.to_thread(resv.save, state)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from protocol.replication import NO_HOLDER, RESERVATION_STATE
 from protocol.reservation import (
     AcquireAction, Cptpl, NotificationType, RegisterAction, ReleaseAction, ReservationType,
 )
@@ -63,9 +64,12 @@ class Reservations:
 
     def __init__(self, ns: Namespace, sidecar: str = "") -> None:
         self._ns = ns
-        self.sidecar = sidecar
-        """Where the state is kept with PTPL; "" when the namespace cannot persist it (RESCAP
-        bit 0 is then clear and CPTPL 11b / Set Features 83h are refused)."""
+        self._replicated = getattr(ns.backend, "save_reservations", None)
+        """A replicated namespace's backend keeps the state in every copy's superblock
+        (:meth:`target.replication.mirror.ReplicatedBackend.save_reservations`), on every
+        change: a failover to the standby keeps it, PTPL or not."""
+        self.sidecar = "" if self._replicated is not None else sidecar
+        """Where the state is kept with PTPL on a plain namespace; "" when it is not kept there."""
         self.registrants: dict[bytes, int] = {}
         """host identifier -> registration key, in registration order (the Report's order)."""
         self.holder: bytes | None = None
@@ -131,7 +135,7 @@ class Reservations:
         if cptpl in (Cptpl.CLEAR, Cptpl.SET):
             # Where the state cannot persist (RESCAP bit 0 clear) a request for PTPL is ignored,
             # as nvmet ignores CPTPL: the Linux host's IOC_PR_REGISTER always asks for it
-            self.ptpl = cptpl == Cptpl.SET and bool(self.sidecar)
+            self.ptpl = cptpl == Cptpl.SET and self.can_persist
         out.changed = True
         self._changed()
         return out
@@ -236,7 +240,7 @@ class Reservations:
 
     def set_ptpl(self, on: bool) -> int:
         """Set Features 83h: a status (Invalid Field when this namespace cannot persist)."""
-        if on and not self.sidecar:
+        if on and not self.can_persist:
             return _INVALID_FIELD
         self.ptpl = on
         self._changed()
@@ -252,6 +256,54 @@ class Reservations:
             ns.fast.accessible = not reserved
 
     # -- persistence --------------------------------------------------------------------------
+
+    @property
+    def can_persist(self) -> bool:
+        """PTPL is possible (RESCAP bit 0): a sidecar file, or a replicated namespace's metadata.
+        Elsewhere (a block device path, a RAM namespace) CPTPL 11b / Set Features 83h do not
+        turn it on."""
+        return bool(self.sidecar) or self._replicated is not None
+
+    def must_save(self, ptpl_before: bool) -> bool:
+        """Whether a change has to be made durable before its command completes: always on a
+        replicated namespace (the standby must have it), else while PTPL is or was on."""
+        return self._replicated is not None or ptpl_before or self.ptpl
+
+    async def save_now(self) -> None:
+        """Make the state as it is now durable: the replicas' and this copy's superblocks, or the
+        sidecar (in a thread), one save at a time so they land in command order."""
+        async with self.save_lock:
+            if self._replicated is not None:
+                await self._replicated(self.record())
+            else:
+                await asyncio.to_thread(self.save, self.snapshot())
+
+    def record(self) -> bytes:
+        """The state as the replication superblock keeps it (``protocol.replication``)."""
+        regs = list(self.registrants.items())
+        holder = next((i for i, (h, _) in enumerate(regs) if h == self.holder), NO_HOLDER)
+        return RESERVATION_STATE.build(dict(generation=self.generation, rtype=self.rtype, ptpl=int(self.ptpl),
+                                            holder=holder, count=len(regs),
+                                            registrants=[dict(hostid=h, key=k) for h, k in regs]))
+
+    def restore_record(self, raw: bytes) -> None:
+        """Take a :meth:`record` as this namespace's state (nothing kept: no state)."""
+        if not raw:
+            self.restore({"ptpl": False, "generation": 0, "rtype": 0, "holder": None, "registrants": []})
+            return
+        state = RESERVATION_STATE.parse(raw)
+        regs = [(r.hostid, r.key) for r in state.registrants]
+        holder = regs[state.holder][0].hex() if state.holder < len(regs) else None
+        self.restore({"ptpl": bool(state.ptpl), "generation": state.generation, "rtype": state.rtype,
+                      "holder": holder, "registrants": [[h.hex(), k] for h, k in regs]})
+
+    def adopt_replicated(self) -> None:
+        """This copy was promoted: the state its former primary kept in its superblock is the
+        namespace's now, PTPL or not (a failover is no power loss)."""
+        if self._replicated is not None:
+            self.restore_record(self._ns.backend.md.reservations)
+            log.info("reservation state taken over", nsid=self._ns.nsid, registrants=len(self.registrants),
+                     rtype=self.rtype)
 
     def snapshot(self) -> dict[str, object]:
         """The state as JSON-able data (the sidecar's and the replication link's form)."""
@@ -272,6 +324,11 @@ class Reservations:
     def load(self) -> None:
         """At start: the state saved with PTPL, if any (without PTPL a restart clears it, as a
         power loss does)."""
+        if self._replicated is not None:
+            raw = self._ns.backend.md.reservations
+            if raw and RESERVATION_STATE.parse(raw).ptpl:
+                self.restore_record(raw)
+            return
         if not self.sidecar:
             return
         try:

@@ -223,7 +223,7 @@ class TargetService:
                 await self._update_subsystem(before, sc, new)
         self._apply_resizes(old, new)
         for _, backend in self._role_changes(new, after, moves)[0]:  # (namespaces re-opened meanwhile too)
-            await backend.promote()
+            await self._promote(backend)
         for sub, _, nc in self._kept(old, new, _moved):  # no await from here to the ANA states:
             self.target.move_namespace(sub, nc.nsid, nc.ana_group)  # hosts see one change
         for (port_id, group), state in ana_changes.items():
@@ -297,6 +297,15 @@ class TargetService:
 
     # -- ANA: promotion and demotion ----------------------------------------------------------------
 
+    async def _promote(self, backend: Any, forced: bool = False) -> None:
+        """Promote a replicated namespace's copy; its namespace then takes the reservation state
+        the former primary kept in the metadata (target.reservations, issue 38)."""
+        await backend.promote(forced=forced)
+        for sub in self.target.subsystems.values():
+            for ns in sub.namespaces.values():
+                if ns.backend is backend:
+                    ns.reservations.adopt_replicated()
+
     def _role_changes(self, config: TargetConfig, state: Callable[[int, int], AnaState],
                       moves: dict[tuple[str, int], int]) -> tuple[list[tuple[str, ReplicatedBackend]],
                                                                    list[tuple[str, ReplicatedBackend]]]:
@@ -364,7 +373,7 @@ class TargetService:
             log.warning("forced promotion", group=group, blockers=blockers)
         for where, backend in promote:
             try:
-                await backend.promote(forced=bool(blockers))
+                await self._promote(backend, forced=bool(blockers))
             except (OSError, ValueError) as exc:
                 raise RequestError(f"not promoted: {where}: {exc}") from None
         changed = self.target.set_ana_state(ports, group, new)

@@ -208,6 +208,16 @@ class Metadata:
             await self._write(current=ids.current, history=ids.history,
                               flags=self._sb.flags & ~FLAG_INCONSISTENT)
 
+    @property
+    def reservations(self) -> bytes:
+        """The namespace's reservation state kept here (``protocol.replication.RESERVATION_STATE``)."""
+        return self._sb.reservations
+
+    async def save_reservations(self, state: bytes) -> None:
+        """Keep ``state`` in the superblock (written with FUA before this returns)."""
+        async with self._lock:
+            await self._write(reservations=state)
+
     async def save(self) -> None:
         """Write the superblock as it is (a new sequence number) to the copy that does not hold
         the newest good one, with FUA."""

@@ -433,6 +433,21 @@ class ReplicatedBackend(BackendFilter):
                 except LINK_ERRORS as exc:
                     await self._lost(link, exc)
 
+    async def save_reservations(self, state: bytes) -> None:
+        """The namespace's reservation state (issue 38), durable in this copy's superblock and in
+        every connected replica's before this returns: after a failover the standby has it. A
+        replica that fails the write is lost as for a data write (it gets the state again when
+        it reconnects, before it resyncs)."""
+        if not self.primary:
+            raise ReplicationError(Status.ANA_INACCESSIBLE, f"{self.name}: the standby takes no reservation change")
+        await self.md.save_reservations(state)
+        for link in self.links:
+            if link.peer_md is not None and link.io is not None and link.state in (IN_SYNC, RESYNCING):
+                try:
+                    await link.peer_md.save_reservations(state)
+                except LINK_ERRORS as exc:
+                    await self._lost(link, exc)
+
     async def push_generations(self, link: ReplicaLink) -> None:
         """The replica holds this copy's data: it takes this copy's generation (in its own
         metadata, written through the fabric), and this copy's slot for it records no older one."""
@@ -518,6 +533,8 @@ class ReplicatedBackend(BackendFilter):
                     link.missing.add(region)
         if link.missing:
             await peer.begin_sync()
+        if peer.reservations != self.md.reservations:  # the replica holds this copy's reservations too
+            await peer.save_reservations(self.md.reservations)
         link.peer_md = peer
         link.state = RESYNCING
         log.info("replica connected", namespace=self.name, replica=link.name, plan=plan.name,
