@@ -62,3 +62,29 @@ def test_a_fence_holds_after_failover_to_the_standby(tmp_path: Path) -> None:
                 await host_a.close()
                 await host_b.close()
     run(main())
+
+
+def test_a_standby_that_was_down_gets_the_state_when_it_reconnects(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with pair(tmp_path) as (a, b):
+            await a.start("optimized")  # the standby is down while the reservation is taken
+            host_a = await connect(a.ports[0], NQN, hostnqn=HOST_A)
+            try:
+                await reservations.register(host_a, 1, RegisterAction.REGISTER, 0, 0xA)
+                await reservations.acquire(host_a, 1, AcquireAction.ACQUIRE, ReservationType.WRITE_EXCLUSIVE, 0xA)
+            finally:
+                await host_a.close()
+            await b.start("inaccessible")
+            await in_sync(a)
+            await a.stop()
+            await b.ana("optimized", force=True)
+            host_b = await connect(b.ports[1], NQN, hostnqn=HOST_B)
+            try:
+                with pytest.raises(NvmeError) as refused:
+                    await host_b.write_bytes(1, 0, bytes(4096))
+                assert refused.value.status == Status.RESERVATION_CONFLICT
+                report = await reservations.report(host_b, 1)
+                assert report.rtype == ReservationType.WRITE_EXCLUSIVE and [r.key for r in report.registrants] == [0xA]
+            finally:
+                await host_b.close()
+    run(main())
