@@ -4,6 +4,7 @@ torn or damaged newest copy, one-line errors, peer slots and generation changes 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -234,3 +235,15 @@ def test_concurrent_changes_are_all_kept() -> None:
         assert len(again.history) == 2 and again.history[1] == first and again.inconsistent
         assert {p.node_id for p in again.peers} == {0xA1, 0xA2, 0xA3, BLANK}
     run(go())
+
+
+def test_reservation_state_round_trips_and_an_older_superblock_has_none():
+    MAX_STORED_REGISTRANTS, RESERVATION_STATE = r.MAX_STORED_REGISTRANTS, r.RESERVATION_STATE
+    sb = r.Superblock(sequence=3, node_id=1, region_size=65536, max_peers=4, device_size=1 << 30,
+                    data_size=(1 << 30) - (1 << 20), current=9, history=(), peers=(r.PeerSlot(),) * 4)
+    assert r.parse_superblock(r.build_superblock(sb)).reservations == b""  # bytes 1024.. zero: no state
+    state = RESERVATION_STATE.build(dict(generation=7, rtype=2, ptpl=1, holder=0, count=MAX_STORED_REGISTRANTS,
+                                         registrants=[dict(hostid=bytes([i]) * 16, key=i + 1)
+                                                      for i in range(MAX_STORED_REGISTRANTS)]))
+    assert len(state) <= r.RESERVATIONS_AREA
+    assert r.parse_superblock(r.build_superblock(replace(sb, reservations=state))).reservations == state
