@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from protocol.replication import NO_HOLDER, RESERVATION_STATE
+from protocol.replication import MAX_STORED_REGISTRANTS, NO_HOLDER, RESERVATION_STATE
 from protocol.reservation import (
     AcquireAction, Cptpl, NotificationType, RegisterAction, ReleaseAction, ReservationType,
 )
@@ -116,6 +116,8 @@ class Reservations:
             if not nrkey:
                 return Outcome(_INVALID_FIELD)  # as SPDK: a zero key cannot be registered
             if key is None:
+                if len(self.registrants) >= MAX_STORED_REGISTRANTS:
+                    return Outcome(Status.INTERNAL_ERROR)  # no room to keep one more (replication superblock)
                 self.registrants[hostid] = nrkey
             elif key != nrkey:
                 return Outcome(_CONFLICT)  # registering again with the same key is no error

@@ -26,6 +26,7 @@ from protocol.constants import AEN_RESERVATION_LOG, FeatureId, IoOpcode, LogPage
 from protocol.fabrics import CONNECT_DATA
 from protocol.identify import IDENTIFY_CONTROLLER, IDENTIFY_NAMESPACE
 from protocol.nvme import DSM_RANGE_FAST, build_sqe
+from protocol.replication import MAX_STORED_REGISTRANTS
 from protocol.reservation import (
     ACQUIRE_DATA, EXT_REGISTRANT, EXT_REGISTRANT_SIZE, EXT_STATUS_HEADER, EXT_STATUS_HEADER_SIZE,
     NOTIFICATION_LOG, REGISTER_DATA, RELEASE_DATA, AcquireAction, Cptpl, NotificationType, RegisterAction,
@@ -451,3 +452,18 @@ def test_conflict_is_ebade_for_a_mount() -> None:
     (BLK_STS_RESV_CONFLICT); any other target status stays EIO."""
     assert errno_for(NvmeError(Status.RESERVATION_CONFLICT | MORE)) == errno.EBADE
     assert errno_for(NvmeError(Status.WRITE_FAULT)) == errno.EIO
+
+
+def test_registrants_beyond_what_the_state_can_keep_are_refused() -> None:
+    """One registrant more than the replication superblock holds (85) is refused, on every
+    namespace alike, and changes nothing."""
+    def body() -> Target:
+        target = _target()
+        hosts = [Host(target, i.to_bytes(16, "big")) for i in range(1, MAX_STORED_REGISTRANTS + 2)]
+        for i, host in enumerate(hosts[:-1]):
+            assert host.register(nrkey=i + 1) == 0
+        assert hosts[-1].register(nrkey=999) == to_wire(Status.INTERNAL_ERROR)
+        status, page = hosts[0].report(8192)
+        assert status == 0 and EXT_STATUS_HEADER.parse(page).regctl == MAX_STORED_REGISTRANTS
+        return target
+    run(body)
