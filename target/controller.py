@@ -39,6 +39,7 @@ from protocol.status import Status, to_wire
 from target.ana import ANATT_SECONDS, MAX_ANA_GROUPS, MAX_ANA_NAMESPACES
 from target.file_send import PipedRead
 from target.request import Direction, Request
+from target import reservation_commands
 from target.reservation_commands import ReservationCommands
 
 if TYPE_CHECKING:
@@ -153,8 +154,9 @@ class Controller:
         masks the event until then: one event per change the host has not seen)."""
         if not self.is_discovery:
             self.refresh_access()
-        self.reservation = ReservationCommands(self)
-        """Reservation commands, notices and features on this controller (target.reservation_commands)."""
+        # Reservation commands, notices and features (target.reservation_commands): not kept as an
+        # attribute here, which would cost the compiled path (see reservation_commands.of)
+        reservation = ReservationCommands(self)
         self.admin_commands: CommandTable = {
             AdminOpcode.KEEP_ALIVE: (_no_data, self._keep_alive),
             AdminOpcode.IDENTIFY: (_identify_length, self._identify),
@@ -172,7 +174,7 @@ class Controller:
             IoOpcode.WRITE_ZEROES: (self._check_write_zeroes, self._write_zeroes),
             IoOpcode.FLUSH: (self._check_flush, self._flush),
             IoOpcode.DATASET_MANAGEMENT: (self._check_dsm, self._dsm),
-            **self.reservation.rows(),
+            **reservation.rows(),
         }
         """NVM I/O commands (as nvmet_parse_io_cmd): opcode -> (checks, handler)."""
 
@@ -451,7 +453,7 @@ class Controller:
             if not fields.lsp_rae & GET_LOG_PAGE_RAE:
                 self.ana_event_masked = False
         elif lid == LogPageId.RESERVATION_NOTIFICATION:
-            page = self.reservation.log_page(bool(fields.lsp_rae & GET_LOG_PAGE_RAE))
+            page = reservation_commands.of(self).log_page(bool(fields.lsp_rae & GET_LOG_PAGE_RAE))
         elif lid == LogPageId.CHANGED_NS_LIST:
             ids = sorted(self.changed_nsids)[:1024]
             page = CHANGED_NS_LIST.build(ids + [0] * (1024 - len(ids)))
@@ -483,7 +485,7 @@ class Controller:
         elif fid == FeatureId.HOST_IDENTIFIER and not self.is_discovery:
             req.status = Status.COMMAND_SEQUENCE_ERROR  # over fabrics it is Connect's, as nvmet
         elif fid in _RESERVATION_FEATURES and not self.is_discovery:
-            req.status = await self.reservation.set_feature(req.nsid, fid, value)
+            req.status = await reservation_commands.of(self).set_feature(req.nsid, fid, value)
         else:
             req.status = Status.INVALID_FIELD
 
@@ -504,7 +506,7 @@ class Controller:
                 return
             self._give(req, self.hostid)
         elif fid in _RESERVATION_FEATURES and not self.is_discovery:
-            req.status, req.dw0 = self.reservation.get_feature(req.nsid, fid)
+            req.status, req.dw0 = reservation_commands.of(self).get_feature(req.nsid, fid)
         else:
             req.status = Status.INVALID_FIELD
 

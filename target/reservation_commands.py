@@ -10,6 +10,7 @@ durable when PTPL is on, and tells the other hosts' controllers what happened to
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import TYPE_CHECKING
 
 import structlog
@@ -46,11 +47,24 @@ NOTICE_LIMIT = 255
 older ones go first, as the spec lets a controller lose them and counts on the running count."""
 
 
+_BY_CONTROLLER: weakref.WeakKeyDictionary[Controller, ReservationCommands] = weakref.WeakKeyDictionary()
+
+
+def of(ctrl: Controller) -> ReservationCommands:
+    """``ctrl``'s reservation commands. Looked up here rather than kept as an attribute of the
+    controller: one more instance attribute there cost the compiled I/O path ~150 instructions
+    per 4 KiB I/O under callgrind (tests/bench/bench_target_io.py, docs/benchmarks.md
+    "Reservations on the I/O path"); likely CPython 3.11's limit of 30 keys for an instance's
+    shared-key attribute table, which the controller's 29 attributes then passed."""
+    return _BY_CONTROLLER[ctrl]
+
+
 class ReservationCommands:
     """A controller's reservation commands and notices (see the module docstring)."""
 
     def __init__(self, ctrl: Controller) -> None:
         self._ctrl = ctrl
+        _BY_CONTROLLER[ctrl] = self
         self.notices: collections.deque[tuple[int, int]] = collections.deque(maxlen=NOTICE_LIMIT)
         """(nsid, NotificationType) not read yet, oldest first."""
         self.notice_count = 0
@@ -219,4 +233,4 @@ def deliver(ctrl: Controller, nsid: int, hostid: bytes, kind: NotificationType) 
     sub: Subsystem = ctrl.subsystem
     for other in list(ctrl.target.controllers.values()):
         if other.subsystem is sub and other.hostid == hostid and not other.dead:
-            other.reservation.notice(nsid, kind)
+            of(other).notice(nsid, kind)
