@@ -33,9 +33,15 @@ OURHOST = "nqn.2014-08.org.example:blockd-cluster-node"
 
 # linux/pr.h: _IOW('p', nr, struct); pr_registration and pr_preempt are 24 bytes, pr_reservation 16
 _IOW = lambda nr, size: (1 << 30) | (size << 16) | (ord("p") << 8) | nr  # noqa: E731
-IOC_PR_REGISTER, IOC_PR_RESERVE, IOC_PR_RELEASE = _IOW(200, 24), _IOW(201, 16), _IOW(202, 16)
+IOC_PR_REGISTER, IOC_PR_RESERVE = _IOW(200, 24), _IOW(201, 16)
 PR_WRITE_EXCLUSIVE = 1
 PR_STS_RESERVATION_CONFLICT = 0x18
+
+
+def _pr_ioctl(fd: int, request: int, arg: bytes) -> int:
+    """The ioctl's return value (a PR_STS_* status, 0 for success): with a mutable buffer
+    ``fcntl.ioctl`` returns it; with bytes it would return the buffer."""
+    return fcntl.ioctl(fd, request, bytearray(arg), True)
 
 
 def _target_toml() -> str:
@@ -137,8 +143,8 @@ def test_ioctl_preempt_and_abort_fences_a_writer_mid_load(khost):
     dev = khost
     fd = os.open(dev, os.O_RDWR)
     try:
-        assert fcntl.ioctl(fd, IOC_PR_REGISTER, struct.pack("<QQII", 0, 0xC1, 0, 0)) == 0
-        assert fcntl.ioctl(fd, IOC_PR_RESERVE, struct.pack("<QII", 0xC1, PR_WRITE_EXCLUSIVE, 0)) == 0
+        assert _pr_ioctl(fd, IOC_PR_REGISTER, struct.pack("<QQII", 0, 0xC1, 0, 0)) == 0
+        assert _pr_ioctl(fd, IOC_PR_RESERVE, struct.pack("<QII", 0xC1, PR_WRITE_EXCLUSIVE, 0)) == 0
     finally:
         os.close(fd)
     writer = subprocess.Popen(["dd", "if=/dev/zero", f"of={dev}", "bs=4096", "count=1000000", "oflag=direct"],
@@ -175,7 +181,7 @@ def test_ioctl_preempt_and_abort_fences_a_writer_mid_load(khost):
     # the kernel host, preempted, is no registrant any more: its ioctl reserve is refused
     fd = os.open(dev, os.O_RDWR)
     try:
-        assert fcntl.ioctl(fd, IOC_PR_RESERVE, struct.pack("<QII", 0xC1, PR_WRITE_EXCLUSIVE, 0)) \
+        assert _pr_ioctl(fd, IOC_PR_RESERVE, struct.pack("<QII", 0xC1, PR_WRITE_EXCLUSIVE, 0)) \
             == PR_STS_RESERVATION_CONFLICT
     finally:
         os.close(fd)
