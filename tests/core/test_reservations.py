@@ -467,3 +467,10 @@ def test_registrants_beyond_what_the_state_can_keep_are_refused() -> None:
         assert status == 0 and EXT_STATUS_HEADER.parse(page).regctl == MAX_STORED_REGISTRANTS
         return target
     run(body)
+
+
+def test_an_unreadable_sidecar_is_one_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "vol.img"
+    (tmp_path / "vol.img.resv").write_text("{not json")
+    with pytest.raises(ValueError, match=r"namespace 1: reservation state .*vol\.img\.resv unreadable"):
+        _file_target(path)
