@@ -127,6 +127,12 @@ def _size(n: int) -> str:
     return f"{n}B"
 
 
+def _bytes(n: int) -> str:
+    """``n bytes``, with the unit when it is round."""
+    short = _size(n)
+    return f"{n} bytes" + ("" if short == f"{n}B" else f" ({short})")
+
+
 def _ports_text(ports: list[dict[str, Any]]) -> str:
     return _table(["PORT", "TRANSPORT", "ADDRESS"],
                   [[p["id"], p["transport"], f"{p['address']}:{p['service']}"] for p in ports])
@@ -268,11 +274,10 @@ def _create_md(args: argparse.Namespace) -> int:
         return 0
     where = (f"in {made.metadata_path} ({_size(made.metadata_length)}); the data area is all of {nc.path}, unchanged"
              if made.metadata_path else
-             f"at the end of {nc.path}; the data area shrinks by {made.shrink} bytes ({_size(made.shrink)})")
+             f"at the end of {nc.path}; the data area shrinks by {_bytes(made.shrink)}")
     print(f"replication metadata written {where}.\n"
-          f"The namespace exports {made.data_size} bytes ({_size(made.data_size)}); generation {made.generation:016x}.\n"
-          f"Each replica's namespace must have {made.device_size} bytes ({_size(made.device_size)}); "
-          "it gets a full sync from this copy.")
+          f"The namespace exports {_bytes(made.data_size)}; generation {made.generation:016x}.\n"
+          f"Each replica's namespace must have {_bytes(made.device_size)}; it gets a full sync from this copy.")
     return 0
 
 
