@@ -16,11 +16,13 @@ On loopback, a primary `blockd target` and one replica `blockd target` (tests/re
   the primary's log: ``verify done ... seconds``), against
   reading both files one after the other (``cat a b > /dev/null``; the same bytes a verify reads).
 
-Rounds alternate the measured operation and its peers so that the page cache and the machine's
-other load treat them alike; the figures are per run, with the ratio of each run to its peer of
-the same round. ``--bin DIR`` runs another tree's ``blockd`` (e.g. before a change).
+Each round runs the blockd figures and the tools' on fresh files; with ``--before DIR`` (another
+tree's ``.venv/bin``, e.g. main's) that tree's blockd is measured in the same rounds too, the order
+alternating, so that the page cache and the machine's other load treat them alike. The figures are
+per run, with the ratio of each run to the tools' figure of the same round.
 
-    flock /tmp/blockd-bench.lock .venv/bin/python tests/bench/bench_resync.py [--size 512MiB] [--rounds 3]
+    flock /tmp/blockd-bench.lock .venv/bin/python tests/bench/bench_resync.py [--size 512MiB] [--rounds 3] \\
+        [--before /work/main/.venv/bin]
 """
 
 from __future__ import annotations
@@ -107,83 +109,100 @@ def ratio_line(name: str, runs: list[float], peers: list[float], peer: str) -> s
             f"{' / '.join(f'{x:.2f}' for x in ratios)} | {statistics.median(ratios):.2f} |")
 
 
+def replicated(base: Path, size: int) -> dict[str, float]:
+    """One pass of the blockd figures (with ``nodes.BIN``'s blockd), MB/s each: full sync,
+    bitmap resync, verify, then the full sync of a sparse volume."""
+    primary, replica = Node(base, "p", size), Node(base, "r", size)
+    fill(primary)
+    replica.file.unlink(missing_ok=True)
+    out: dict[str, float] = {}
+    try:
+        out["full"] = sync_once(primary, replica)
+        # bitmap resync: the replica away while a quarter of the volume is rewritten
+        replica.stop()
+        dirty_bytes = asyncio.run(dirty(primary, 4))
+        seen = primary.log.stat().st_size
+        replica.start()
+        primary.wait_states(all_in_sync(), timeout=900)
+        out["bitmap"] = last_sync_rate(primary, seen)
+        assert primary.replicas()[0]["resynced_bytes"] >= dirty_bytes
+        seen = primary.log.stat().st_size
+        res = primary.ctl("verify", NQN, "1")
+        assert res.returncode == 0, res.stdout + res.stderr
+        out["verify"] = primary.data / 1e6 / logged_seconds(primary, seen)
+    finally:
+        primary.stop()
+        replica.stop()
+    for f in (primary.log, replica.log, replica.file):
+        f.unlink(missing_ok=True)
+    fill(primary, every=4)  # a sparse volume: a quarter data
+    try:
+        out["sparse"] = sync_once(primary, replica)
+    finally:
+        primary.stop()
+        replica.stop()
+    for f in (primary.file, replica.file, primary.log, replica.log):
+        f.unlink(missing_ok=True)
+    return out
+
+
+def peers(base: Path, size: int) -> dict[str, float]:
+    """The same data with the plain tools, MB/s each: cp + sync and dd of the full volume, cp +
+    sync of the sparse one, and reading both copies of the full one."""
+    primary, other = Node(base, "p", size), base / "other.img"
+    copy = base / "copy.img"
+    fill(primary)
+    subprocess.run(["cp", primary.file, other], check=True)
+    out = {"read both": size / 1e6 / timed(f"cat {primary.file} {other} > /dev/null")}
+    out["cp"] = size / 1e6 / timed(f"cp {primary.file} {copy} && sync {copy}")
+    copy.unlink()
+    out["dd"] = size / 1e6 / timed(f"dd if={primary.file} of={copy} bs=1M conv=fdatasync status=none")
+    copy.unlink()
+    fill(primary, every=4)
+    out["cp sparse"] = size / 1e6 / timed(f"cp {primary.file} {copy} && sync {copy}")
+    for f in (copy, other, primary.file):
+        f.unlink()
+    return out
+
+
+ROWS = (("full sync", "full", "cp+sync", "cp"), ("full sync", "full", "dd", "dd"),
+        ("sparse full sync", "sparse", "cp+sync", "cp sparse"), ("bitmap resync", "bitmap", "cp+sync", "cp"),
+        ("verify", "verify", "reading both", "read both"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="512MiB", help="device size (default 512MiB)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--bin", help="directory of another tree's blockd and blockctl (default: this venv's)")
+    parser.add_argument("--before", help="directory of another tree's blockd and blockctl (e.g. main's "
+                                         ".venv/bin), measured in the same rounds")
     parser.add_argument("--dir", help="where the files go (default: a new directory in $TMPDIR)")
     args = parser.parse_args()
-    if args.bin:
-        nodes.BIN = Path(args.bin)
     size = parse_size(args.size, "--size")
-    rows: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in (
-        "full sync vs cp+sync", "full sync vs dd", "sparse full sync vs cp+sync", "bitmap resync vs cp+sync",
-        "verify vs reading both")}
+    trees = {"this tree": nodes.BIN, **({"before": Path(args.before)} if args.before else {})}
+    got: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    tools: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="blockd-bench-resync-", dir=args.dir) as tmp:
         base = Path(tmp)
-        copy = base / "copy.img"
         for rnd in range(args.rounds):
-            primary, replica = Node(base, "p", size), Node(base, "r", size)
-            mb = size / 1e6
-            # full sync, then its peers on the same file (the page cache holds it for both)
-            fill(primary)
-            replica.file.unlink(missing_ok=True)
-            try:
-                full = sync_once(primary, replica)
-                # bitmap resync: the replica away while a quarter of the volume is rewritten
-                replica.stop()
-                dirty_bytes = asyncio.run(dirty(primary, 4))
-                seen = primary.log.stat().st_size
-                replica.start()
-                primary.wait_states(all_in_sync(), timeout=900)
-                bitmap = last_sync_rate(primary, seen)
-                assert primary.replicas()[0]["resynced_bytes"] >= dirty_bytes
-                # verify against reading both copies
-                seen = primary.log.stat().st_size
-                res = primary.ctl("verify", NQN, "1")
-                assert res.returncode == 0, res.stdout + res.stderr
-                verify_s = logged_seconds(primary, seen)
-            finally:
-                primary.stop()
-                replica.stop()
-            both_s = timed(f"cat {primary.file} {replica.file} > /dev/null")
-            cp_s = timed(f"cp {primary.file} {copy} && sync {copy}")
-            copy.unlink()
-            dd_s = timed(f"dd if={primary.file} of={copy} bs=1M conv=fdatasync status=none")
-            copy.unlink()
-            rows["full sync vs cp+sync"][0].append(full)
-            rows["full sync vs cp+sync"][1].append(mb / cp_s)
-            rows["full sync vs dd"][0].append(full)
-            rows["full sync vs dd"][1].append(mb / dd_s)
-            rows["bitmap resync vs cp+sync"][0].append(bitmap)
-            rows["bitmap resync vs cp+sync"][1].append(mb / cp_s)
-            rows["verify vs reading both"][0].append(primary.data / 1e6 / verify_s)
-            rows["verify vs reading both"][1].append(primary.data / 1e6 / both_s)
-            # a sparse volume: a quarter data
-            primary.log.unlink()
-            data = fill(primary, every=4)
-            replica.file.unlink()
-            try:
-                sparse = sync_once(primary, replica)
-            finally:
-                primary.stop()
-                replica.stop()
-            cp_sparse = timed(f"cp {primary.file} {copy} && sync {copy}")
-            copy.unlink()
-            rows["sparse full sync vs cp+sync"][0].append(sparse)
-            rows["sparse full sync vs cp+sync"][1].append(mb / cp_sparse)
-            for f in (primary.file, replica.file, primary.log, replica.log):
-                f.unlink(missing_ok=True)
-            print(f"round {rnd + 1}: full {full:.0f} MB/s, cp {mb / cp_s:.0f}, dd {mb / dd_s:.0f}; sparse "
-                  f"({data >> 20} MiB data) {sparse:.0f} vs cp {mb / cp_sparse:.0f}; bitmap ({dirty_bytes >> 20} MiB) "
-                  f"{bitmap:.0f}; verify {primary.data / 1e6 / verify_s:.0f} vs reading both "
-                  f"{primary.data / 1e6 / both_s:.0f}", flush=True)
-    print(f"\n{args.size}, {args.rounds} rounds, MB/s per run (resync: of the device's data area; cp/dd: of the file)\n")
-    print("| measured | runs MB/s | peer runs MB/s | ratio per run | median ratio |")
-    print("|---|---|---|---|---|")
-    for name, (runs, peers) in rows.items():
-        print(ratio_line(name, runs, peers, name.split(" vs ")[1]))
+            order = list(trees.items()) if rnd % 2 == 0 else list(reversed(trees.items()))
+            for name, bin_dir in order[:1]:
+                nodes.BIN = bin_dir
+                got[name].append(replicated(base, size))
+            tools.append(peers(base, size))
+            for name, bin_dir in order[1:]:
+                nodes.BIN = bin_dir
+                got[name].append(replicated(base, size))
+            print(f"round {rnd + 1}: " + "; ".join(f"{name} " + ", ".join(f"{k} {v:.0f}" for k, v in got[name][-1].items())
+                                                  for name in trees)
+                  + "; tools " + ", ".join(f"{k} {v:.0f}" for k, v in tools[-1].items()), flush=True)
+    print(f"\n{args.size}, {args.rounds} rounds; MB/s per run, of the data area (blockd) or the file (tools); "
+          "a ratio is a run over its round's peer\n")
+    print("| tree | measured | runs MB/s | peer runs MB/s | ratio per run | median ratio |")
+    print("|---|---|---|---|---|---|")
+    for name in trees:
+        for label, key, peer_label, peer_key in ROWS:
+            print(f"| {name} " + ratio_line(label, [r[key] for r in got[name]], [t[peer_key] for t in tools], peer_label))
 
 
 if __name__ == "__main__":
