@@ -129,9 +129,7 @@ async def run(mirror: ReplicatedBackend, link: ReplicaLink) -> None:
             for first, count in units(sorted(link.missing), most):
                 while len(running) >= DEPTH:
                     finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                    for task in finished:
-                        link.copied_total += task.result()[0]
-                        progress.add(task.result()[0], len(link.missing), size)
+                    _account(link, progress, size, finished)
                 # rate limit: never ahead of resync_rate bytes per second since the start, counting
                 # each unit as it starts (so at most one unit is ever early)
                 ahead = sent / mirror.resync_rate - (time.monotonic() - started)
@@ -147,9 +145,7 @@ async def run(mirror: ReplicatedBackend, link: ReplicaLink) -> None:
                     log.info("resync progress", namespace=mirror.name, replica=link.name, **progress.view())
             while running:  # this pass's last units: a region they copy must not start again
                 finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for task in finished:
-                    link.copied_total += task.result()[0]
-                    progress.add(task.result()[0], len(link.missing), size)
+                _account(link, progress, size, finished)
     finally:
         for task in running:
             task.cancel()
@@ -160,6 +156,22 @@ async def run(mirror: ReplicatedBackend, link: ReplicaLink) -> None:
     progress.total = progress.copied  # the estimate counted the last region whole
     mirror.resync_done(link)
     log.info("replica in sync", namespace=mirror.name, replica=link.name, **progress.view())
+
+
+def _account(link: ReplicaLink, progress: Progress, size: int, finished: set[asyncio.Task[tuple[int, int]]]) -> None:
+    """Count the units that ended; then raise the first failure among them (every one's
+    outcome is taken, so that none is reported as never retrieved)."""
+    failed: BaseException | None = None
+    for task in finished:
+        error = asyncio.CancelledError() if task.cancelled() else task.exception()
+        if error is not None:
+            failed = failed or error
+            continue
+        covered = task.result()[0]
+        link.copied_total += covered
+        progress.add(covered, len(link.missing), size)
+    if failed is not None:
+        raise failed
 
 
 async def copy_unit(mirror: ReplicatedBackend, link: ReplicaLink, first: int, count: int) -> tuple[int, int]:

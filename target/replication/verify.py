@@ -48,8 +48,11 @@ async def verify(mirror: ReplicatedBackend, link: ReplicaLink) -> dict[str, Any]
             return
         finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED if block else
                                                asyncio.ALL_COMPLETED)
-        failed: LocalCopyError | None = None
-        for task in finished:
+        failed: BaseException | None = None
+        for task in finished:  # every outcome taken (none is reported as never retrieved), then the first failure
+            if task.exception() is not None:
+                failed = failed or task.exception()
+                continue
             found, error = task.result()
             failed = failed or error
             for region in found:

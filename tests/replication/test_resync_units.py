@@ -10,6 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from initiator.controller import ConnectParams
+from initiator.errors import NvmeError
+from initiator.replica import RemoteNamespace
 from protocol.replication import layout
 from target.backend import FileBackend, MemoryBackend
 from target.replication import resync
@@ -182,4 +185,38 @@ def test_the_rate_limit_holds_with_units() -> None:
         # never ahead of the rate by more than one unit
         assert elapsed >= (m.size - rate // 8) / rate - 0.1, elapsed
         await m.stop()
+    run(main())
+
+
+def test_a_replica_that_refuses_write_zeroes_gets_zeroes_written() -> None:
+    """nvmet answers Write Zeroes with ONCS Not Supported (SCT 1, SC 0x83) on a file system
+    that cannot zero a range (tmpfs): the hole is then written as zeroes, and so is every later
+    one, without asking again (found in the VM bed: the resync failed at every hole)."""
+    class Ctrl:
+        def __init__(self) -> None:
+            self.params = ConnectParams(traddr="127.0.0.1", subnqn="nqn.2026-11.io.blockd:c")
+            self.zeroes: list[tuple[int, int]] = []
+            self.writes: list[tuple[int, int]] = []
+            self.store = bytearray(b"\x55" * (8 << 20))
+
+        def namespace(self, nsid: int) -> Any:
+            return type("Ns", (), {"size": len(self.store), "block_size": 4096})()
+
+        async def write_zeroes(self, nsid: int, slba: int, nblocks: int) -> None:
+            self.zeroes.append((slba, nblocks))
+            raise NvmeError(0x183 | 0x4000, "write_zeroes on namespace 1")
+
+        async def write_bytes(self, nsid: int, offset: int, data: Any, fua: bool = False) -> None:
+            self.writes.append((offset, len(data)))
+            self.store[offset:offset + len(data)] = data
+
+    async def main() -> None:
+        ctrl = Ctrl()
+        ns = RemoteNamespace(ctrl, 1)  # type: ignore[arg-type]
+        await ns.write_zeroes(4096, (3 << 20) - 4096)
+        await ns.write_zeroes(5 << 20, 8192)
+        assert ctrl.zeroes == [(1, 767)]  # asked once
+        assert sum(n for _, n in ctrl.writes) == (3 << 20) - 4096 + 8192
+        assert ctrl.store[4096:3 << 20] == bytes((3 << 20) - 4096) and ctrl.store[:4096] == b"\x55" * 4096
+        assert ctrl.store[5 << 20:(5 << 20) + 8192] == bytes(8192)
     run(main())
