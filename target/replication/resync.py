@@ -18,8 +18,9 @@ How it keeps up with a plain copy of the file (``cp``), as DRBD's resync keeps u
 
 Each unit is copied under the per-region lock of all its regions (host writes to them wait,
 writes in flight to them finish first), so the copy never carries older data over a newer write.
-The rate is limited to ``resync_rate`` bytes read and sent per second (holes cost nothing
-there); at low rates the units shrink so that the rate stays smooth (:func:`unit_regions`).
+The rate is limited to ``resync_rate`` bytes of the data area per second (a hole counts as
+its length, as if copied); at low rates the units shrink so that the rate stays smooth
+(:func:`unit_regions`).
 
 Resumable: the bits are cleared only by the mirror's sweep, after a flush, for regions copied;
 a restart of either side finds the rest still set. Progress (percent, MB/s, ETA) is in the log
@@ -118,11 +119,11 @@ async def run(mirror: ReplicatedBackend, link: ReplicaLink) -> None:
     progress = link.progress = Progress(len(link.missing), size)
     started = time.monotonic()
     last_log = started
-    sent = 0  # bytes read and sent, for the rate limit
+    started_bytes = 0  # bytes of the units started, for the rate limit
     if link.missing:
         log.info("resync started", namespace=mirror.name, replica=link.name, regions=len(link.missing),
                  bytes=progress.total)
-    running: set[asyncio.Task[tuple[int, int]]] = set()
+    running: set[asyncio.Task[int]] = set()
     try:
         while link.missing:
             most = unit_regions(size, mirror.resync_rate)
@@ -132,12 +133,12 @@ async def run(mirror: ReplicatedBackend, link: ReplicaLink) -> None:
                     _account(link, progress, size, finished)
                 # rate limit: never ahead of resync_rate bytes per second since the start, counting
                 # each unit as it starts (so at most one unit is ever early)
-                ahead = sent / mirror.resync_rate - (time.monotonic() - started)
+                ahead = started_bytes / mirror.resync_rate - (time.monotonic() - started)
                 if ahead > 0:
                     await asyncio.sleep(ahead)
                 if not all(r in link.missing for r in range(first, first + count)):
                     continue  # copied meanwhile (the next pass finds what is left)
-                sent += min(count * size, mirror.data_size - first * size)
+                started_bytes += mirror.span(first, count)[1]
                 running.add(asyncio.get_running_loop().create_task(copy_unit(mirror, link, first, count)))
                 now = time.monotonic()
                 if now - last_log >= LOG_EVERY:
@@ -158,7 +159,7 @@ async def run(mirror: ReplicatedBackend, link: ReplicaLink) -> None:
     log.info("replica in sync", namespace=mirror.name, replica=link.name, **progress.view())
 
 
-def _account(link: ReplicaLink, progress: Progress, size: int, finished: set[asyncio.Task[tuple[int, int]]]) -> None:
+def _account(link: ReplicaLink, progress: Progress, size: int, finished: set[asyncio.Task[int]]) -> None:
     """Count the units that ended; then raise the first failure among them (every one's
     outcome is taken, so that none is reported as never retrieved)."""
     failed: BaseException | None = None
@@ -167,42 +168,36 @@ def _account(link: ReplicaLink, progress: Progress, size: int, finished: set[asy
         if error is not None:
             failed = failed or error
             continue
-        covered = task.result()[0]
+        covered = task.result()
         link.copied_total += covered
         progress.add(covered, len(link.missing), size)
     if failed is not None:
         raise failed
 
 
-async def copy_unit(mirror: ReplicatedBackend, link: ReplicaLink, first: int, count: int) -> tuple[int, int]:
+async def copy_unit(mirror: ReplicatedBackend, link: ReplicaLink, first: int, count: int) -> int:
     """Copy regions ``first`` .. ``first + count - 1`` from the local copy to the replica under
-    their lock, holes as Write Zeroes; returns the bytes covered (the last region may be short)
-    and the bytes read and sent. A unit this copy fails to read is copied again region by
-    region: the regions before a bad one are copied, and the error names the bad region."""
+    their lock, holes as Write Zeroes; returns the bytes covered (the last region may be short).
+    A unit this copy fails to read is copied again region by region: the regions before a bad
+    one are copied, and the error names the bad region."""
     async with mirror.regions_lock(first, count):
         try:
             return await _copy(mirror, link, first, count)
         except LocalCopyError:
             if count == 1:
                 raise
-        covered = sent = 0
-        for region in range(first, first + count):
-            done = await _copy(mirror, link, region, 1)
-            covered, sent = covered + done[0], sent + done[1]
-        return covered, sent
+        return sum([await _copy(mirror, link, region, 1) for region in range(first, first + count)])
 
 
-async def _copy(mirror: ReplicatedBackend, link: ReplicaLink, first: int, count: int) -> tuple[int, int]:
+async def _copy(mirror: ReplicatedBackend, link: ReplicaLink, first: int, count: int) -> int:
     offset, length = mirror.span(first, count)
     io = link.io
     assert io is not None
-    sent = 0
     for start, n, data in pieces(mirror.inner, offset, length):
         if data:
             await io.write(start, await mirror.read_local(start, n))
-            sent += n
         else:
             await io.write_zeroes(start, n)
     for region in range(first, first + count):
         link.missing.discard(region)
-    return length, sent
+    return length
