@@ -4,7 +4,7 @@ DRBD's verify hashes on both nodes and ships digests; a replica here is a plain 
 namespace (another blockd, or the kernel's nvmet) that cannot hash, so the primary reads the
 replica's data and compares it with its own, byte for byte (both are in memory here: a digest
 would only cost time). Units of consecutive regions (:data:`~target.replication.resync.UNIT`)
-are read from both copies, :data:`~target.replication.resync.DEPTH` of them at once, under the
+are read from both copies, :data:`DEPTH` of them at once, under the
 resync's per-region lock, so a host write cannot make the copies differ for the moment of the
 reads (no false positives from writes in flight, which DRBD's verify reports). A mismatching
 region goes into what the replica misses, with its bit set, and the resync mends it. The rate
@@ -20,12 +20,16 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from target.replication.link import IN_SYNC, RESYNCING, LocalCopyError, ReplicaLink
-from target.replication.resync import DEPTH, unit_regions, units
+from target.replication.resync import unit_regions, units
 
 if TYPE_CHECKING:
     from target.replication.mirror import ReplicatedBackend
 
 log = structlog.get_logger("blockd.target.replication")
+
+DEPTH = 4
+"""Units compared at once: reads, which the host library and a blockd replica serve faster
+with a few in flight (not tuned as the resync's :data:`~target.replication.resync.DEPTH` was)."""
 
 
 async def verify(mirror: ReplicatedBackend, link: ReplicaLink) -> dict[str, Any]:
