@@ -16,12 +16,16 @@ region, and overwrite newer data with older.
 from __future__ import annotations
 
 from initiator.controller import Controller, IoDone
+from initiator.errors import NvmeError
 from initiator.params import ConnectParams
 
 REPLICA_QUEUES = 2
 """I/O queues per replica association: the controller packs commands onto the first queue
 with room (see ``Controller._io_with_room``), a second only takes the overflow."""
 
+
+_ZEROS = bytes(1 << 20)
+"""What a replica without Write Zeroes is written with, 1 MiB at a time."""
 
 STALE_MARGIN = 1.0
 """Seconds beyond two keep-alive timeouts: the target's keep-alive check runs periodically
@@ -37,6 +41,8 @@ class RemoteNamespace:
         self.size = ctrl.namespace(nsid).size
         """Bytes of the whole namespace (the replica's metadata included)."""
         self.name = f"{ctrl.params.transport}://{ctrl.params.traddr}:{ctrl.params.trsvcid}/{ctrl.params.subnqn}/{nsid}"
+        self.zeroes_supported = True
+        """Write Zeroes works on this replica (see :meth:`write_zeroes`)."""
         self.stale_for = 2 * ctrl.params.keep_alive_tmo + STALE_MARGIN
         """How long a command this side gave up on may still run at the replica: a target tears
         an association down between one and two KATO after the last command it received (nvmet's
@@ -68,12 +74,25 @@ class RemoteNamespace:
         await self.ctrl.flush(self.nsid)
 
     async def write_zeroes(self, offset: int, length: int) -> None:
-        """Zero a block-aligned range (one Write Zeroes per 65536 blocks, the field's limit)."""
+        """Zero a block-aligned range (one Write Zeroes per 65536 blocks, the field's limit). A
+        replica that refuses Write Zeroes gets writes of zeroes instead, from then on: nvmet
+        answers ONCS Not Supported (SCT 1, SC 0x83) when its file system cannot zero a range
+        (a file on tmpfs: no ``FALLOC_FL_ZERO_RANGE``)."""
         bs = self.block_size
         slba, blocks = offset // bs, length // bs
-        while blocks:
+        while blocks and self.zeroes_supported:
             n = min(blocks, 1 << 16)
-            await self.ctrl.write_zeroes(self.nsid, slba, n)
+            try:
+                await self.ctrl.write_zeroes(self.nsid, slba, n)
+            except NvmeError:  # it answered, and refused: not a lost connection
+                self.zeroes_supported = False
+                break
+            slba += n
+            blocks -= n
+        zeros = memoryview(_ZEROS)
+        while blocks:
+            n = min(blocks, len(_ZEROS) // bs)
+            await self.ctrl.write_bytes(self.nsid, slba * bs, zeros[:n * bs])
             slba += n
             blocks -= n
 

@@ -170,6 +170,35 @@ class FileBackend:
                 os.pwrite(self.fd, _ZERO_CHUNK[:n], offset)
                 offset += n
 
+    def data_extents(self, offset: int, length: int) -> list[tuple[int, int]]:
+        """``(start, length)`` of the parts of ``[offset, offset + length)`` that hold data; the
+        rest are holes of a sparse file, which read as zeroes (``SEEK_DATA``/``SEEK_HOLE``), so a
+        resync need not read or send them. A block device, or a file system without the two
+        seeks, is data throughout."""
+        end = offset + length
+        if self.is_block_device:
+            return [(offset, length)]
+        out: list[tuple[int, int]] = []
+        pos = offset
+        try:
+            while pos < end:
+                try:
+                    start = os.lseek(self.fd, pos, os.SEEK_DATA)
+                except OSError as exc:
+                    if exc.errno == errno.ENXIO:  # no data from pos to the end of the file
+                        break
+                    raise
+                if start >= end:
+                    break
+                stop = min(os.lseek(self.fd, start, os.SEEK_HOLE), end)
+                out.append((start, stop - start))
+                pos = stop
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            return [(offset, length)]
+        return out
+
     def close(self) -> None:
         if self.fd >= 0:
             if self.fast is not None:

@@ -76,6 +76,8 @@ Example::
                               # while this copy is the standby (its ANA group inaccessible), its
                               # primary writes it through this subsystem, in ANA group 128
     standby_hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]  # who may (default: any host)
+    metadata_path = "/var/lib/blockd/vol1.md"  # optional: external metadata (the namespace then
+                              # exports all of path); made by 'blockctl target create-md'
 
     [[subsystem.namespace.replica]]   # one table per copy: an NVMe-oF namespace
     transport = "tcp"         # or "rdma"
@@ -94,6 +96,7 @@ themselves never appear in an error or a log line.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -168,6 +171,9 @@ class NamespaceConfig:
     this node is the standby (target.replication.standby)."""
     standby_hosts: frozenset[str] = frozenset()
     """Host NQNs allowed on the standby subsystem; empty: any host."""
+    metadata_path: str | None = None
+    """External replication metadata: the file or device holding the superblocks and bitmaps
+    (target.replication.external); None: they sit at the end of ``path``."""
     backend: str = DEFAULT_BACKEND
     """The registered backend that opens ``path`` (:mod:`target.backend_registry`)."""
 
@@ -432,7 +438,8 @@ def _transport(table: dict[str, Any], where: str) -> str:
 
 def _namespace(n: dict[str, Any], where: str, default_nsid: int) -> NamespaceConfig:
     unknown(n, {"nsid", "backend", "path", "size", "block_size", "read_only", "ana_group", "nguid", "uuid", "eui64",
-                "replica", "region_size", "min_in_sync", "resync_rate", "standby_nqn", "standby_hosts"}, where)
+                "replica", "region_size", "min_in_sync", "resync_rate", "standby_nqn", "standby_hosts",
+                "metadata_path"}, where)
     nsid = take(n, "nsid", int, where, default_nsid)
     size = n.get("size")
     block_size = take(n, "block_size", int, where, 512)
@@ -448,7 +455,7 @@ def _namespace(n: dict[str, Any], where: str, default_nsid: int) -> NamespaceCon
     replicas = tuple(_replica(r, f"{where} replica #{k + 1}")
                      for k, r in enumerate(take(n, "replica", list, where, [])))
     if not replicas:
-        extra = {"region_size", "min_in_sync", "resync_rate", "standby_nqn", "standby_hosts"} & n.keys()
+        extra = {"region_size", "min_in_sync", "resync_rate", "standby_nqn", "standby_hosts", "metadata_path"} & n.keys()
         if extra:
             raise ConfigError(f"{where}: {', '.join(sorted(extra))} apply only to a namespace with replicas")
         return NamespaceConfig(nsid, path, size_b, block_size, read_only, **common)
@@ -478,9 +485,12 @@ def _namespace(n: dict[str, Any], where: str, default_nsid: int) -> NamespaceCon
             raise ConfigError(f"{where}: standby_hosts: {host!r} is not a valid host NQN")
     if standby_nqn is not None and common["ana_group"] == STANDBY_ANA_GROUP:
         raise ConfigError(f"{where}: ANA group {STANDBY_ANA_GROUP} holds the standby subsystems")
+    metadata_path = take(n, "metadata_path", str, where, None)
+    if metadata_path is not None and os.path.abspath(metadata_path) == os.path.abspath(path):
+        raise ConfigError(f"{where}: metadata_path must be another file than path")
     return NamespaceConfig(nsid, path, size_b, block_size, False, replicas=replicas, region_size=region_size,
                            min_in_sync=min_in_sync, resync_rate=resync_rate, standby_nqn=standby_nqn,
-                           standby_hosts=frozenset(standby_hosts), **common)
+                           standby_hosts=frozenset(standby_hosts), metadata_path=metadata_path, **common)
 
 
 def _replica(r: dict[str, Any], where: str) -> ReplicaConfig:

@@ -26,6 +26,7 @@ from target.replication.control import ReplicationControl
 from target.replication.link import ReplicaIO
 from target.replication.mirror import ReplicatedBackend
 from target.replication.standby import StandbyExport
+from target.replication.volume import local_copy
 from target.subsystem import Namespace, Subsystem
 from target.target import PortInfo, Target
 from target.transport import Listener, listen
@@ -73,6 +74,10 @@ async def _open_namespace(sub: Subsystem, nc: NamespaceConfig, open_replica: Rep
             raise RuntimeError(f"{where}: replicas are configured but this target cannot reach them")
         openers = [(rc.name, functools.partial(open_replica, rc.transport, rc.address, rc.port, rc.nqn,
                                                rc.nsid, rc.hostnqn, rc.timeout)) for rc in nc.replicas]
+        try:
+            backend = local_copy(backend, nc, MAX_REPLICAS)
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"{where}: {exc}") from None
         try:
             backend = await ReplicatedBackend.open(backend, openers, nc.region_size, nc.min_in_sync,
                                                    nc.resync_rate, MAX_REPLICAS, name=where,

@@ -9,16 +9,19 @@ of the layers, as the rest of ``blockd/cli/``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from typing import Any, Callable
 
-from blockd.config import parse_size
+from blockd.config import ConfigError, parse_size
 from blockd.iostats import interval
 from initiator.control import ControlClient
 from protocol.constants import ANA_STATE_NAMES
+from target.config import MAX_REPLICAS, load
 from target.control import counters_interval, socket_path
+from target.replication.volume import create_md
 
 
 def add_parsers(sub: Any) -> None:
@@ -70,6 +73,16 @@ def add_parsers(sub: Any) -> None:
                         "connection); 'local' copies the replica over this copy now (one replica only; "
                         "host I/O gets Namespace Not Ready until done)")
 
+    v = verbs.add_parser("create-md", help="write the replication metadata onto a namespace's volume that already "
+                                           "holds data, keeping the data (offline: the target stopped)")
+    v.add_argument("nqn", help="subsystem NQN")
+    v.add_argument("nsid", type=int)
+    v.add_argument("--config", "-c", default="/etc/blockd/target.toml",
+                   help="the target's configuration, with the namespace's replica tables (default %(default)s)")
+    v.add_argument("--force", action="store_true",
+                   help="overwrite a metadata area that is not blank (earlier metadata, or data there)")
+    v.add_argument("--json", action="store_true", help="what was made, as JSON")
+
     io = sub.add_parser("iostat", help="per-second IOPS, MB/s and latency per namespace of a running "
                                        "target (or per connection of the initiator daemon)")
     io.add_argument("--target-socket", help="target control socket")
@@ -112,6 +125,12 @@ def _size(n: int) -> str:
         if n >= 1 << shift and not n % (1 << (shift - 10)):
             return f"{n / (1 << shift):g}{unit}"
     return f"{n}B"
+
+
+def _bytes(n: int) -> str:
+    """``n bytes``, with the unit when it is round."""
+    short = _size(n)
+    return f"{n} bytes" + ("" if short == f"{n}B" else f" ({short})")
 
 
 def _ports_text(ports: list[dict[str, Any]]) -> str:
@@ -231,7 +250,40 @@ def _verify_text(reply: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _create_md(args: argparse.Namespace) -> int:
+    """``create-md``: offline, from the configuration (no control socket)."""
+    try:
+        config = load(args.config)
+    except (OSError, ConfigError) as exc:
+        raise SystemExit(f"blockctl target create-md: {exc}") from None
+    found = [ns for sub in config.subsystems if sub.nqn == args.nqn for ns in sub.namespaces if ns.nsid == args.nsid]
+    if not found:
+        raise SystemExit(f"blockctl target create-md: {args.config} has no namespace {args.nsid} in {args.nqn}")
+    nc = found[0]
+    if not nc.replicas:
+        raise SystemExit(f"blockctl target create-md: {args.nqn} namespace {args.nsid} has no replica table in "
+                         f"{args.config}: add its [[subsystem.namespace.replica]] first (its region_size and "
+                         "metadata_path decide the layout)")
+    try:
+        made = create_md(nc, MAX_REPLICAS, force=args.force)
+    except (OSError, ValueError) as exc:  # MetadataError (not blank) is a ValueError
+        raise SystemExit(f"blockctl target create-md: {nc.path}: {exc}") from None
+    if args.json:
+        json.dump({**dataclasses.asdict(made), "generation": f"{made.generation:016x}"}, sys.stdout, indent=2)
+        print()
+        return 0
+    where = (f"in {made.metadata_path} ({_size(made.metadata_length)}); the data area is all of {nc.path}, unchanged"
+             if made.metadata_path else
+             f"at the end of {nc.path}; the data area shrinks by {_bytes(made.shrink)}")
+    print(f"replication metadata written {where}.\n"
+          f"The namespace exports {_bytes(made.data_size)}; generation {made.generation:016x}.\n"
+          f"Each replica's namespace must have {_bytes(made.device_size)}; it gets a full sync from this copy.")
+    return 0
+
+
 def cmd_target(args: argparse.Namespace) -> int:
+    if args.verb == "create-md":
+        return _create_md(args)
     if args.verb == "ana":
         return _ana(args)
     if args.verb == "resolve":

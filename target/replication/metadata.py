@@ -22,7 +22,7 @@ from target.replication.bitmap import WriteIntentBitmap
 from target.replication.blockio import BlockIO
 from target.replication.generations import BLANK, GenerationIds, new_generation, new_id, synced
 
-__all__ = ["Metadata", "MetadataError"]
+__all__ = ["Metadata", "MetadataError", "create"]
 
 _ZERO_CHUNK = bytes(1 << 20)
 
@@ -231,6 +231,40 @@ class Metadata:
         copy = 1 - self._copy
         await self.io.write(self.layout.superblock_offsets[copy], build_superblock(sb), fua=True)
         self._sb, self._copy = sb, copy
+
+
+async def create(io: BlockIO, region_size: int = DEFAULT_REGION_SIZE, max_peers: int = DEFAULT_MAX_PEERS, *,
+                 force: bool = False) -> Metadata:
+    """Format the metadata of a copy that already holds data (``blockctl target create-md``,
+    DRBD's ``create-md``): a new generation, so that this copy's data is what every replica gets
+    by a full sync; the data area is not touched. The metadata area must hold zeroes only:
+    anything else (a file system's last blocks, metadata of an earlier format) is overwritten
+    only with ``force``. :class:`MetadataError` says what is there."""
+    lay = layout(io.size, region_size, max_peers)
+    if not force:
+        found = await _occupied(io, lay)
+        if found:
+            raise MetadataError(f"the metadata area (bytes {lay.data_size} to {io.size}) is not blank: {found}; "
+                                "nothing was written (--force overwrites it)")
+    return await Metadata.format(io, region_size, max_peers)
+
+
+async def _occupied(io: BlockIO, lay: Layout) -> str:
+    """What the metadata area of ``lay`` holds besides zeroes ('' when nothing)."""
+    try:
+        md = await Metadata.open(io)
+    except MetadataError:
+        pass
+    else:
+        return (f"it holds replication metadata already (generation {md.current:016x}, region size "
+                f"{md.region_size}); formatting anew makes every replica take a full sync")
+    end = lay.superblock_offsets[1] + METADATA_BLOCK
+    for start in range(lay.data_size, end, len(_ZERO_CHUNK)):
+        chunk = await io.read(start, min(len(_ZERO_CHUNK), end - start))
+        if chunk != _ZERO_CHUNK[:len(chunk)]:
+            first = start + len(chunk) - len(chunk.lstrip(b"\0"))
+            return f"byte {first} is not zero (data written before replication, e.g. a file system's end)"
+    return ""
 
 
 def _with(peers: tuple[PeerSlot, ...], slot: int, peer: PeerSlot) -> tuple[PeerSlot, ...]:

@@ -172,7 +172,9 @@ class ReplicatedBackend(BackendFilter):
             md = await Metadata.open(io)
         except MetadataError as exc:
             if not await _blank_metadata(io):
-                raise ValueError(f"{name}: replication metadata unreadable: {exc}") from None
+                raise ValueError(f"{name}: replication metadata unreadable: {exc}. A volume that already "
+                                 "holds data gets its metadata from 'blockctl target create-md --config FILE "
+                                 "NQN NSID' (the target stopped; docs/replication.md, Existing volumes)") from None
             md = await Metadata.format(io, region_size, max_peers, blank=not primary)
             log.info("replication metadata formatted", namespace=name, data_size=md.data_size,
                      region_size=region_size, primary=primary)
@@ -587,32 +589,47 @@ class ReplicatedBackend(BackendFilter):
         return new
 
     @contextlib.asynccontextmanager
-    async def region_lock(self, region: int) -> AsyncIterator[None]:
-        """Hold one region against host writes: those arriving wait, those in flight finish
-        first. A resync copies, and a verify compares, a region under it."""
+    async def regions_lock(self, first: int, count: int = 1) -> AsyncIterator[None]:
+        """Hold regions ``first`` .. ``first + count - 1`` against host writes: those arriving
+        wait, those in flight finish first. A resync copies, and a verify compares, a unit of
+        regions under it. Taken region by region in ascending order, as every holder does, so
+        two holders (a resync and a verify, two replicas' resyncs) never wait for each other
+        in a circle."""
         copying = self.copying
-        while region in copying:  # another replica's resync or verify holds it
-            await asyncio.shield(copying[region])
-        done: asyncio.Future[None] = self._loop.create_future()
-        copying[region] = done
+        loop = self._loop
+        held: list[tuple[int, asyncio.Future[None]]] = []
         try:
-            while region in self.inflight:
+            for region in range(first, first + count):
+                while region in copying:  # another replica's resync or verify holds it
+                    await asyncio.shield(copying[region])
+                done: asyncio.Future[None] = loop.create_future()
+                copying[region] = done
+                held.append((region, done))
+            inflight = self.inflight
+            while any(region in inflight for region in range(first, first + count)):
                 await asyncio.sleep(0.0005)
             yield
         finally:
-            del copying[region]
-            done.set_result(None)
+            for region, done in held:
+                del copying[region]
+                done.set_result(None)
 
-    async def read_local(self, region: int) -> tuple[int, bytearray]:
-        """A region's offset and this copy's bytes of it (the last region may be short)."""
-        offset = region * self.region_size
-        buf = bytearray(min(self.region_size, self.data_size - offset))
+    def span(self, first: int, count: int = 1) -> tuple[int, int]:
+        """``(offset, length)`` of regions ``first`` .. ``first + count - 1`` in the data area
+        (the last region may be short)."""
+        offset = first * self.region_size
+        return offset, min(count * self.region_size, self.data_size - offset)
+
+    async def read_local(self, offset: int, length: int) -> bytearray:
+        """This copy's bytes at ``offset`` (a resync's or a verify's read): a failure is
+        :class:`LocalCopyError`, naming the region, since the replica is not to blame."""
+        buf = bytearray(length)
         try:
             await self.inner.read_into(offset, memoryview(buf))
         except OSError as exc:
-            raise LocalCopyError(exc.errno, f"this copy's device cannot read region {region} "
-                                            f"(offset {offset}, {len(buf)} bytes): {exc.strerror or exc}") from exc
-        return offset, buf
+            raise LocalCopyError(exc.errno, f"this copy's device cannot read region {offset >> self._shift} "
+                                            f"(offset {offset}, {length} bytes): {exc.strerror or exc}") from exc
+        return buf
 
     def resync_done(self, link: ReplicaLink) -> None:
         """Called by the resync once ``link`` misses nothing and holds this copy's generation."""

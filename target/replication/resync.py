@@ -1,11 +1,26 @@
-"""Resync: copy to a returning replica the regions it misses, in the background.
+"""Resync: copy to a returning replica the regions it misses, in the background, at disk speed.
 
 Only the regions in the link's ``missing`` set are copied (its write-intent bitmap at start, plus
 what was written while it was away; every region for a new replica). Host writes go on: a write
 to a region already copied goes to the replica as to an in-sync copy, a write to a region not
-yet copied only adds it to the set. One region is copied at a time under a per-region lock
-(host writes to it wait, writes in flight to it finish first), so the copy never carries older
-data over a newer write. The rate is limited to ``resync_rate`` bytes per second.
+yet copied only adds it to the set.
+
+How it keeps up with a plain copy of the file (``cp``), as DRBD's resync keeps up with the disk:
+
+* **Large units.** Consecutive missing regions are copied together, up to :data:`UNIT` bytes
+  (the host library splits a unit at the replica's largest transfer, and the commands go out
+  together over its queues).
+* **More than one in flight.** :data:`DEPTH` units are copied at once: while one unit's write
+  travels to the replica, the next one is read from the local copy.
+* **Holes skipped.** The local copy's holes (``SEEK_DATA``/``SEEK_HOLE`` on a sparse file, see
+  :meth:`target.backend.FileBackend.data_extents`) are neither read nor sent: the replica gets
+  one Write Zeroes for each hole of at least :data:`MIN_HOLE` bytes instead.
+
+Each unit is copied under the per-region lock of all its regions (host writes to them wait,
+writes in flight to them finish first), so the copy never carries older data over a newer write.
+The rate is limited to ``resync_rate`` bytes of the data area per second (a hole counts as
+its length, as if copied); at low rates the units shrink so that the rate stays smooth
+(:func:`unit_regions`).
 
 Resumable: the bits are cleared only by the mirror's sweep, after a flush, for regions copied;
 a restart of either side finds the rest still set. Progress (percent, MB/s, ETA) is in the log
@@ -16,11 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import structlog
 
-from target.replication.link import RESYNCING, Progress, ReplicaLink
+from target.replication.link import RESYNCING, LocalCopyError, Progress, ReplicaLink
 
 if TYPE_CHECKING:
     from target.replication.mirror import ReplicatedBackend
@@ -29,6 +44,74 @@ log = structlog.get_logger("blockd.target.replication")
 
 LOG_EVERY = 5.0
 """Seconds between progress lines in the log."""
+UNIT = 1 << 20
+"""Most bytes copied (or compared) as one unit: consecutive regions, under one lock."""
+DEPTH = 2
+"""Units copied at once. Measured on loopback (a 256 MiB full sync to a blockd replica, 3
+alternated rounds, in process): 1 MiB units 2 at once 196-256 MB/s, 4 at once 168-229, 8 at
+once 113-145, and one 64 KiB region at a time 102-157; deeper queues of large writes only slow
+the replica's side down."""
+MIN_HOLE = 64 << 10
+"""A hole of the local copy at least this long becomes one Write Zeroes to the replica; a
+shorter one is read and sent as zeroes (a command's round trip costs more than its bytes)."""
+_HOLE_ALIGN = 4096
+"""Holes are trimmed to whole 4 KiB blocks, so a Write Zeroes is whole blocks of any replica."""
+
+
+def unit_regions(region_size: int, rate: int) -> int:
+    """Regions per unit: :data:`UNIT` bytes, but at most an eighth of a second's worth of
+    ``rate``, so that a low rate is kept as a steady trickle rather than bursts (one region at
+    least)."""
+    return max(1, min(UNIT, rate // 8) // region_size)
+
+
+def units(regions: list[int], most: int) -> Iterator[tuple[int, int]]:
+    """``(first, count)`` of each run of consecutive regions in sorted ``regions``, cut at
+    ``most`` regions."""
+    first = count = 0
+    for region in regions:
+        if count and region == first + count and count < most:
+            count += 1
+            continue
+        if count:
+            yield first, count
+        first, count = region, 1
+    if count:
+        yield first, count
+
+
+def pieces(backend: object, offset: int, length: int) -> list[tuple[int, int, bool]]:
+    """``(start, length, is_data)`` covering ``[offset, offset + length)``: the holes of the
+    local copy that are worth a Write Zeroes (:data:`MIN_HOLE`, whole 4 KiB blocks), and the
+    data between them. A backend that does not know its holes is data throughout."""
+    extents = getattr(backend, "data_extents", None)
+    if extents is None:
+        return [(offset, length, True)]
+    out: list[tuple[int, int, bool]] = []
+    pos = offset  # start of the data piece being built
+    end = offset + length
+    for hole_start, hole_end in _holes(extents(offset, length), offset, end):
+        hole_start = -(-hole_start // _HOLE_ALIGN) * _HOLE_ALIGN
+        hole_end -= hole_end % _HOLE_ALIGN if hole_end != end else 0
+        if hole_end - hole_start < MIN_HOLE:
+            continue
+        if hole_start > pos:
+            out.append((pos, hole_start - pos, True))
+        out.append((hole_start, hole_end - hole_start, False))
+        pos = hole_end
+    if pos < end:
+        out.append((pos, end - pos, True))
+    return out
+
+
+def _holes(data: list[tuple[int, int]], offset: int, end: int) -> Iterator[tuple[int, int]]:
+    pos = offset
+    for start, n in data:
+        if start > pos:
+            yield pos, start
+        pos = max(pos, start + n)
+    if pos < end:
+        yield pos, end
 
 
 async def run(mirror: ReplicatedBackend, link: ReplicaLink) -> None:
@@ -39,26 +122,38 @@ async def run(mirror: ReplicatedBackend, link: ReplicaLink) -> None:
     progress = link.progress = Progress(len(link.missing), size)
     started = time.monotonic()
     last_log = started
+    started_bytes = 0  # bytes of the units started, for the rate limit
     if link.missing:
         log.info("resync started", namespace=mirror.name, replica=link.name, regions=len(link.missing),
                  bytes=progress.total)
-    while link.missing:
-        for region in sorted(link.missing):
-            if region not in link.missing:
-                continue
-            copied = await copy_region(mirror, link, region)
-            link.copied_total += copied
-            # rate limit: never ahead of resync_rate bytes per second since the start; the region
-            # joins the progress after the wait, so the MB/s and ETA shown follow the limit (counted
-            # before it, the first region made the rate look unbounded and the ETA 0)
-            ahead = (progress.copied + copied) / mirror.resync_rate - (time.monotonic() - started)
-            if ahead > 0:
-                await asyncio.sleep(ahead)
-            progress.add(copied, len(link.missing), size)
-            now = time.monotonic()
-            if now - last_log >= LOG_EVERY:
-                last_log = now
-                log.info("resync progress", namespace=mirror.name, replica=link.name, **progress.view())
+    running: set[asyncio.Task[int]] = set()
+    try:
+        while link.missing:
+            most = unit_regions(size, mirror.resync_rate)
+            for first, count in units(sorted(link.missing), most):
+                while len(running) >= DEPTH:
+                    finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                    _account(link, progress, size, finished)
+                # rate limit: never ahead of resync_rate bytes per second since the start, counting
+                # each unit as it starts (so at most one unit is ever early)
+                ahead = started_bytes / mirror.resync_rate - (time.monotonic() - started)
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+                if not all(r in link.missing for r in range(first, first + count)):
+                    continue  # copied meanwhile (the next pass finds what is left)
+                started_bytes += mirror.span(first, count)[1]
+                running.add(asyncio.get_running_loop().create_task(copy_unit(mirror, link, first, count)))
+                now = time.monotonic()
+                if now - last_log >= LOG_EVERY:
+                    last_log = now
+                    log.info("resync progress", namespace=mirror.name, replica=link.name, **progress.view())
+            while running:  # this pass's last units: a region they copy must not start again
+                finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                _account(link, progress, size, finished)
+    finally:
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
     assert link.io is not None
     await link.io.flush()
     await mirror.push_generations(link)
@@ -67,12 +162,45 @@ async def run(mirror: ReplicatedBackend, link: ReplicaLink) -> None:
     log.info("replica in sync", namespace=mirror.name, replica=link.name, **progress.view())
 
 
-async def copy_region(mirror: ReplicatedBackend, link: ReplicaLink, region: int) -> int:
-    """Copy one region from the local copy to the replica under the region's lock; returns the
-    bytes copied (the last region may be short)."""
-    async with mirror.region_lock(region):
-        offset, buf = await mirror.read_local(region)
-        assert link.io is not None
-        await link.io.write(offset, buf)
+def _account(link: ReplicaLink, progress: Progress, size: int, finished: set[asyncio.Task[int]]) -> None:
+    """Count the units that ended; then raise the first failure among them (every one's
+    outcome is taken, so that none is reported as never retrieved)."""
+    failed: BaseException | None = None
+    for task in finished:
+        error = asyncio.CancelledError() if task.cancelled() else task.exception()
+        if error is not None:
+            failed = failed or error
+            continue
+        covered = task.result()
+        link.copied_total += covered
+        progress.add(covered, len(link.missing), size)
+    if failed is not None:
+        raise failed
+
+
+async def copy_unit(mirror: ReplicatedBackend, link: ReplicaLink, first: int, count: int) -> int:
+    """Copy regions ``first`` .. ``first + count - 1`` from the local copy to the replica under
+    their lock, holes as Write Zeroes; returns the bytes covered (the last region may be short).
+    A unit this copy fails to read is copied again region by region: the regions before a bad
+    one are copied, and the error names the bad region."""
+    async with mirror.regions_lock(first, count):
+        try:
+            return await _copy(mirror, link, first, count)
+        except LocalCopyError:
+            if count == 1:
+                raise
+        return sum([await _copy(mirror, link, region, 1) for region in range(first, first + count)])
+
+
+async def _copy(mirror: ReplicatedBackend, link: ReplicaLink, first: int, count: int) -> int:
+    offset, length = mirror.span(first, count)
+    io = link.io
+    assert io is not None
+    for start, n, data in pieces(mirror.inner, offset, length):
+        if data:
+            await io.write(start, await mirror.read_local(start, n))
+        else:
+            await io.write_zeroes(start, n)
+    for region in range(first, first + count):
         link.missing.discard(region)
-        return len(buf)
+    return length

@@ -54,10 +54,12 @@ class Node:
         self.sock = tmp / "run" / f"{name}.sock"
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = tmp / f"{name}.log"
+        self.cfg = tmp / f"{name}.toml"
 
     def config(self, nqn: str, replicas: Sequence[Endpoint], min_in_sync: int = 1,
-               resync_rate: str = "1GiB") -> str:
-        """The TOML: a plain namespace, or a replicated one over ``replicas`` (2 s timeout)."""
+               resync_rate: str = "1GiB", ns_keys: str = "") -> str:
+        """The TOML: a plain namespace, or a replicated one over ``replicas`` (2 s timeout);
+        ``ns_keys``: more lines of the namespace's table (``metadata_path = ...``)."""
         text = f"""
 [control]
 socket = "{self.sock}"
@@ -77,7 +79,7 @@ path = "{self.file}"
 size = {self.device}
 """
         if replicas:
-            text += f"min_in_sync = {min_in_sync}\nresync_rate = \"{resync_rate}\"\n"
+            text += f"min_in_sync = {min_in_sync}\nresync_rate = \"{resync_rate}\"\n{ns_keys}"
         for r in replicas:
             text += f"""
 [[subsystem.namespace.replica]]
@@ -89,9 +91,10 @@ timeout = 2.0
         return text
 
     def start(self, replicas: Sequence[Endpoint] | None = None, nqn: str | None = None, min_in_sync: int = 1,
-              resync_rate: str = "1GiB") -> None:
-        cfg = self.tmp / f"{self.name}.toml"
-        cfg.write_text(self.config(nqn or (NQN if replicas else RNQN), replicas or [], min_in_sync, resync_rate))
+              resync_rate: str = "1GiB", ns_keys: str = "") -> None:
+        cfg = self.cfg
+        cfg.write_text(self.config(nqn or (NQN if replicas else RNQN), replicas or [], min_in_sync, resync_rate,
+                                   ns_keys))
         seen = self.log.stat().st_size if self.log.exists() else 0  # the log of earlier runs stays
         self.proc = subprocess.Popen([str(BIN / "blockd"), "target", "--config", str(cfg)],
                                      stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"))

@@ -116,3 +116,13 @@ def test_the_pair_files_in_the_docs_parse_as_a_standby_and_a_primary() -> None:
         (ns,) = cfg.subsystems[0].namespaces
         assert ns.standby_nqn == ns.replicas[0].nqn and ns.replicas[0].address == peer
     assert not a.ana and [x.state.name for x in b.ana] == ["INACCESSIBLE"]
+
+
+def test_metadata_path_names_external_metadata_for_a_replicated_namespace_only() -> None:
+    (ns,) = parse(config('metadata_path = "/tmp/x.md"')).subsystems[0].namespaces
+    assert ns.metadata_path == "/tmp/x.md"
+    assert parse(config()).subsystems[0].namespaces[0].metadata_path is None
+    with pytest.raises(ConfigError, match="metadata_path apply only to a namespace with replicas"):
+        parse(config('metadata_path = "/tmp/x.md"', replica=None))
+    with pytest.raises(ConfigError, match="metadata_path must be another file than path"):
+        parse(config('metadata_path = "/tmp/../tmp/x.img"'))

@@ -187,7 +187,8 @@ def test_eio_during_a_verify_names_the_region_and_what_it_found_is_still_mended(
         await m.write(0, os.urandom(m.size))
         await settled(m)
         bed.stores[0].data[2 * REGION + 5] ^= 0xFF  # found before the bad region
-        local.inject("read", errno.EIO, 10 * REGION, 11 * REGION, count=1)
+        # a bad sector fails each read of it: the read of the unit holding it, then its region's own
+        local.inject("read", errno.EIO, 10 * REGION, 11 * REGION, count=2)
         with pytest.raises(LocalCopyError) as failed:
             await verify(m, m.links[0])
         assert failed.value.errno == errno.EIO and "region 10" in str(failed.value)

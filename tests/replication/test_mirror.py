@@ -41,7 +41,8 @@ class FakeReplica:
         self.fail_with: Exception | None = None
         """Every call raises this (a status from the replica, as the host library's NvmeError)."""
         self.gates: dict[int, asyncio.Event] = {}
-        """offset -> event: a write at that offset waits for the event (a slow replica, on cue)."""
+        """offset -> event: a write that covers that offset waits for the event (a slow replica,
+        on cue; a resync copies several regions in one write)."""
 
     def _check(self) -> None:
         if self.down or self.closed:
@@ -68,9 +69,9 @@ class FakeReplica:
     async def write(self, offset: int, data: Any, fua: bool = False) -> None:
         self._check()
         await asyncio.sleep(0)
-        gate = self.gates.get(offset)
-        if gate is not None:
-            await gate.wait()
+        for at, gate in list(self.gates.items()):
+            if offset <= at < offset + len(data):
+                await gate.wait()
         await self.store.write(offset, data, fua)
         self.written += len(data)
 

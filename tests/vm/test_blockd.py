@@ -124,3 +124,13 @@ def test_overlapping_writes_leave_the_kernel_replica_equal(guest_case):
     """Four hosts writing the same blocks at once (256 in flight, every other one FUA) through
     the blockd primary: the kernel nvmet replica ends equal to the primary's copy (issue 35)."""
 
+
+
+def test_a_file_system_made_before_replication_survives_internal_metadata(guest_case):
+    """ext4 made before replication, within the data area create-md leaves; blockctl target
+    create-md; a kernel nvmet replica's full sync; the kernel host mounts it through the primary
+    and writes; e2fsck clean and the files equal on both copies (issue 41)."""
+
+
+def test_a_file_system_made_before_replication_survives_external_metadata(guest_case):
+    """The same with external metadata (metadata_path): the file system spans the whole volume."""

@@ -646,3 +646,112 @@ def test_overlapping_writes_leave_the_kernel_replica_equal(kernel_replica, mirro
     assert f"acked {OVERLAP_ROUNDS * 4 * 64}" in out, out
     assert [r["state"] for r in _replica_states()] == ["in_sync"]
     _verify_mirror()
+
+
+# --------------------------- an existing file system, replicated afterwards (issue 41) ---
+EXISTING_NQN = "nqn.2026-11.io.blockd:existing"     # blockd's replicated namespace
+EXISTING_PORT = 4424
+EXISTING_REPL_NQN = "nqn.2026-11.io.blockd:existing-copy"   # the kernel's namespace, the replica
+EXISTING_REPL_PORT = 4425
+EXISTING_SOCK = "/run/blockd/existing-target.sock"
+EXISTING_SIZE = 64 << 20
+
+
+def _geometry(external: bool) -> tuple[int, int]:
+    """(bytes the namespace exports, bytes of the copy: what the replica's namespace must have)."""
+    expr = (f"external_layout({EXISTING_SIZE}, 65536, 4)" if external else f"layout({EXISTING_SIZE}, 65536, 4)")
+    script = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from protocol.replication import layout; "
+              f"from target.replication.external import external_layout; l = {expr}; print(l.data_size, l.device_size)")
+    data, device = sh(shlex.join([tool("python"), "-c", script])).split()
+    return int(data), int(device)
+
+
+def test_a_file_system_made_before_replication_survives_internal_metadata(rxe):
+    _file_system_made_before_replication(external=False)
+
+
+def test_a_file_system_made_before_replication_survives_external_metadata(rxe):
+    _file_system_made_before_replication(external=True)
+
+
+def _file_system_made_before_replication(external: bool) -> None:
+    """ext4 made on a volume before replication is switched on (with internal metadata, the
+    file system sized to the data area create-md leaves, as after resize2fs; with external
+    metadata, the whole volume): create-md, then a blockd primary whose replica is a kernel
+    nvmet namespace; the full sync; the kernel host mounts the volume through the primary, finds
+    the files made before, writes more; afterwards e2fsck is clean on both copies and the files
+    read back the same from each."""
+    s = _scratch("existing")
+    vol, meta, kvol = f"{s}/primary.img", f"{s}/primary.md", f"{s}/kernel-replica.img"
+    data_size, device = _geometry(external)
+    for f in (vol, meta, kvol):
+        Path(f).unlink(missing_ok=True)
+    # the volume, as it was before replication: a file system with files in it
+    sh(f"rm -rf {s}/src && mkdir -p {s}/src && head -c 3000000 /dev/urandom >{s}/src/before.bin && "
+       f"cd {s}/src && sha256sum before.bin >{s}/sums && truncate -s {EXISTING_SIZE} {vol} && "
+       f"mkfs.ext4 -q -F -b 4096 -d {s}/src {vol} {data_size // 4096}", timeout=300)
+    # the replica: a kernel nvmet file namespace of the copy's size
+    sh(f"truncate -s {device} {kvol} && nvmet_subsys {EXISTING_REPL_NQN} KEXISTING01 && "
+       f"nvmet_ns_file {EXISTING_REPL_NQN} 1 {kvol} && nvmet_port 6 tcp {ADDR0} {EXISTING_REPL_PORT} && "
+       f"nvmet_link 6 {EXISTING_REPL_NQN}")
+    cfg = RESULTS / "existing-target.toml"
+    cfg.write_text(f"""\
+[control]
+socket = "{EXISTING_SOCK}"
+
+[[port]]
+transport = "tcp"
+address = "{ADDR0}"
+port = {EXISTING_PORT}
+
+[[subsystem]]
+nqn = "{EXISTING_NQN}"
+allow_any_host = true
+
+[[subsystem.namespace]]
+nsid = 1
+path = "{vol}"
+block_size = 4096
+resync_rate = "1GiB"
+{f'metadata_path = "{meta}"' if external else ""}
+
+[[subsystem.namespace.replica]]
+address = "{ADDR0}"
+port = {EXISTING_REPL_PORT}
+nqn = "{EXISTING_REPL_NQN}"
+timeout = 30.0
+""")
+    d = None
+    try:
+        wait_tcp(ADDR0, EXISTING_REPL_PORT, timeout=30, what="kernel nvmet-tcp (the replica)")
+        out = sh(shlex.join([tool("blockctl"), "target", "create-md", "--config", str(cfg), EXISTING_NQN, "1"]))
+        assert f"exports {data_size} bytes" in out and f"must have {device} bytes" in out, out
+        d = start_target("blockd-existing", cfg, port=EXISTING_PORT)
+        ctl = [tool("blockctl"), "target", "--target-socket", EXISTING_SOCK]
+        deadline = time.monotonic() + 600  # the full sync of 64 MiB (TCG is slow)
+        while (ns := json.loads(sh(shlex.join([*ctl, "replicas", "--json"])))["namespaces"][0])[
+                "replicas"][0]["state"] != "in_sync":
+            assert time.monotonic() < deadline, (ns, d.log_tail())
+            time.sleep(1)
+        assert ns["data_size"] == data_size, ns
+        mnt = "/mnt/existing"
+        os.makedirs(mnt, exist_ok=True)
+        with kernel_host("tcp", EXISTING_PORT, EXISTING_NQN) as k:
+            sh(f"mount {k['dev']} {mnt} && cd {mnt} && sha256sum -c --quiet {s}/sums && "
+               f"head -c 2000000 /dev/urandom >after.bin && sha256sum after.bin >>{s}/sums && cd / && "
+               f"umount {mnt}", timeout=300)
+        out = sh(shlex.join([*ctl, "verify", EXISTING_NQN, "1"]), timeout=600)
+        assert " 0 differ" in out, out
+    finally:
+        if d is not None:
+            d.stop()
+        sh(f"nvmet_unlink 6 {EXISTING_REPL_NQN}; rmdir /sys/kernel/config/nvmet/ports/6; "
+           f"echo 0 >/sys/kernel/config/nvmet/subsystems/{EXISTING_REPL_NQN}/namespaces/1/enable; "
+           f"rmdir /sys/kernel/config/nvmet/subsystems/{EXISTING_REPL_NQN}/namespaces/1 "
+           f"/sys/kernel/config/nvmet/subsystems/{EXISTING_REPL_NQN}", check=False)
+    # both copies: the file system clean, the files of before and after the same
+    for copy in (vol, kvol):
+        sh(f"e2fsck -fn {copy}", timeout=300)
+        sh(f"rm -rf {s}/out && mkdir {s}/out && cd {s}/out && "
+           f"debugfs -R 'dump /before.bin before.bin' {copy} && debugfs -R 'dump /after.bin after.bin' {copy} && "
+           f"sha256sum -c --quiet {s}/sums", timeout=300)

@@ -1,0 +1,173 @@
+"""Replicating a volume that already holds data: ``blockctl target create-md`` with the metadata
+at the end of the volume (internal) or in a file of its own (external, ``metadata_path``), and
+the error that sends an operator there.
+
+The end-to-end tests run real daemons on loopback (tests/replication/nodes.py): the primary's
+file is filled before replication is switched on, ``create-md`` formats its metadata, and the
+data area must come through unchanged on the primary (hash) and equal on the replica after its
+full sync."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from protocol.replication import METADATA_BLOCK, MetadataError, layout
+from target.backend import FileBackend
+from target.replication.blockio import BackendBlockIO
+from target.replication.external import ExternalMetadata, external_layout
+from target.replication.metadata import Metadata, create
+from target.replication.mirror import ReplicatedBackend
+
+from .nodes import BIN, NQN, REGION, Node, all_in_sync
+
+DEVICE = 8 << 20
+
+
+def sha(path: Path, length: int) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read(length)).hexdigest()
+
+
+@pytest.mark.parametrize("data_size", [REGION, 1 << 20, (8 << 20) + 4096, 1 << 30, 3 << 40, (1 << 40) - 4096])
+@pytest.mark.parametrize("region_size,max_peers", [(4096, 1), (REGION, 4), (1 << 20, 32)])
+def test_external_layout_keeps_the_whole_data_area(data_size: int, region_size: int, max_peers: int) -> None:
+    if data_size < region_size:  # as with internal metadata: at least one region
+        with pytest.raises(MetadataError, match="too small"):
+            external_layout(data_size, region_size, max_peers)
+        return
+    lay = external_layout(data_size, region_size, max_peers)
+    assert lay.data_size == data_size
+    assert lay.device_size == data_size + lay.metadata_length
+    assert layout(lay.device_size, region_size, max_peers) == lay  # what Metadata.open finds on the combined device
+    # the smallest such area: one bitmap block less per slot leaves too little room for the bits
+    assert lay.bitmap_length * 8 >= -(-lay.device_size // region_size)
+    assert (lay.bitmap_length - METADATA_BLOCK) * 8 < -(-(lay.device_size - max_peers * METADATA_BLOCK) // region_size)
+
+
+def test_create_refuses_an_area_that_is_not_blank_and_keeps_the_data(tmp_path: Path) -> None:
+    path = tmp_path / "vol.img"
+    data = os.urandom(DEVICE)
+    path.write_bytes(data)  # a volume written to its last byte: the metadata area holds data
+    lay = layout(DEVICE, REGION, 4)
+
+    async def run() -> None:
+        backend = FileBackend(str(path))
+        io = BackendBlockIO(backend)
+        try:
+            with pytest.raises(MetadataError, match=f"byte {lay.data_size} is not zero.*--force"):
+                await create(io, REGION, 4)
+            assert path.read_bytes() == data  # nothing written
+            md = await create(io, REGION, 4, force=True)
+            assert md.data_size == lay.data_size and md.current != 0
+            with pytest.raises(MetadataError, match="holds replication metadata already"):
+                await create(io, REGION, 4)
+        finally:
+            backend.close()
+    asyncio.run(run())
+    assert path.read_bytes()[:lay.data_size] == data[:lay.data_size]
+
+
+def test_a_volume_with_data_but_no_metadata_names_create_md(tmp_path: Path) -> None:
+    path = tmp_path / "vol.img"
+    path.write_bytes(os.urandom(DEVICE))
+
+    async def run() -> None:
+        backend = FileBackend(str(path))
+        try:
+            with pytest.raises(ValueError, match="no usable replication superblock.*blockctl target create-md"):
+                await ReplicatedBackend.open(backend, [], REGION, 1, 1 << 30, 4, name="vol")
+        finally:
+            backend.close()
+    asyncio.run(run())
+
+
+def test_external_metadata_reads_and_writes_both_parts(tmp_path: Path) -> None:
+    data_path, meta_path = tmp_path / "vol.img", tmp_path / "vol.md"
+    data_path.write_bytes(os.urandom(DEVICE))
+    before = data_path.read_bytes()
+
+    async def run() -> None:
+        copy = ExternalMetadata.open(FileBackend(str(data_path)), str(meta_path), REGION, 4, create=True)
+        try:
+            lay = external_layout(DEVICE, REGION, 4)
+            assert copy.size == lay.device_size and meta_path.stat().st_size == lay.metadata_length
+            md = await Metadata.format(BackendBlockIO(copy), REGION, 4)
+            assert md.data_size == DEVICE
+            span = os.urandom(3 * METADATA_BLOCK)  # one write across the boundary lands in both files
+            await copy.write(DEVICE - METADATA_BLOCK, span)
+            buf = bytearray(len(span))
+            await copy.read_into(DEVICE - METADATA_BLOCK, memoryview(buf))
+            assert buf == span
+        finally:
+            copy.close()
+        assert data_path.read_bytes()[-METADATA_BLOCK:] == span[:METADATA_BLOCK]
+        assert meta_path.read_bytes()[:2 * METADATA_BLOCK] == span[METADATA_BLOCK:]
+        with pytest.raises(ValueError, match="does not exist.*create-md"):
+            ExternalMetadata.open(FileBackend(str(data_path)), str(tmp_path / "none.md"), REGION, 4)
+    asyncio.run(run())
+    assert data_path.read_bytes()[:-METADATA_BLOCK] == before[:-METADATA_BLOCK]
+
+
+def create_md(node: Node, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "blockctl"), "target", "create-md", "--config", str(node.cfg), NQN, "1", *extra],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("external", [False, True], ids=["internal", "external"])
+def test_create_md_on_a_volume_with_data_then_a_full_sync(tmp_path: Path, external: bool) -> None:
+    primary = Node(tmp_path, "primary", DEVICE)
+    keys = f'metadata_path = "{tmp_path / "primary.md"}"\n' if external else ""
+    data_size = DEVICE if external else layout(DEVICE, REGION, 4).data_size
+    device = external_layout(DEVICE, REGION, 4).device_size if external else DEVICE
+    replica = Node(tmp_path, "r1", device)
+    content = os.urandom(data_size)  # written before replication (internal: a volume shrunk to its data area)
+    tail = bytes(DEVICE - data_size)
+    primary.cfg.write_text(primary.config(NQN, [replica], ns_keys=keys))
+    if not external:  # something in the metadata area: refused, nothing written
+        primary.file.write_bytes(content + b"\x01" * len(tail))
+        refused = create_md(primary)
+        assert refused.returncode != 0 and "is not blank" in refused.stderr and "--force" in refused.stderr
+        assert sha(primary.file, DEVICE) == hashlib.sha256(content + b"\x01" * len(tail)).hexdigest()
+    primary.file.write_bytes(content + tail)
+    made = create_md(primary, "--json")
+    assert made.returncode == 0, made.stderr
+    info = json.loads(made.stdout)
+    assert (info["data_size"], info["device_size"], info["shrink"]) == (data_size, device, DEVICE - data_size)
+    again = create_md(primary)
+    assert again.returncode != 0 and "holds replication metadata already" in again.stderr
+    try:
+        replica.start()
+        primary.start([replica], ns_keys=keys)
+        primary.wait_states(all_in_sync(settled=True), timeout=60)
+        listed = primary.ctl("replicas", "--json")
+        assert json.loads(listed.stdout)["namespaces"][0]["data_size"] == data_size
+    finally:
+        primary.stop()
+        replica.stop()
+    want = hashlib.sha256(content).hexdigest()
+    assert sha(primary.file, data_size) == want  # the data the volume held, unchanged
+    assert sha(replica.file, data_size) == want  # and the replica's full sync equal
+    assert primary.file.stat().st_size == DEVICE
+
+
+def test_create_md_text_says_what_the_data_area_becomes(tmp_path: Path) -> None:
+    node = Node(tmp_path, "primary", DEVICE)
+    node.cfg.write_text(node.config(NQN, [Node(tmp_path, "r1")]))
+    made = create_md(node)
+    data_size = layout(DEVICE, REGION, 4).data_size
+    assert made.returncode == 0, made.stderr
+    assert f"the data area shrinks by {DEVICE - data_size} bytes" in made.stdout
+    assert f"exports {data_size} bytes" in made.stdout and f"must have {DEVICE} bytes" in made.stdout
+    ext = Node(tmp_path, "ext", DEVICE)
+    ext.file.write_bytes(os.urandom(DEVICE))
+    ext.cfg.write_text(ext.config(NQN, [node], ns_keys=f'metadata_path = "{tmp_path / "ext.md"}"\n'))
+    made = create_md(ext)
+    assert made.returncode == 0, made.stderr
+    assert f"the data area is all of {ext.file}, unchanged" in made.stdout and f"exports {DEVICE} bytes" in made.stdout
