@@ -1,0 +1,183 @@
+"""The host's multipath as the kernel's (issue 40): a path's ANA log is read again on every
+reconnect before it takes I/O, ANA statuses and events cost one log read per path, the "change"
+state holds commands for ANATT, and planned switch-over / switch-back under load."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from initiator.multipath import MultipathController
+from protocol.status import ANA_STATUSES
+from target.service import TargetService
+
+from .conftest import NQN, run, until
+from .test_multipath import BS, Pair, target_config
+
+
+def ana_errors(service: TargetService) -> int:
+    """The ANA statuses (0x301-0x303, with or without DNR) ``service``'s controllers answered."""
+    return sum(n for ctrl in service.target.controllers.values() for status, n in ctrl.counters.errors.items()
+               if isinstance(status, int) and status & 0x7FF in ANA_STATUSES)
+
+
+def test_a_path_back_from_a_restart_shows_its_new_state(tmp_path: Path) -> None:
+    """The issue's case: A (optimized) dies, B is promoted, A comes back as the standby (its group
+    inaccessible). The host must read A's ANA log on the reconnect: listed inaccessible, never
+    chosen again, so no write takes a 0x302 round trip to A when the routes are next chosen."""
+    pair = Pair(tmp_path)
+
+    async def main() -> None:
+        await pair.start()
+        mp = await pair.connect()
+        try:
+            await mp.write(1, 0, b"a" * BS)
+            await pair.a.stop()
+            await pair.b.op_ana_set("optimized")
+            await mp.write(1, 1, b"b" * BS)  # on B now
+            pair.a = TargetService(target_config(pair.ports[0], pair.file, "inaccessible", (1, 99)))
+            await pair.a.start()
+            await until(lambda: mp.paths[0].state == "live" and mp.paths[0].reconnects == 1)
+            await until(lambda: mp.describe_paths()[0]["ana"] == {"1": "inaccessible"})
+            # the routes are chosen again (B's group changes twice): A must not be taken
+            await pair.b.op_ana_set("non-optimized")
+            await pair.b.op_ana_set("optimized")
+            await until(lambda: mp.describe_paths()[1]["ana"] == {"1": "optimized"})
+            for i in range(8):
+                await mp.write(1, 2 + i, bytes([i]) * BS)
+            assert pair.writes(pair.a) == 0 and ana_errors(pair.a) == 0
+            assert await mp.read(1, 0, 2) == b"a" * BS + b"b" * BS
+        finally:
+            await mp.close()
+            await pair.stop()
+    run(main())
+
+
+class Writers:
+    """``n`` writers keeping one write each in flight on ``mp`` until stopped, remembering
+    what was acknowledged (what must read back) and failing on any error."""
+
+    def __init__(self, mp: MultipathController, n: int, blocks: int = 512) -> None:
+        self.mp = mp
+        self.acked: dict[int, bytes] = {}
+        self.count = 0
+        self.stop = asyncio.Event()
+        self.tasks = [asyncio.create_task(self._run(k, blocks)) for k in range(n)]
+
+    async def _run(self, k: int, blocks: int) -> None:
+        i = 0
+        while not self.stop.is_set():
+            lba = (k * 997 + i) % blocks
+            data = os.urandom(BS)
+            await self.mp.write(1, lba, data)
+            self.acked[lba] = data
+            self.count += 1
+            i += 1
+
+    async def more(self, n: int) -> None:
+        """Wait until ``n`` more writes were acknowledged (the load goes on)."""
+        target = self.count + n
+        await until(lambda: self.count >= target or any(t.done() for t in self.tasks), 20)
+        for task in self.tasks:
+            if task.done():
+                task.result()  # a writer that ended early raises its error here
+
+    async def finish(self) -> None:
+        self.stop.set()
+        await asyncio.gather(*self.tasks)  # raises if a write failed
+
+    async def verify(self) -> None:
+        for lba, data in self.acked.items():
+            assert await self.mp.read(1, lba, 1) == data
+
+
+def test_ana_statuses_cost_one_log_read(tmp_path: Path) -> None:
+    """A's group turns inaccessible without the host hearing of it (its event masked) under 8
+    writers: the 0x302 statuses of the commands in flight make one read of A's log, no
+    command is retried more than once, none reaches a writer, and none goes to A after."""
+    pair = Pair(tmp_path)
+
+    async def main() -> None:
+        await pair.start()
+        mp = await pair.connect()
+        a = mp.paths[0]
+        try:
+            await pair.b.op_ana_set("optimized")  # both optimized: numa keeps to A, the first
+            await until(lambda: mp.describe_paths()[1]["ana"] == {"1": "optimized"})
+            load = Writers(mp, 8)
+            await load.more(50)
+            reads = mp.ana_reads[a]
+            next(iter(pair.a.target.controllers.values())).ana_event_masked = True
+            await pair.a.op_ana_set("inaccessible")
+            await until(lambda: mp.describe_paths()[0]["ana"] == {"1": "inaccessible"})
+            await load.more(100)
+            await load.finish()
+            assert mp.ana_reads[a] == reads + 1
+            assert 1 <= mp.ana_retries <= 8  # each command in flight on A at most once
+            assert ana_errors(pair.a) == mp.ana_retries
+            await load.verify()
+        finally:
+            await mp.close()
+            await pair.stop()
+    run(main())
+
+
+def test_a_transition_longer_than_anatt_resets_the_path(tmp_path: Path, monkeypatch: Any) -> None:
+    """A enters "change" (B inaccessible): a write waits, held, not failed. A then becomes
+    optimized but its event is lost: after twice ANATT the host resets A, reads its log on the
+    reconnect and the held write completes on A."""
+    monkeypatch.setattr("target.controller.ANATT_SECONDS", 1)
+    pair = Pair(tmp_path)
+
+    async def main() -> None:
+        await pair.start()
+        mp = await pair.connect()
+        a = mp.paths[0]
+        try:
+            assert a.identity.anatt == 1
+            await pair.a.op_ana_set("change")
+            await until(lambda: mp.describe_paths()[0]["ana"] == {"1": "change"})
+            next(iter(pair.a.target.controllers.values())).ana_event_masked = True
+            write = asyncio.create_task(mp.write(1, 0, b"t" * BS))
+            await pair.a.op_ana_set("optimized")  # the host does not hear of it
+            assert not write.done() and a.reconnects == 0
+            await asyncio.wait_for(write, 10)
+            assert a.reconnects == 1 and mp.describe_paths()[0]["ana"] == {"1": "optimized"}
+            assert (pair.writes(pair.a), pair.writes(pair.b)) == (1, 0)
+        finally:
+            await mp.close()
+            await pair.stop()
+    run(main())
+
+
+def test_planned_switch_over_and_back_under_load(tmp_path: Path) -> None:
+    """As ``blockctl target ana demote`` on A then ``promote`` on B, and back, under four
+    writers: no write fails, the load goes on after each switch on the new primary, each
+    switch retries at most the commands in flight (4), and every acknowledged write reads back."""
+    pair = Pair(tmp_path)
+
+    async def main() -> None:
+        await pair.start()
+        mp = await pair.connect()
+        try:
+            load = Writers(mp, 4)
+            await load.more(50)
+            retries = []
+            for old, new in ((pair.a, pair.b), (pair.b, pair.a)):
+                before = mp.ana_retries
+                await old.op_ana_set("inaccessible")  # demote
+                await new.op_ana_set("optimized")     # promote
+                on_new = pair.writes(new)
+                await until(lambda: pair.writes(new) >= on_new + 100, 20)
+                await load.more(50)
+                retries.append(mp.ana_retries - before)
+            await load.finish()
+            assert all(n <= 4 for n in retries), retries
+            assert mp.path_retries == 0
+            await load.verify()
+        finally:
+            await mp.close()
+            await pair.stop()
+    run(main())
