@@ -182,3 +182,47 @@ def test_planned_switch_over_and_back_under_load(tmp_path: Path) -> None:
             await mp.close()
             await pair.stop()
     run(main())
+
+
+def test_list_and_metrics_show_each_paths_real_state(tmp_path: Path) -> None:
+    """The daemon's list and its metrics: the policy, each path's ANA state and log reads; a path
+    that went down shows "unknown" until its log is read on the new association."""
+    from initiator.config import parse as parse_initiator_config
+    from initiator.daemon import InitiatorDaemon
+
+    from .test_initiator_metrics import _scrape
+    from .conftest import free_port
+
+    pair = Pair(tmp_path)
+    mport = free_port()
+    conf = parse_initiator_config({"metrics": {"enabled": True, "port": mport}})
+
+    def shown(fams: Any) -> dict[str, str]:
+        return {s.labels["path"]: s.labels["state"] for s in fams["blockd_initiator_path_ana_state"].samples
+                if s.value == 1}
+
+    async def main() -> None:
+        await pair.start()
+        daemon = InitiatorDaemon(str(tmp_path / "initiator.sock"), conf.metrics)
+        await daemon.start()
+        a, b = (f"127.0.0.1:{p}" for p in pair.ports)
+        try:
+            await daemon.op_connect(name="vol", nqn=NQN, paths=[a, b], iopolicy="round-robin",
+                                    hostnqn="nqn.2014-08.org.nvmexpress:uuid:1")
+            (conn,) = (await daemon.op_list())["connections"]
+            assert (conn["iopolicy"], conn["ana_retries"], conn["path_retries"]) == ("round-robin", 0, 0)
+            assert [(p["ana"], p["ana_reads"]) for p in conn["paths"]] == [
+                ({"1": "optimized"}, 1), ({"1": "inaccessible"}, 1)]
+            fams = await asyncio.to_thread(_scrape, mport)
+            assert shown(fams) == {a: "optimized", b: "inaccessible"}
+            await pair.a.stop()
+            await until(lambda: daemon.connections["vol"].describe_paths()[0]["state"] == "reconnecting")
+            fams = await asyncio.to_thread(_scrape, mport)
+            assert shown(fams) == {a: "unknown", b: "inaccessible"}
+            reads = [s.value for s in fams["blockd_initiator_path_ana_log_reads"].samples
+                     if s.name.endswith("_total") and s.labels["path"] == a]
+            assert reads == [1.0]
+        finally:
+            await daemon.stop()
+            await pair.stop()
+    run(main())
