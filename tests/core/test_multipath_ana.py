@@ -9,8 +9,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from initiator.errors import NvmeError
 from initiator.multipath import MultipathController
-from protocol.status import ANA_STATUSES
+from protocol.status import ANA_STATUSES, Status
 from target.service import TargetService
 
 from .conftest import NQN, run, until
@@ -120,6 +121,52 @@ def test_ana_statuses_cost_one_log_read(tmp_path: Path) -> None:
             assert ana_errors(pair.a) == mp.ana_retries
             await load.verify()
         finally:
+            await mp.close()
+            await pair.stop()
+    run(main())
+
+
+def test_statuses_that_come_back_during_the_read_ask_for_none(tmp_path: Path) -> None:
+    """Eight writes sent on A (held on the host, to time their answers) come back 0x302 one by
+    one while A's log is being read: the first asks for the read, the seven later ones were sent
+    before it started and ask for none. Each goes to B, once."""
+    pair = Pair(tmp_path)
+
+    async def main() -> None:
+        await pair.start()
+        mp = await pair.connect()
+        a = mp.paths[0]
+        sent: list[Any] = []
+        reading = asyncio.Event()
+        release = asyncio.Event()
+        real_submit, real_log = a.submit_io, a.get_log_page
+
+        def held_submit(sqe: Any, data_out: Any, data_in: Any, done: Any) -> None:
+            sent.append(done)
+
+        async def slow_log(*args: Any, **kw: Any) -> bytes:
+            reading.set()
+            await release.wait()
+            return await real_log(*args, **kw)
+
+        try:
+            await pair.b.op_ana_set("optimized")
+            await until(lambda: mp.describe_paths()[1]["ana"] == {"1": "optimized"})
+            reads = mp.ana_reads[a]
+            a.submit_io, a.get_log_page = held_submit, slow_log  # type: ignore[method-assign]
+            writes = [asyncio.create_task(mp.write(1, i, bytes([i]) * BS)) for i in range(8)]
+            await until(lambda: len(sent) == 8)
+            sent[0](NvmeError(Status.ANA_INACCESSIBLE, "write"))
+            await asyncio.wait_for(reading.wait(), 5)  # the read is under way
+            for done in sent[1:]:
+                done(NvmeError(Status.ANA_INACCESSIBLE, "write"))
+            release.set()
+            await asyncio.wait_for(asyncio.gather(*writes), 10)
+            assert mp.ana_reads[a] == reads + 1 and mp.ana_retries == 8
+            assert pair.writes(pair.b) == 8
+        finally:
+            a.submit_io, a.get_log_page = real_submit, real_log  # type: ignore[method-assign]
+            release.set()
             await mp.close()
             await pair.stop()
     run(main())
