@@ -127,8 +127,12 @@ async def main() -> int:
     ap.add_argument("--runtime", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--qd", type=int, default=32)
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help="comma-separated subset of " + ", ".join(CASES) + " (one-path alone: the lane's speed)")
     ap.add_argument("--no-docs", action="store_true")
     args = ap.parse_args()
+    if not set(args.cases.split(",")) <= set(CASES):
+        ap.error(f"--cases: choose among {', '.join(CASES)}")
     with tempfile.TemporaryDirectory(prefix="bench-mp-") as tmp:
         d = Path(tmp)
         backing = d / "shared.img"
@@ -160,7 +164,7 @@ async def measure(args: argparse.Namespace, ports: tuple[int, int], procs: list[
     for rnd in range(args.rounds):
         for write in (False, True):
             op = "randwrite" if write else "randread"
-            for case in CASES:
+            for case in args.cases.split(","):
                 if case == "one-path":
                     ctrl: Any = await Controller.connect(params(ports[0]))
                 else:
@@ -199,8 +203,8 @@ def report(rows: dict[tuple[str, str], list[tuple[float, float, float, float]]],
              "| job | case | IOPS | vs one path | client CPU us/IO | targets CPU us/IO | commands on B |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for op in ("randread", "randwrite"):
-        base = median([r[0] for r in rows[(op, "one-path")]])
-        for case in CASES:
+        base = median([r[0] for r in rows.get((op, "one-path"), rows[(op, args.cases.split(",")[0])])])
+        for case in args.cases.split(","):
             r = rows[(op, case)]
             iops = median([x[0] for x in r])
             lines.append(f"| {op} | {case} | {iops:.0f} | {iops / base:.2f} | {median([x[1] for x in r]):.1f} | "
