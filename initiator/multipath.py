@@ -351,10 +351,10 @@ class MultipathController:
         tier = self._tiers.get(nsid)
         if tier is None:
             tier = self._tiers[nsid] = self._tier(nsid)
+        if not tier:
+            self._hold_back(attempt)
+            return
         if len(tier) == 1 or self.iopolicy == _NUMA:
-            if not tier:
-                self._hold_back(attempt)
-                return
             path = tier[0]
         elif self.iopolicy == _ROUND_ROBIN:
             turn = self._turn.get(nsid, 0)

@@ -54,7 +54,8 @@ def test_policies_spread_over_optimized_paths(tmp_path: Path, iopolicy: str, con
 
 @pytest.mark.parametrize("iopolicy", ["round-robin", "queue-depth"])
 def test_policies_prefer_optimized_then_fall_back(tmp_path: Path, iopolicy: str) -> None:
-    """A non-optimized, B optimized: everything to B; B inaccessible: everything to A."""
+    """A non-optimized, B optimized: everything to B; B inaccessible: everything to A; both
+    unusable: the writes wait for a path, then go to it."""
     pair = Pair(tmp_path)
     pair.a = TargetService(target_config(pair.ports[0], pair.file, "non-optimized", (1, 99)))
     pair.b = TargetService(target_config(pair.ports[1], pair.file, "optimized", (100, 199)))
@@ -69,6 +70,13 @@ def test_policies_prefer_optimized_then_fall_back(tmp_path: Path, iopolicy: str)
             await until(lambda: mp.describe_paths()[1]["ana"] == {"1": "inaccessible"})
             await asyncio.gather(*(mp.write(1, i, b"n" * BS) for i in range(16)))
             assert (pair.writes(pair.a), pair.writes(pair.b)) == (16, 16)
+            # no usable path: the writes wait (not fail) until one is back
+            await pair.a.op_ana_set("inaccessible")
+            await until(lambda: mp.describe_paths()[0]["ana"] == {"1": "inaccessible"})
+            held = asyncio.gather(*(mp.write(1, i, b"h" * BS) for i in range(4)))
+            await pair.b.op_ana_set("optimized")
+            await asyncio.wait_for(held, 10)
+            assert (pair.writes(pair.a), pair.writes(pair.b)) == (16, 20)
         finally:
             await mp.close()
             await pair.stop()
