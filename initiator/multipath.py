@@ -71,7 +71,7 @@ _UNKNOWN = None
 ANATT_SLACK = 2
 """The ANATT timer runs this many times the controller's ANATT, as the kernel's (slack for the
 transport and the event)."""
-_NUMA, _ROUND_ROBIN, _QUEUE_DEPTH = IOPOLICIES
+_NUMA, _ROUND_ROBIN = IOPOLICIES[:2]  # and queue-depth, the third
 WAIT_SWEEP = 0.25
 """Seconds between checks of the commands waiting for a usable path (for their deadline)."""
 
@@ -360,7 +360,7 @@ class MultipathController:
             turn = self._turn.get(nsid, 0)
             self._turn[nsid] = turn + 1
             path = tier[turn % len(tier)]
-        else:
+        else:  # queue-depth
             path = min(tier, key=self._inflight.__getitem__)
         attempt.path = path
         attempt.seen = self.ana_reads[path]
