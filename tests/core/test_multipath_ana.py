@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from initiator.errors import NvmeError
 from initiator.multipath import MultipathController
 from protocol.status import ANA_STATUSES, Status
@@ -271,5 +273,27 @@ def test_list_and_metrics_show_each_paths_real_state(tmp_path: Path) -> None:
             assert reads == [1.0]
         finally:
             await daemon.stop()
+            await pair.stop()
+    run(main())
+
+
+@pytest.mark.parametrize("state", ["inaccessible", "persistent-loss", "change"])
+@pytest.mark.parametrize("iopolicy", ["numa", "round-robin", "queue-depth"])
+def test_a_path_in_a_state_without_io_takes_none(tmp_path: Path, state: str, iopolicy: str) -> None:
+    """A (listed first) in ``state``, B only non-optimized: every write goes to B, none to A,
+    whatever the policy."""
+    pair = Pair(tmp_path)
+    pair.a = TargetService(target_config(pair.ports[0], pair.file, state, (1, 99)))
+    pair.b = TargetService(target_config(pair.ports[1], pair.file, "non-optimized", (100, 199)))
+
+    async def main() -> None:
+        await pair.start()
+        mp = await pair.connect(iopolicy=iopolicy)
+        try:
+            assert [p["ana"] for p in mp.describe_paths()] == [{"1": state}, {"1": "non-optimized"}]
+            await asyncio.gather(*(mp.write(1, i, b"s" * BS) for i in range(16)))
+            assert (pair.writes(pair.a), pair.writes(pair.b), ana_errors(pair.a)) == (0, 16, 0)
+        finally:
+            await mp.close()
             await pair.stop()
     run(main())
