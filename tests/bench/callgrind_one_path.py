@@ -26,9 +26,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "fuse")]
 
-from blockd_stack import free_port, tool, wait_tcp  # noqa: E402
+sys.path.insert(0, str(HERE))
 
-NQN = "nqn.2026-11.io.blockd:callgrind"
+from bench_multipath import NQN, SIZE, target_config  # noqa: E402
+from blockd_stack import free_port, tool, wait_tcp  # noqa: E402
 
 
 async def client(port: int, reads: int) -> None:
@@ -41,7 +42,7 @@ async def client(port: int, reads: int) -> None:
     loop = asyncio.get_running_loop()
     for i in range(reads):
         fut = loop.create_future()
-        ctrl.transfer(False, 1, (i % 1024) * 4096, buf, lambda exc, fut=fut: fut.set_result(exc))
+        ctrl.transfer(False, 1, (i % (SIZE // 4096)) * 4096, buf, lambda exc, fut=fut: fut.set_result(exc))
         if (exc := await fut) is not None:
             raise exc
     await ctrl.close()
@@ -58,25 +59,11 @@ def main() -> int:
     low, high = (int(n) for n in args.reads.split(","))
     with tempfile.TemporaryDirectory(prefix="callgrind-") as tmp:
         d = Path(tmp)
-        (d / "vol.img").write_bytes(bytes(4 << 20))
+        (d / "vol.img").write_bytes(bytes(SIZE))
         port = free_port()
-        (d / "t.toml").write_text(f"""
-[control]
-socket = "{d / 't.sock'}"
-[[port]]
-transport = "tcp"
-address = "127.0.0.1"
-port = {port}
-[[subsystem]]
-nqn = "{NQN}"
-serial = "CALLGRIND0001"
-[[subsystem.namespace]]
-nsid = 1
-path = "{d / 'vol.img'}"
-size = {4 << 20}
-""")
+        config = target_config(d, "t", port, d / "vol.img", (1, 99))
         with open(d / "t.log", "wb") as log:
-            target = subprocess.Popen([tool("blockd"), "target", "--config", str(d / "t.toml")], stdout=log,
+            target = subprocess.Popen([tool("blockd"), "target", "--config", str(config)], stdout=log,
                                       stderr=log, cwd=REPO)
         try:
             wait_tcp(port, target)
