@@ -7,7 +7,9 @@ load, and a port removed and added again.
 Measured (2026-12-07, qemu TCG): fio 24 MiB of 4 KiB writes at 40 IOPS with crc32c verify,
 err=0; one command retried after an ANA status (a 0x303 answered when port 1's group went to
 "change" before its event arrived), that being the only ANA status seen; no retry after the
-port's removal (the path carried no I/O then: non-optimized beside an optimized one).
+port's removal (the path carried no I/O then: non-optimized beside an optimized one). With
+the ANA read on reconnect taken out (initiator/multipath.py), the test failed: port 1's path
+stayed "unknown" once the port was back.
 """
 
 import pytest
