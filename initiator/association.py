@@ -349,6 +349,15 @@ class Association:
             except (NvmeError, QueueLost, TimeoutError, ConnectionError) as exc:
                 log.warning("keep-alive failed", error=str(exc))
 
+    def reset(self) -> None:
+        """Drop the association and establish it again (the kernel's nvme_reset_ctrl): what
+        was in flight is retried on the new one. The multipath layer's answer to a path whose
+        ANA transition outlasts ANATT."""
+        if self.admin is not None and not self.admin.closed and not self._closing:
+            log.warning("resetting the association", subnqn=self.params.subnqn, traddr=self.params.traddr,
+                        trsvcid=self.params.trsvcid)
+            self.admin.close()
+
     def _close_connections(self) -> None:
         for conn in self.io:
             conn.close()

@@ -20,6 +20,7 @@ Example::
     # dhchap_secret = "DHHC-1:01:...:"   # in-band authentication (docs/security.md); the file
     # dhchap_ctrl_secret = "DHHC-1:00:...:"  # must then not be readable by others
     # paths = ["192.0.2.1:4420", "192.0.2.2:4420"]  # multipath (ANA failover): instead of traddr
+    # iopolicy = "numa"                 # among the paths: or "round-robin", "queue-depth"
 
     # FUSE mounts, as `blockctl mount vol1 /mnt/vol1` (initiator/fuse/): made once the
     # connection is up; the mount point must be an existing directory

@@ -136,6 +136,11 @@ class Controller(Association):
         self.event_listeners: list[Callable[[int], None]] = []
         """Called with the completion DW0 of every other asynchronous event (the multipath
         layer's ANA change)."""
+        self.live_listeners: list[Callable[[bool], None]] = []
+        """Called when the association goes down (False) or is established again (True),
+        while the controller has not given up: the multipath layer forgets a lost path's ANA
+        state and reads it again before the path takes I/O (the kernel reads the ANA log in
+        every controller (re)initialisation, nvme_mpath_init_identify)."""
         self.failfast = False
         """Set by the multipath layer (initiator.multipath) on each of its paths: an I/O command
         that finds the association down fails at once with :class:`QueueLost`, to be sent on
@@ -166,12 +171,16 @@ class Controller(Association):
         """The association is live (or, with ``failed`` set, finished: waiters wake to see it).
         ``_establish`` replaces ``io``, ``max_transfer`` and the namespace table before it sets
         this, so the lane reads them again here."""
+        was = self._live.is_set()
         if live:
             self._live.set()
         else:
             self._live.clear()
         if self.lane is not None:
             self.lane.sync(self._loop, self._live.is_set())
+        if live != was and self.failed is None:
+            for listener in self.live_listeners:
+                listener(live)
 
     def _set_failed(self, exc: Exception | None) -> None:
         """The controller gave up (or was closed): every later command fails."""

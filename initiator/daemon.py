@@ -149,10 +149,10 @@ class InitiatorDaemon:
 
     def _describe(self, name: str, ctrl: Controller | MultipathController) -> dict[str, Any]:
         p = ctrl.params
-        paths = ctrl.describe_paths() if isinstance(ctrl, MultipathController) else []
+        multipath = ctrl.describe() if isinstance(ctrl, MultipathController) else {"paths": []}
         return {"nqn": p.subnqn, "transport": p.transport, "traddr": p.traddr, "trsvcid": p.trsvcid,
                 "cntlid": ctrl.cntlid, "io_queues": len(ctrl.io),
-                "state": ctrl.state, "paths": paths,
+                "state": ctrl.state, **multipath,
                 "namespaces": [{"nsid": ns.nsid, "size": ns.size, "block_size": ns.block_size,
                                 "read_only": ns.read_only} for ns in ctrl.namespaces.values()]}
 

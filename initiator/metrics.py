@@ -8,11 +8,12 @@ Read when Prometheus scrapes, as the target's (:mod:`target.metrics`, same names
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from blockd.prometheus import MetricsServer, io_families
+from initiator.multipath import MultipathController
 
 if TYPE_CHECKING:
     from initiator.daemon import InitiatorDaemon
@@ -47,6 +48,8 @@ class InitiatorCollector:
             queues.add_metric(labels, len(ctrl.io))
             depth.add_metric(labels, sum(len(conn.queue.pending) for conn in ctrl.io))
         yield from (up, reconnects, queues, depth)
+        yield from _multipath_families([(labels, ctrl.describe()) for labels, ctrl in conns
+                                        if isinstance(ctrl, MultipathController)])
 
         requests = CounterMetricFamily(f"{PREFIX}_mount_requests", "FUSE reads and writes served, per mount",
                                        labels=[*_MOUNT, "op"])
@@ -59,6 +62,29 @@ class InitiatorCollector:
                 requests.add_metric([*labels, op], stats[op])
             errors.add_metric(labels, stats["errors"])
         yield from (requests, errors)
+
+
+def _multipath_families(conns: list[tuple[list[str], dict[str, Any]]]) -> Iterator[Metric]:
+    """Per multipath connection its retries, per path its ANA log reads and the ANA state of
+    each namespace there (what ``blockctl list`` shows, ``MultipathController.describe``)."""
+    ana_retries = CounterMetricFamily(f"{PREFIX}_connection_ana_retries", "Commands sent again on another path "
+                                      "after an ANA status (0x301-0x303)", labels=_CONNECTION)
+    path_retries = CounterMetricFamily(f"{PREFIX}_connection_path_retries", "Commands sent again on another "
+                                       "path after theirs went down or timed out", labels=_CONNECTION)
+    reads = CounterMetricFamily(f"{PREFIX}_path_ana_log_reads", "ANA log pages read from the path",
+                                labels=[*_CONNECTION, "path"])
+    state = GaugeMetricFamily(f"{PREFIX}_path_ana_state", "1 for the ANA state of the namespace on the path "
+                              "(unknown: not read since the path connected)",
+                              labels=[*_CONNECTION, "path", "nsid", "state"])
+    for labels, mp in conns:
+        ana_retries.add_metric(labels, mp["ana_retries"])
+        path_retries.add_metric(labels, mp["path_retries"])
+        for p in mp["paths"]:
+            where = f"{p['traddr']}:{p['trsvcid']}"
+            reads.add_metric([*labels, where], p["ana_reads"])
+            for nsid, name in p["ana"].items():
+                state.add_metric([*labels, where, nsid, name], 1)
+    yield from (ana_retries, path_retries, reads, state)
 
 
 def initiator_metrics_server(daemon: InitiatorDaemon, address: str, port: int) -> MetricsServer:

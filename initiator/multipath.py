@@ -6,14 +6,28 @@ what a mount needs (:class:`initiator.fuse.needs.MountController`), so ``Control
 stays the one per-path primitive. As the Linux host's native multipath
 (drivers/nvme/host/multipath.c):
 
-- each path's ANA log page says, per namespace, the state of that path: I/O goes to an
-  optimized path, a non-optimized one when there is none; inaccessible, persistent-loss and
-  change paths are not used;
+- each path's ANA log page says, per namespace, the state of that path: I/O goes to the
+  optimized paths, the non-optimized ones when there is none; inaccessible, persistent-loss and
+  change paths, and paths whose state is not known, are not used;
+- the log is read when a path connects and again on every reconnect (nvme_mpath_init_identify):
+  a path that goes down forgets its states and takes no I/O until the new association's log
+  is read, so a target that came back with its group inaccessible is never taken for the
+  optimized path it was;
+- among the paths of the best state the connection's ``iopolicy`` chooses, named as the
+  kernel's: ``numa`` (its default; one process is one node here, so the first usable path in
+  the order given, as the kernel's with equal distances), ``round-robin`` (each command the
+  next path, nvme_round_robin_path) and ``queue-depth`` (the path with the fewest commands in
+  flight, nvme_queue_depth_path);
 - a command that fails with an ANA status (0x301-0x303) or because its path went down is sent
-  again on another path instead of failing; the path's ANA log is read again (after its
-  reconnect, for a lost path). A command with no usable path waits for one, for at most
+  again on another path instead of failing. An ANA status makes the host read that path's log
+  again, once: statuses of commands sent before a read started ask for none (their news is
+  being read), and reads asked for while one is under way make one more after it, as the
+  kernel's ana_work. A command with no usable path waits for one, for at most
   ``ctrl_loss_tmo`` from its first failure;
-- the ANA change event makes the host read that path's log again.
+- the ANA change event makes the host read that path's log again;
+- a log that shows a group in the "change" state starts the path's ANATT timer (twice the
+  controller's ANATT, as the kernel's nvme_read_ana_log); a path still in transition when it
+  runs out is reset (nvme_anatt_timeout), and its log is read again on the reconnect.
 
 A path that is down when the connection is made does not fail it while another connects: it
 keeps trying in the background (``Controller.connect(keep_trying=True)``: every
@@ -39,6 +53,7 @@ from blockd.iostats import IoCounters
 from initiator.association import RETRYABLE
 from initiator.controller import Controller, IoDone, NamespaceInfo
 from initiator.errors import ConnectError, NvmeError, QueueLost
+from initiator.params import IOPOLICIES
 from protocol.constants import AEN_ANA_CHANGED, AEN_DW0_MASK, CMIC_ANA, AnaState, LogPageId
 from protocol.layout import field_offset
 from protocol.logpage import ANA_GROUP_SIZE, ANA_HEADER_SIZE, ANA_LOG
@@ -50,10 +65,13 @@ log = structlog.get_logger("blockd.initiator.multipath")
 _NSID = field_offset(SQE, "nsid")
 _STATUS_CODE = 0x7FF
 """SCT and SC of a status (without DNR and More), what the ANA statuses are compared on."""
-_USABLE = (AnaState.OPTIMIZED, AnaState.NON_OPTIMIZED)
 _KNOWN_STATES = frozenset(int(s) for s in AnaState)
-_PENDING = None
-"""A path's state for a namespace while its ANA log is being read again (not used meanwhile)."""
+_UNKNOWN = None
+"""A path's state for a namespace until its ANA log is read (again): the path is not used."""
+ANATT_SLACK = 2
+"""The ANATT timer runs this many times the controller's ANATT, as the kernel's (slack for the
+transport and the event)."""
+_NUMA, _ROUND_ROBIN = IOPOLICIES[:2]  # and queue-depth, the third
 WAIT_SWEEP = 0.25
 """Seconds between checks of the commands waiting for a usable path (for their deadline)."""
 
@@ -62,7 +80,7 @@ class _Attempt:
     """One command on its way through the paths: the caller's ``done`` runs once, when a path
     completes it or when no path can and the wait is over."""
 
-    __slots__ = ("mp", "sqe", "data_out", "data_in", "done", "nsid", "path", "deadline", "error")
+    __slots__ = ("mp", "sqe", "data_out", "data_in", "done", "nsid", "path", "seen", "deadline", "error")
 
     def __init__(self, mp: MultipathController, sqe: bytearray, data_out: bytes | memoryview | None,
                  data_in: memoryview | None, done: IoDone) -> None:
@@ -73,12 +91,16 @@ class _Attempt:
         self.done = done
         self.nsid = int.from_bytes(sqe[_NSID:_NSID + 4], "little")
         self.path: Controller | None = None
+        self.seen = 0
+        """The ANA log reads of ``path`` started when the command was sent on it."""
         self.deadline = 0.0
         """When the first path failure happened plus ``ctrl_loss_tmo`` (0: none yet)."""
         self.error: BaseException | None = None
 
     def finished(self, exc: BaseException | None) -> None:
-        if exc is None or not self.mp._path_failed(self, exc):
+        mp = self.mp
+        mp._inflight[self.path] -= 1
+        if exc is None or not mp._path_failed(self, exc):
             self.done(exc)
 
 
@@ -91,10 +113,26 @@ class MultipathController:
         self.paths = paths
         self.params = paths[0].params
         self.ctrl_loss_tmo = self.params.ctrl_loss_tmo
+        self.iopolicy = self.params.iopolicy
         self._states: dict[Controller, dict[int, AnaState | None]] = {p: {} for p in paths}
-        """Per path, nsid -> its ANA state there (None: being read again)."""
-        self._route: dict[int, Controller | None] = {}
-        """Per nsid, the path chosen (cached until a state changes)."""
+        """Per path, nsid -> its ANA state there (None: not known, see :data:`_UNKNOWN`)."""
+        self._tiers: dict[int, tuple[Controller, ...]] = {}
+        """Per nsid, the live paths of the best usable state (cached until a state changes)."""
+        self._turn: dict[int, int] = {}
+        """Per nsid, the round-robin policy's count of commands sent."""
+        self._inflight = {p: 0 for p in paths}
+        """Per path, this connection's commands in flight there (the queue-depth policy)."""
+        self.ana_reads = {p: 0 for p in paths}
+        """Per path, ANA log reads started (a metric; a command's ``seen``)."""
+        self._again: set[Controller] = set()
+        """Paths whose read under way may predate what asked for one: read once more after it."""
+        self._epoch = {p: 0 for p in paths}
+        """Per path, how often it went down or came back (a read across one is not used)."""
+        self._anatt: dict[Controller, asyncio.TimerHandle] = {}
+        self.ana_retries = 0
+        """Commands sent again after an ANA status (0x301-0x303)."""
+        self.path_retries = 0
+        """Commands sent again after their path went down or timed out."""
         self._waiting: collections.deque[_Attempt] = collections.deque()
         self._sweep: asyncio.TimerHandle | None = None
         self._refreshing: dict[Controller, asyncio.Task[None]] = {}
@@ -112,6 +150,7 @@ class MultipathController:
         for path in paths:
             path.failfast = True
             path.event_listeners.append(lambda dw0, path=path: self._event(path, dw0))
+            path.live_listeners.append(lambda live, path=path: self._live_changed(path, live))
             path.namespace_listeners.append(self._namespaces_changed)
 
     @classmethod
@@ -183,33 +222,78 @@ class MultipathController:
     # -- ANA state ------------------------------------------------------------------------------
 
     async def _read_ana(self, path: Controller) -> None:
-        """Read ``path``'s ANA log page (once it is live) and use its states. A controller
-        without ANA reporting serves every namespace, as an optimized path."""
-        ident = path.identity
-        if not ident.cmic & CMIC_ANA:
-            states = {nsid: AnaState.OPTIMIZED for nsid in path.namespaces}
-        else:
-            # sized as the Linux host sizes it: every group, every namespace listed once
-            size = ANA_HEADER_SIZE + ident.nanagrpid * ANA_GROUP_SIZE + ident.mnan * 4
-            page = await path.get_log_page(LogPageId.ANA, min(size, path.max_transfer))
-            try:
-                groups = ANA_LOG.parse(page).groups
-            except construct.ConstructError:
-                raise ConnectError(f"{_name(path)}: the ANA log page does not parse") from None
-            states = {}
-            for group in groups:
-                if group.state in _KNOWN_STATES:  # an unknown state: not a path to use
-                    for nsid in group.nsids:
-                        states[nsid] = AnaState(group.state)
+        """Read ``path``'s ANA log page (once it is live) and use its states; read again when
+        the path went down or came back meanwhile, or another read was asked for (the answer
+        may predate it)."""
+        while True:
+            epoch = self._epoch[path]
+            self._again.discard(path)
+            self.ana_reads[path] += 1
+            states, change = await self._ana_states(path)
+            if self._epoch[path] == epoch and path not in self._again:
+                break
         if self._states[path] != states:
             log.info("path ANA state", subnqn=self.params.subnqn, path=_name(path),
                      states={n: s.name.lower() for n, s in sorted(states.items())})
         self._states[path] = states
+        self._anatt_timer(path, change)
+        self._changed()
+
+    async def _ana_states(self, path: Controller) -> tuple[dict[int, AnaState], bool]:
+        """nsid -> state from ``path``'s ANA log page, and whether a group is in "change". A
+        controller without ANA reporting serves every namespace, as an optimized path."""
+        ident = path.identity
+        if not ident.cmic & CMIC_ANA:
+            return {nsid: AnaState.OPTIMIZED for nsid in path.namespaces}, False
+        # sized as the Linux host sizes it: every group, every namespace listed once
+        size = ANA_HEADER_SIZE + ident.nanagrpid * ANA_GROUP_SIZE + ident.mnan * 4
+        page = await path.get_log_page(LogPageId.ANA, min(size, path.max_transfer))
+        try:
+            groups = ANA_LOG.parse(page).groups
+        except construct.ConstructError:
+            raise ConnectError(f"{_name(path)}: the ANA log page does not parse") from None
+        states = {}
+        for group in groups:
+            if group.state in _KNOWN_STATES:  # an unknown state: not a path to use
+                for nsid in group.nsids:
+                    states[nsid] = AnaState(group.state)
+        return states, any(group.state == AnaState.CHANGE for group in groups)
+
+    def _anatt_timer(self, path: Controller, change: bool) -> None:
+        """(Re)start ``path``'s ANATT timer when a group is in transition, else stop it (as the
+        kernel's, one timer per controller, restarted by every read that shows a change)."""
+        timer = self._anatt.pop(path, None)
+        if timer is not None:
+            timer.cancel()
+        if change and not self._closed:
+            delay = ANATT_SLACK * max(1, path.identity.anatt)
+            self._anatt[path] = self._loop.call_later(delay, self._anatt_expired, path)
+
+    def _anatt_expired(self, path: Controller) -> None:
+        del self._anatt[path]
+        log.warning("ANA transition longer than ANATT; resetting the path", subnqn=self.params.subnqn,
+                    path=_name(path), anatt=path.identity.anatt)
+        path.reset()
+
+    def _live_changed(self, path: Controller, live: bool) -> None:
+        """``path`` went down or came back: its states are not known until its log is read
+        on the new association (a joining path's first read is :meth:`_join`'s)."""
+        if self._closed or path in self._joining or path in self._refused:
+            return
+        self._epoch[path] += 1
+        self._states[path] = dict.fromkeys(self._states[path], _UNKNOWN)
+        self._anatt_timer(path, False)
+        if live:
+            self._refresh(path)
         self._changed()
 
     def _refresh(self, path: Controller) -> None:
-        """Read ``path``'s ANA log again, in the background (one read at a time per path)."""
-        if self._closed or path in self._refreshing or path in self._joining or path in self._refused:
+        """Read ``path``'s ANA log again, in the background: one read at a time per path, and
+        one more after it when asked for while it is under way."""
+        if self._closed or path in self._joining or path in self._refused:
+            return
+        if path in self._refreshing:
+            self._again.add(path)
             return
         self._refreshing[path] = self._loop.create_task(self._refresh_task(path))
 
@@ -235,24 +319,24 @@ class MultipathController:
 
     def _changed(self) -> None:
         """A path's state changed: choose routes again and send the commands that waited."""
-        self._route.clear()
+        self._tiers.clear()
         self.namespaces = self._any_live().namespaces
         waiting, self._waiting = self._waiting, collections.deque()
         while waiting:
             self._dispatch(waiting.popleft())
 
-    def _choose(self, nsid: int) -> Controller | None:
-        """An optimized live path for ``nsid``, else a non-optimized one, else None."""
-        best = None
+    def _tier(self, nsid: int) -> tuple[Controller, ...]:
+        """The live optimized paths for ``nsid``, else the non-optimized ones, in their order."""
+        optimized, fallback = [], []
         for path in self.paths:
             if path.state != "live":
                 continue
             state = self._states[path].get(nsid)
             if state == AnaState.OPTIMIZED:
-                return path
-            if state == AnaState.NON_OPTIMIZED and best is None:
-                best = path
-        return best
+                optimized.append(path)
+            elif state == AnaState.NON_OPTIMIZED:
+                fallback.append(path)
+        return tuple(optimized or fallback)
 
     # -- I/O ------------------------------------------------------------------------------------
 
@@ -264,14 +348,23 @@ class MultipathController:
 
     def _dispatch(self, attempt: _Attempt) -> None:
         nsid = attempt.nsid
-        try:
-            path = self._route[nsid]
-        except KeyError:
-            path = self._route[nsid] = self._choose(nsid)
-        if path is None:
+        tier = self._tiers.get(nsid)
+        if tier is None:
+            tier = self._tiers[nsid] = self._tier(nsid)
+        if not tier:
             self._hold_back(attempt)
             return
+        if len(tier) == 1 or self.iopolicy == _NUMA:
+            path = tier[0]
+        elif self.iopolicy == _ROUND_ROBIN:
+            turn = self._turn.get(nsid, 0)
+            self._turn[nsid] = turn + 1
+            path = tier[turn % len(tier)]
+        else:  # queue-depth
+            path = min(tier, key=self._inflight.__getitem__)
         attempt.path = path
+        attempt.seen = self.ana_reads[path]
+        self._inflight[path] += 1
         path.submit_io(attempt.sqe, attempt.data_out, attempt.data_in, attempt.finished)
 
     def _path_failed(self, attempt: _Attempt, exc: BaseException) -> bool:
@@ -279,11 +372,10 @@ class MultipathController:
         one); False when ``exc`` is the caller's (a status of the command itself, or the wait
         is over)."""
         path = attempt.path
-        if isinstance(exc, NvmeError):
-            if exc.status & _STATUS_CODE not in ANA_STATUSES:
-                return False
-            self._states[path][attempt.nsid] = _PENDING  # not used until its log is read again
-        elif not isinstance(exc, (ConnectionError, TimeoutError)):
+        ana = isinstance(exc, NvmeError)
+        if ana and exc.status & _STATUS_CODE not in ANA_STATUSES:
+            return False
+        if not ana and not isinstance(exc, (ConnectionError, TimeoutError)):
             return False
         if self._closed:
             return False
@@ -295,8 +387,15 @@ class MultipathController:
         elif now > attempt.deadline:
             return False
         attempt.error = exc
-        self._route.pop(attempt.nsid, None)
-        self._refresh(path)
+        if ana:
+            self.ana_retries += 1
+            if attempt.seen == self.ana_reads[path]:  # news: no read started since it was sent
+                self._states[path][attempt.nsid] = _UNKNOWN  # not used until its log is read
+                self._tiers.pop(attempt.nsid, None)
+                self._refresh(path)
+        else:  # a path that went down is read again when it is back (_live_changed)
+            self.path_retries += 1
+            self._tiers.pop(attempt.nsid, None)
         self._dispatch(attempt)
         return True
 
@@ -323,9 +422,6 @@ class MultipathController:
                 keep.append(attempt)
         self._waiting = keep
         if keep:
-            for path in self.paths:  # a path that came back: its state is read (once per path)
-                if path.state == "live" and not any(s in _USABLE for s in self._states[path].values()):
-                    self._refresh(path)
             self._sweep = self._loop.call_later(WAIT_SWEEP, self._sweep_waiting)
 
     def hold_sends(self) -> None:
@@ -403,9 +499,15 @@ class MultipathController:
         return [{"transport": p.params.transport, "traddr": p.params.traddr, "trsvcid": p.params.trsvcid,
                  "cntlid": p.cntlid, "state": self._path_state(p),
                  **({"error": self._refused[p]} if p in self._refused else {}),
-                 "ana": {str(n): s.name.lower() if s is not None else "pending"
-                         for n, s in sorted(self._states[p].items())}}
+                 "ana": {str(n): s.name.lower().replace("_", "-") if s is not None else "unknown"
+                         for n, s in sorted(self._states[p].items())},
+                 "ana_reads": self.ana_reads[p], "inflight": self._inflight[p]}
                 for p in self.paths]
+
+    def describe(self) -> dict[str, Any]:
+        """What ``blockctl list`` and the metrics show of the connection beside its paths."""
+        return {"iopolicy": self.iopolicy, "ana_retries": self.ana_retries, "path_retries": self.path_retries,
+                "paths": self.describe_paths()}
 
     async def identify_controller(self) -> Any:
         return await self._any_live().identify_controller()
@@ -427,6 +529,9 @@ class MultipathController:
             self._sweep = None
         for task in [*self._refreshing.values(), *self._joining.values()]:
             task.cancel()
+        for timer in self._anatt.values():
+            timer.cancel()
+        self._anatt.clear()
         for path in self.paths:
             await path.close()
         waiting, self._waiting = self._waiting, collections.deque()

@@ -23,6 +23,9 @@ from protocol.constants import DEFAULT_IO_PORT
 TRANSPORT_NAMES = tuple(TRANSPORTS)
 """The registered transports (:mod:`initiator.transport`), as they stand when this is imported."""
 RDMA_KEY_MODES = ("auto", "mw", "mr")
+IOPOLICIES = ("numa", "round-robin", "queue-depth")
+"""The multipath I/O policies, named as the Linux host's (its subsystem ``iopolicy``);
+:mod:`initiator.multipath` says what each does here."""
 
 
 def default_hostnqn() -> str:
@@ -72,6 +75,9 @@ class ConnectParams:
         "-S", "DH-HMAC-CHAP host secret (DHHC-1:hh:...:, as nvme gen-dhchap-key prints it)"))
     dhchap_ctrl_secret: str | None = field(default=None, repr=False, metadata=_option(
         "-C", "DH-HMAC-CHAP controller secret: authenticate the controller too"))
+    iopolicy: str = field(default=IOPOLICIES[0], metadata=_option(
+        None, "multipath I/O policy among a connection's paths (--path): numa (the kernel's default: "
+        "the first usable path), round-robin, queue-depth", choices=IOPOLICIES))
     hostid: uuid.UUID | None = None
     """Default: derived from ``hostnqn``, so one host NQN always has one host id."""
     command_timeout: float = 30.0

@@ -4,17 +4,20 @@ subsystem as its replica. A (optimized) is the primary and mirrors every write t
 (inaccessible, the standby). The host connects to both and writes under load; A is killed with
 SIGKILL, B promoted: no write fails and every acknowledged one reads back from B. A then
 returns as the standby: B resyncs it from the write-intent bitmaps (the regions written since,
-not the volume) and the two copies' data areas are equal."""
+not the volume) and the two copies' data areas are equal. The host lists A inaccessible (its ANA
+log read on the reconnect, issue 40), and a planned switch-back under load (demote B, promote A)
+costs no error."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
 
-from failover import BLOCK, SIZE, Pair, Writer
+from failover import BLOCK, SIZE, Pair, Writer, read_back
 
 REGION = 64 << 10
 SPAN = 16 * REGION
@@ -76,5 +79,25 @@ def test_kill_primary_promote_standby_then_the_old_primary_returns_and_resyncs_i
         verify = pair.target_ctl("b.sock", "verify", "nqn.2026-11.io.blockd:fuse", "1")
         assert verify.returncode == 0 and " 0 differ" in verify.stdout, verify.stdout + verify.stderr
         assert SIZE > data_size > SPAN
+
+        # issue 40: A's ANA log was read on its reconnect: listed as the standby it now is
+        pair.wait_listed(f"path tcp://127.0.0.1:{s.port} cntlid 1 live: nsid 1 inaccessible")
+        # a planned switch-back under load (demote B, then promote A): no error, the writes go
+        # on through A, and at most the writes in flight are retried after an ANA status
+        writer = Writer(s.file, blocks=SPAN // BLOCK)
+        try:
+            before = writer.wait_writes(writer.writes + 50)
+            for sock, verb in (("b.sock", "demote"), ("target.sock", "promote")):
+                res = pair.target_ctl(sock, "ana", verb)
+                assert res.returncode == 0, res.stderr
+            writer.wait_writes(before + 200)
+        finally:
+            writer.join()
+        assert not writer.errors, writer.errors
+        listing = pair.wait_listed(f"path tcp://127.0.0.1:{s.port} cntlid 1 live: nsid 1 optimized")
+        assert pair.path_b("cntlid 100 live: nsid 1 inaccessible") in listing, listing
+        retried = re.search(r"(\d+) command\(s\) retried after an ANA status, (\d+) after a path loss", listing)
+        assert retried is not None and int(retried[1]) <= writer.jobs, listing
+        assert read_back(s.file, writer.acked) == []
     finally:
         pair.stop()
