@@ -202,8 +202,7 @@ cdef class FuseRing:
         # kernel writes a request's bytes before we read them
         self.payloads = [PyByteArray_FromStringAndSize(NULL, payload_size) for i in range(n)]
         # room for every entry's command at once (registration), rounded up by the kernel
-        err = io_uring_queue_init(n, &self.ring, IORING_SETUP_SQE128 | IORING_SETUP_COOP_TASKRUN
-                                  | IORING_SETUP_SINGLE_ISSUER)
+        err = io_uring_queue_init(n, &self.ring, IORING_SETUP_SQE128 | IORING_SETUP_SINGLE_ISSUER)
         if err < 0:
             raise OSError(-err, f"io_uring_queue_init: {os.strerror(-err)}")
         self.live = True
