@@ -440,7 +440,7 @@ cdef class FuseLoop:
                     self._serve_entry(<int>entries[i])
                 else:
                     ring.failed += 1
-                    self.session.ring_entry_ended(-results[i])
+                    self.session.ring_entry_ended(-results[i], ring.served == 0)
         finally:
             ring.flush()
             if ctrl is not None:

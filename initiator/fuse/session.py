@@ -349,13 +349,18 @@ class FuseSession:
         ring = None if self._fast is None else self._fast.ring
         return 0 if ring is None else ring.served
 
-    def ring_entry_ended(self, err: int) -> None:
-        """A ring entry's command ended with ``err``: the connection ending (quiet), or the
-        kernel refusing a registration, after which it serves the connection through /dev/fuse
-        (``fuse_uring_cmd``), as we then report."""
+    def ring_entry_ended(self, err: int, before_any_request: bool) -> None:
+        """A ring entry's command ended with ``err``: the connection ending (quiet); before any
+        request, the kernel refusing a registration, after which it serves the connection
+        through /dev/fuse (``fuse_uring_cmd``), as we then report; else a refused commit, whose
+        entry takes no more requests (the others go on)."""
         if err in _ENDED:
             return
-        log.warning("fuse io_uring entry refused by the kernel: requests go through /dev/fuse",
+        if not before_any_request:
+            log.warning("fuse io_uring commit refused by the kernel: one ring entry fewer",
+                        mountpoint=self.mountpoint, error=os.strerror(err))
+            return
+        log.warning("fuse io_uring registration refused by the kernel: requests go through /dev/fuse",
                     mountpoint=self.mountpoint, error=os.strerror(err))
         self.transport = "/dev/fuse"
         self.transport_reason = f"io_uring registration refused: {os.strerror(err)}"
