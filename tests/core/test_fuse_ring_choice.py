@@ -19,7 +19,7 @@ from initiator.fuse.session import FuseLoop, FuseSession, possible_cpus
 
 from .conftest import run
 
-pytestmark = pytest.mark.skipif(FuseLoop is None, reason="the compiled FUSE loop is not built")
+compiled_only = pytest.mark.skipif(FuseLoop is None, reason="the ring is the compiled loop's (not built, or BLOCKD_PURE)")
 
 INIT_IN_FULL = 64
 """``sizeof(struct fuse_init_in)`` as kernels with FUSE_INIT_EXT send it (flags2, then unused)."""
@@ -63,6 +63,7 @@ def test_possible_cpus_counts_every_range(tmp_path: Path) -> None:
         assert possible_cpus(str(f)) == count
 
 
+@compiled_only
 def test_an_init_offering_the_ring_is_answered_with_it_and_the_ring_is_made() -> None:
     async def main() -> None:
         with _session(compiled=True) as (session, kernel):
@@ -85,7 +86,8 @@ def test_an_init_offering_the_ring_is_answered_with_it_and_the_ring_is_made() ->
 
 
 @pytest.mark.parametrize("compiled, offered, why", [
-    (True, False, "the kernel does not offer FUSE over io_uring (fuse enable_uring off?)"),
+    pytest.param(True, False, "the kernel does not offer FUSE over io_uring (fuse enable_uring off?)",
+                 marks=compiled_only),
     (False, True, "the Python loop serves /dev/fuse only"),
 ])
 def test_without_an_offer_or_the_compiled_loop_init_keeps_to_dev_fuse(compiled: bool, offered: bool,
