@@ -198,7 +198,7 @@ cdef class FuseRing:
         if self.headers == NULL or self.iov == NULL:
             raise MemoryError()
         memset(self.headers, 0, n * _RING_HDR)
-        # each payload is a bytearray (a big write's data is a view of it), not zero-filled: the
+        # each payload is a bytearray, not zero-filled: the
         # kernel writes a request's bytes before we read them
         self.payloads = [PyByteArray_FromStringAndSize(NULL, payload_size) for i in range(n)]
         # room for every entry's command at once (registration), rounded up by the kernel
@@ -466,8 +466,17 @@ cdef class FuseLoop:
             size = _u32(op + _O_OP_SIZE)
             if size > payload_sz:  # as the /dev/fuse path clips to what was read
                 size = payload_sz
-            self._write(unique, nodeid - 1, _u64(op + _O_OP_OFFSET), ring.payload(entry), size, None,
-                        None if size <= self.copy_limit else memoryview(ring.payloads[entry])[:size])
+            if size <= self.copy_limit:
+                owned = None
+            else:
+                # copied into a buffer of the session's pool, not sent from the entry: a failed
+                # write's data may still sit in a closing transport's buffer, and the entry takes
+                # the next request as soon as the error is committed (the /dev/fuse path gives
+                # such a buffer up for the same reason: ``recycle``)
+                owned = self.spare.pop() if self.spare else bytearray(self.cap)
+                memcpy(PyByteArray_AS_STRING(owned), ring.payload(entry), size)
+            self._write(unique, nodeid - 1, _u64(op + _O_OP_OFFSET), ring.payload(entry), size, owned,
+                        None if owned is None else memoryview(owned)[:size])
         elif opcode == self.op_fsync:
             self._fsync(unique, nodeid - 1)
         else:
@@ -649,9 +658,9 @@ cdef class FuseLoop:
         """``BlockFiles.write`` for a block-aligned range inside a writable file on a live
         controller whose blocks no read-modify-write holds (its shared hold taken here, as
         there); every other case is the Python one's. The data is the ``length`` bytes at
-        ``src``, in the request buffer: a big write's ``view`` of it is the data (``owned``: the
-        /dev/fuse buffer it lies in, taken from the loop and recycled once written; None for a
-        ring entry's payload, which stays ours until the reply commits it), else copied out,
+        ``src``, in the request buffer: a big write's data is ``view``, of ``owned`` (the /dev/fuse
+        buffer it was read into, taken from the loop, or the pool buffer a ring entry's payload
+        was copied into), recycled once written; a small one's is copied out,
         once: into an ``InlineData`` (``initiator/_inline.pyx``: the bytes its NVMe/TCP capsule
         is sent as) for a write sent from here, into a ``bytearray`` for the Python one's, as
         the reference."""
