@@ -51,9 +51,3 @@ if ! env -u BLOCKD_PURE .venv/bin/python -c 'import blockd.rdma._fast_verbs' 2>/
   echo "setup: WARNING: the compiled RDMA data path did not build (libibverbs-dev missing?);" \
        "RDMA runs its ctypes path (blockd/rdma/_fast.py)" >&2
 fi
-
-# FUSE over io_uring (kernels >= 6.14 built with CONFIG_FUSE_IO_URING): off unless switched on at
-# run time; the FUSE mounts use it when it is on and fall back to /dev/fuse when it is not
-if [ -w /sys/module/fuse/parameters/enable_uring ]; then
-  echo Y > /sys/module/fuse/parameters/enable_uring
-fi
