@@ -13,6 +13,8 @@ from setuptools.command.build_ext import build_ext
 
 
 FALLBACK = {
+    "initiator.fuse._loop": "FUSE mounts will run the Python request loop over /dev/fuse, without "
+                            "io_uring (install liburing-dev, e.g. with scripts/setup.sh, then reinstall)",
     "blockd.rdma._fast_verbs": "RDMA will run its ctypes path (blockd/rdma/_fast.py; install "
                                "libibverbs-dev, e.g. with scripts/setup.sh, then reinstall)",
 }
@@ -46,7 +48,10 @@ EXTENSIONS = [
     Extension("initiator._inline", ["initiator/_inline.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._tcp_host_io", ["initiator/_tcp_host_io.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator.fuse._rangelock", ["initiator/fuse/_rangelock.pyx"], extra_compile_args=["-O2"]),
-    Extension("initiator.fuse._loop", ["initiator/fuse/_loop.pyx"], extra_compile_args=["-O2"]),
+    # needs <liburing.h> (liburing-dev): FUSE over io_uring; without it the compiled FUSE loop is
+    # skipped with the warning above and the Python one serves /dev/fuse
+    Extension("initiator.fuse._loop", ["initiator/fuse/_loop.pyx"], extra_compile_args=["-O2"],
+              libraries=["uring"]),
     # needs <infiniband/verbs.h> (libibverbs-dev); without it this one is skipped with the
     # warning above and blockd.rdma.verbs runs the ctypes path (blockd/rdma/_fast.py)
     Extension("blockd.rdma._fast_verbs", ["blockd/rdma/_fast_verbs.pyx"], extra_compile_args=["-O2"],

@@ -403,7 +403,8 @@ def cmd_mounts(args: argparse.Namespace) -> int:
         print("no mounts")
     for m in mounts:
         print(f"{m['mountpoint']}: {m['name']} ({', '.join(m['files'])}) reads {m['read']} writes {m['write']} "
-              f"errors {m['errors']}")
+              f"errors {m['errors']} via {m.get('transport', '/dev/fuse')} ({m.get('transport_reason', '')}; "
+              f"{m.get('ring_requests', 0)} requests from the ring)")
     return 0
 
 

@@ -24,11 +24,13 @@ C variables below), so nothing is typed twice.
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
-from libc.errno cimport EAGAIN, EBADF, ENODEV, ENOENT, errno
-from libc.stdint cimport int32_t, uint32_t, uint64_t
+from libc.errno cimport EAGAIN, EBADF, EBUSY, EINTR, EIO, ENODEV, ENOENT, errno
+from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 from posix.uio cimport iovec, writev
 from posix.unistd cimport read
+
+from libc.stdlib cimport free, malloc
 
 from initiator._inline cimport inline_data
 from initiator._lane cimport IoLane
@@ -37,7 +39,39 @@ from initiator.fuse._rangelock cimport RangeLocks
 import os
 import struct
 
-from initiator.fuse.abi import IN_HEADER, OUT_HEADER, RW_IN, WRITE_OUT
+
+cdef extern from "liburing.h" nogil:
+    # liburing (Debian liburing-dev): only the fields and calls used here. The SQE's fields sit
+    # in anonymous unions in C, so they are named as C code names them.
+    struct io_uring_sqe:
+        uint8_t opcode
+        int32_t fd
+        uint64_t addr
+        uint32_t len
+        uint64_t user_data
+        uint32_t cmd_op
+        uint8_t cmd[80]
+    struct io_uring_cqe:
+        uint64_t user_data
+        int32_t res
+    struct io_uring:
+        int ring_fd
+    int io_uring_queue_init(unsigned entries, io_uring* ring, unsigned flags)
+    void io_uring_queue_exit(io_uring* ring)
+    io_uring_sqe* io_uring_get_sqe(io_uring* ring)
+    int io_uring_submit(io_uring* ring)
+    unsigned io_uring_peek_batch_cqe(io_uring* ring, io_uring_cqe** cqes, unsigned count)
+    void io_uring_cq_advance(io_uring* ring, unsigned nr)
+    enum:
+        IORING_SETUP_SQE128
+        IORING_SETUP_COOP_TASKRUN
+        IORING_SETUP_SINGLE_ISSUER
+        IORING_OP_URING_CMD
+
+from initiator.fuse.abi import (
+    FUSE_IO_URING_CMD_COMMIT_AND_FETCH, FUSE_IO_URING_CMD_REGISTER, IN_HEADER, OUT_HEADER, RW_IN, URING_CMD_REQ,
+    URING_ENT_IN_OUT, URING_IN_OUT, URING_OP_IN, URING_REQ_HEADER_SIZE, WRITE_OUT,
+)
 from initiator.fuse.ops import compiled_opcodes
 from protocol.commands import flush_command
 
@@ -73,6 +107,18 @@ cdef Py_ssize_t _O_OUT_ERR = _out[1]
 cdef Py_ssize_t _O_OUT_UNIQUE = _out[2]
 cdef Py_ssize_t _WRITE_OUT = WRITE_OUT.size
 cdef Py_ssize_t _O_WRITE_SIZE = _offsets(WRITE_OUT)[0]
+cdef Py_ssize_t _O_IN_LEN = _in[0]
+cdef Py_ssize_t _RING_HDR = URING_REQ_HEADER_SIZE
+cdef Py_ssize_t _RING_OP = URING_IN_OUT
+cdef Py_ssize_t _RING_ENT = URING_IN_OUT + URING_OP_IN
+cdef Py_ssize_t _O_ENT_PAYLOAD_SZ = _RING_ENT + _offsets(URING_ENT_IN_OUT)[2]
+cdef Py_ssize_t _O_CMD_COMMIT_ID = _offsets(URING_CMD_REQ)[1]
+cdef Py_ssize_t _O_CMD_QID = _offsets(URING_CMD_REQ)[2]
+cdef Py_ssize_t _O_OP_OFFSET = _rw[1]
+cdef Py_ssize_t _O_OP_SIZE = _rw[2]
+cdef uint32_t _CMD_REGISTER = FUSE_IO_URING_CMD_REGISTER
+cdef uint32_t _CMD_COMMIT = FUSE_IO_URING_CMD_COMMIT_AND_FETCH
+cdef unsigned _CQE_BATCH = 64
 cdef uint32_t _NO_OPCODE = 0xFFFFFFFF
 """What an opcode served here is set to when its table row is not marked ``compiled`` (no FUSE
 opcode has this value): that opcode then goes to the table like any other."""
@@ -103,6 +149,180 @@ cdef inline uint64_t _u64(const char* p) noexcept:
     cdef uint64_t v
     memcpy(&v, p, 8)
     return v
+
+
+cdef class FuseRing:
+    """The io_uring of one mount's FUSE connection (FUSE over io_uring, docs/wire-facts.md):
+    ``queues`` kernel queues (one per possible CPU: the kernel holds every request until each
+    has an entry) of ``per_queue`` entries, each a request header buffer and a payload buffer
+    that the kernel fills with a request when it completes the entry's command. A reply goes
+    back in the same buffers and one COMMIT_AND_FETCH command both answers it and re-arms the
+    entry, so a request costs no read(2) and no writev(2) on /dev/fuse; the commands of a batch
+    are submitted together (``hold``, ``flush``).
+
+    Made only by ``FuseLoop.start_ring``; one thread (the event loop's) uses it."""
+
+    cdef io_uring ring
+    cdef bint live
+    cdef int dev_fd
+    cdef public int queues
+    cdef public int per_queue
+    cdef public Py_ssize_t payload_size
+    cdef char* headers
+    cdef iovec* iov
+    cdef list payloads
+    cdef int holding
+    cdef int unsubmitted
+    cdef public int failed
+    cdef public unsigned long long served
+    """Requests taken from the ring (``blockctl mounts`` shows them: proof the ring serves)."""
+    """Entries whose command ended with an error (the connection ended, or a registration was
+    refused): they take no more requests."""
+
+    def __cinit__(self):
+        self.live = False
+        self.headers = NULL
+        self.iov = NULL
+
+    def __init__(self, int dev_fd, int queues, int per_queue, Py_ssize_t payload_size):
+        cdef int n = queues * per_queue
+        cdef int i, err
+        if queues < 1 or per_queue < 1 or payload_size < 1:
+            raise ValueError("a FUSE ring needs at least one queue, one entry and a payload")
+        self.dev_fd = dev_fd
+        self.queues = queues
+        self.per_queue = per_queue
+        self.payload_size = payload_size
+        self.headers = <char*>malloc(n * _RING_HDR)
+        self.iov = <iovec*>malloc(2 * n * sizeof(iovec))
+        if self.headers == NULL or self.iov == NULL:
+            raise MemoryError()
+        memset(self.headers, 0, n * _RING_HDR)
+        # each payload is a bytearray, not zero-filled: the
+        # kernel writes a request's bytes before we read them
+        self.payloads = [PyByteArray_FromStringAndSize(NULL, payload_size) for i in range(n)]
+        # room for every entry's command at once (registration), rounded up by the kernel
+        err = io_uring_queue_init(n, &self.ring, IORING_SETUP_SQE128 | IORING_SETUP_SINGLE_ISSUER)
+        if err < 0:
+            raise OSError(-err, f"io_uring_queue_init: {os.strerror(-err)}")
+        self.live = True
+
+    def __dealloc__(self):
+        if self.live:
+            io_uring_queue_exit(&self.ring)
+        free(self.headers)
+        free(self.iov)
+
+    @property
+    def fd(self) -> int:
+        """The ring's fd: readable when completions wait (the event loop watches it)."""
+        return self.ring.ring_fd if self.live else -1
+
+    def close(self):
+        """Tear the ring down: the kernel cancels the commands it holds (ending the entries)."""
+        if self.live:
+            self.live = False
+            io_uring_queue_exit(&self.ring)
+
+    def register(self):
+        """Hand every entry to the kernel (FUSE_IO_URING_CMD_REGISTER), in one submission. A
+        refused one completes at once with its error (see ``take``); the kernel then serves the
+        connection through /dev/fuse instead."""
+        cdef int i
+        cdef io_uring_sqe* sqe
+        for i in range(self.queues * self.per_queue):
+            self.iov[2 * i].iov_base = self.headers + i * _RING_HDR
+            self.iov[2 * i].iov_len = _RING_HDR
+            self.iov[2 * i + 1].iov_base = PyByteArray_AS_STRING(self.payloads[i])
+            self.iov[2 * i + 1].iov_len = self.payload_size
+            sqe = self._sqe(i, _CMD_REGISTER)
+            sqe.addr = <uint64_t>&self.iov[2 * i]
+            sqe.len = 2
+        self._submit()
+
+    cdef io_uring_sqe* _sqe(self, int entry, uint32_t cmd_op) except NULL:
+        """A zeroed 128-byte SQE for ``cmd_op`` on /dev/fuse, for ``entry``'s queue."""
+        cdef io_uring_sqe* sqe = io_uring_get_sqe(&self.ring)
+        cdef uint16_t qid = <uint16_t>(entry // self.per_queue)
+        if sqe == NULL:  # full: send what is queued, then there is room
+            self._submit()
+            sqe = io_uring_get_sqe(&self.ring)
+            if sqe == NULL:
+                raise OSError(EBUSY, "FUSE ring: no free submission entry")
+        memset(sqe, 0, 128)
+        sqe.opcode = IORING_OP_URING_CMD
+        sqe.fd = self.dev_fd
+        sqe.cmd_op = cmd_op
+        sqe.user_data = <uint64_t>entry
+        memcpy(<char*>sqe.cmd + _O_CMD_QID, &qid, 2)
+        return sqe
+
+    cdef int _submit(self) except -1:
+        cdef int err
+        self.unsubmitted = 0
+        err = io_uring_submit(&self.ring)
+        if err < 0 and err != -EINTR and err != -EAGAIN and err != -EBUSY:
+            raise OSError(-err, f"io_uring_submit: {os.strerror(-err)}")
+        return 0
+
+    cdef inline char* header(self, int entry) noexcept:
+        return self.headers + entry * _RING_HDR
+
+    cdef inline char* payload(self, int entry):
+        return PyByteArray_AS_STRING(self.payloads[entry])
+
+    cdef int commit(self, int entry, uint64_t unique, int32_t err, const char* data, Py_ssize_t length) except -1:
+        """Answer the request in ``entry``: the out header and ``length`` bytes of ``data`` into
+        its buffers, then COMMIT_AND_FETCH (submitted now, or by ``flush`` when held)."""
+        cdef char* h = self.header(entry)
+        cdef uint32_t total
+        cdef uint32_t sz
+        cdef io_uring_sqe* sqe
+        if not self.live:
+            return 0
+        if length > self.payload_size:  # cannot happen with the sizes INIT set; never overrun
+            err = -EIO
+            length = 0
+        total = <uint32_t>(_OUT + length)
+        sz = <uint32_t>length
+        memcpy(h, &total, 4)
+        memcpy(h + _O_OUT_ERR, &err, 4)
+        memcpy(h + _O_OUT_UNIQUE, &unique, 8)
+        memcpy(h + _O_ENT_PAYLOAD_SZ, &sz, 4)
+        if length:
+            memcpy(self.payload(entry), data, length)
+        sqe = self._sqe(entry, _CMD_COMMIT)
+        memcpy(<char*>sqe.cmd + _O_CMD_COMMIT_ID, &unique, 8)
+        if self.holding:
+            self.unsubmitted += 1
+        else:
+            self._submit()
+        return 0
+
+    cdef int hold(self) noexcept:
+        self.holding += 1
+        return 0
+
+    cdef int flush(self) except -1:
+        """End a ``hold``: submit the commits it queued, in one system call."""
+        self.holding -= 1
+        if not self.holding and self.unsubmitted and self.live:
+            self._submit()
+        return 0
+
+    cdef unsigned take(self, uint64_t* entries, int32_t* results, unsigned most) noexcept:
+        """Up to ``most`` completions: each entry's number and its command's result (0: a
+        request waits in the entry; negative: the errno it ended with)."""
+        cdef io_uring_cqe* cqes[64]
+        cdef unsigned n, i
+        if not self.live:
+            return 0
+        n = io_uring_peek_batch_cqe(&self.ring, cqes, most if most < 64 else 64)
+        for i in range(n):
+            entries[i] = cqes[i].user_data
+            results[i] = cqes[i].res
+        io_uring_cq_advance(&self.ring, n)
+        return n
 
 
 cdef class FuseLoop:
@@ -137,6 +357,11 @@ cdef class FuseLoop:
     cdef uint32_t op_read
     cdef uint32_t op_write
     cdef uint32_t op_fsync
+    cdef public FuseRing ring
+    """The connection's io_uring once ``start_ring`` made it (None: requests come by /dev/fuse)."""
+    cdef dict ring_pending
+    """Requests taken from the ring and not yet answered: unique -> entry (a reply goes back
+    through its entry; every other reply, INIT's and INTERRUPT's target's aside, by writev)."""
 
     def __init__(self, session, Py_ssize_t buffer_size, Py_ssize_t copy_limit, int max_batch):
         compiled = compiled_opcodes()  # the opcode table's rows this loop serves itself
@@ -147,6 +372,8 @@ cdef class FuseLoop:
         self.op_write = compiled.get("WRITE", _NO_OPCODE)
         self.op_fsync = compiled.get("FSYNC", _NO_OPCODE)
         self.fd = -1
+        self.ring = None
+        self.ring_pending = None
         self.session = session
         self.connections = session.connections
         self.name = session.name
@@ -169,6 +396,98 @@ cdef class FuseLoop:
         self.locks = self.session.files.locks
         self.recycle = self.session.recycle
         self.fd = fd
+
+    def make_ring(self, int queues, int per_queue, Py_ssize_t payload_size):
+        """Make the connection's io_uring (see ``FuseRing``), before INIT is answered: raises
+        OSError when io_uring is unavailable, and INIT then does not ask for it."""
+        self.ring = FuseRing(self.fd, queues, per_queue, payload_size)
+        self.ring_pending = {}
+
+    def register_ring(self) -> int:
+        """Once INIT asked for the ring and was answered: register its entries. Returns the
+        ring's fd, for the event loop to call ``on_ring`` on."""
+        self.ring.register()
+        return self.ring.fd
+
+    def stop_ring(self):
+        """Tear the ring down (the connection is closing): the kernel ends its entries."""
+        if self.ring is not None:
+            self.ring.close()
+
+    def on_ring(self):
+        """Serve the requests the ring's completions carry (up to a batch; the event loop
+        calls again while more wait). Their commits go out together at the end, in one
+        submission, and so do the capsules of a batch of several (as ``on_readable``)."""
+        cdef uint64_t entries[64]
+        cdef int32_t results[64]
+        cdef unsigned n, i
+        cdef FuseRing ring = self.ring
+        if ring is None:
+            return
+        n = ring.take(entries, results, _CQE_BATCH)
+        if not n:
+            return
+        ctrl = None
+        ring.hold()
+        try:
+            if n > 1:
+                ctrl = self.connections.get(self.name)
+                if ctrl is not None:
+                    ctrl.hold_sends()
+            for i in range(n):
+                if results[i] == 0:
+                    ring.served += 1
+                    self._serve_entry(<int>entries[i])
+                else:
+                    ring.failed += 1
+                    self.session.ring_entry_ended(-results[i], ring.served == 0)
+        finally:
+            ring.flush()
+            if ctrl is not None:
+                ctrl.release_sends()
+
+    cdef _serve_entry(self, int entry):
+        """Serve the request the kernel put in ``entry`` as ``_serve`` does one read from
+        /dev/fuse: its header in the entry's header buffer, its first argument (``fuse_read_in``,
+        ``fuse_write_in``...) in the op area, the rest (a write's data, a name) in its payload."""
+        cdef FuseRing ring = self.ring
+        cdef const char* h = ring.header(entry)
+        cdef const char* op = h + _RING_OP
+        cdef uint32_t opcode = _u32(h + _O_OPCODE)
+        cdef uint64_t unique = _u64(h + _O_UNIQUE)
+        cdef uint64_t nodeid = _u64(h + _O_NODEID)
+        cdef uint32_t payload_sz = _u32(h + _O_ENT_PAYLOAD_SZ)
+        cdef uint32_t size
+        cdef Py_ssize_t arg0
+        self.ring_pending[unique] = entry
+        if opcode == self.op_read:
+            self._read(unique, nodeid - 1, _u64(op + _O_OP_OFFSET), _u32(op + _O_OP_SIZE))
+        elif opcode == self.op_write:
+            size = _u32(op + _O_OP_SIZE)
+            if size > payload_sz:  # as the /dev/fuse path clips to what was read
+                size = payload_sz
+            if size <= self.copy_limit:
+                owned = None
+            else:
+                # copied into a buffer of the session's pool, not sent from the entry: a failed
+                # write's data may still sit in a closing transport's buffer, and the entry takes
+                # the next request as soon as the error is committed (the /dev/fuse path gives
+                # such a buffer up for the same reason: ``recycle``)
+                owned = self.spare.pop() if self.spare else bytearray(self.cap)
+                memcpy(PyByteArray_AS_STRING(owned), ring.payload(entry), size)
+            self._write(unique, nodeid - 1, _u64(op + _O_OP_OFFSET), ring.payload(entry), size, owned,
+                        None if owned is None else memoryview(owned)[:size])
+        elif opcode == self.op_fsync:
+            self._fsync(unique, nodeid - 1)
+        else:
+            # the request after its header, as /dev/fuse lays it out: the op area's first
+            # argument (the header's length less the header and the payload), then the payload
+            arg0 = <Py_ssize_t>_u32(h + _O_IN_LEN) - _HDR - payload_sz
+            if arg0 < 0 or arg0 > _RING_ENT - _RING_OP:
+                arg0 = 0
+            arg = PyByteArray_FromStringAndSize(op, arg0)
+            arg += memoryview(ring.payloads[entry])[:payload_sz]
+            self.session.serve(opcode, unique, nodeid, memoryview(arg))
 
     cdef inline void _take(self, bytearray buf):
         self.buf = buf
@@ -241,7 +560,8 @@ cdef class FuseLoop:
             else:
                 owned = self.buf
                 self._take(self.spare.pop() if self.spare else bytearray(self.cap))
-            self._write(unique, nodeid - 1, _u64(p + _O_OFFSET), p + _RW_DATA, end - _RW_DATA, owned)
+            self._write(unique, nodeid - 1, _u64(p + _O_OFFSET), p + _RW_DATA, end - _RW_DATA, owned,
+                        None if owned is None else memoryview(owned)[_RW_DATA:end])
         elif opcode == self.op_fsync:
             self._fsync(unique, nodeid - 1)
         else:
@@ -333,14 +653,17 @@ cdef class FuseLoop:
         self.stats["read"] += 1
         self.reply(unique, buf)
 
-    cdef _write(self, uint64_t unique, uint64_t nsid, uint64_t offset, const char* src, Py_ssize_t length, owned):
+    cdef _write(self, uint64_t unique, uint64_t nsid, uint64_t offset, const char* src, Py_ssize_t length, owned,
+                view):
         """``BlockFiles.write`` for a block-aligned range inside a writable file on a live
         controller whose blocks no read-modify-write holds (its shared hold taken here, as
         there); every other case is the Python one's. The data is the ``length`` bytes at
-        ``src``, in the request buffer: a big write's ``owned`` (taken from the loop, a view of
-        it is the data), else copied out, once: into an ``InlineData`` (``initiator/_inline.pyx``:
-        the bytes its NVMe/TCP capsule is sent as) for a write sent from here, into a
-        ``bytearray`` for the Python one's, as the reference."""
+        ``src``, in the request buffer: a big write's data is ``view``, of ``owned`` (the /dev/fuse
+        buffer it was read into, taken from the loop, or the pool buffer a ring entry's payload
+        was copied into), recycled once written; a small one's is copied out,
+        once: into an ``InlineData`` (``initiator/_inline.pyx``: the bytes its NVMe/TCP capsule
+        is sent as) for a write sent from here, into a ``bytearray`` for the Python one's, as
+        the reference."""
         cdef uint64_t end, file_size, bs
         cdef RangeLocks locks  # the compiled twin, as the compiled loop runs with it (it cimports it)
         ctrl = self.connections.get(self.name)
@@ -355,7 +678,7 @@ cdef class FuseLoop:
                     locks = self.range_lock(nsid)
                 token = locks._share_now(offset // bs, end // bs)
                 if token is not None:
-                    data = inline_data(src, length) if owned is None else memoryview(owned)[_RW_DATA:_RW_DATA + length]
+                    data = inline_data(src, length) if view is None else view
                     self.inflight[unique] = True
                     try:
                         self._transfer(ctrl, True, nsid, offset, data, _WriteDone(self, unique, length, owned, locks, token))
@@ -366,10 +689,7 @@ cdef class FuseLoop:
                             raise
                         self.fail(unique, exc, "write")
                     return
-        if owned is None:
-            data = memoryview(PyByteArray_FromStringAndSize(src, length))
-        else:
-            data = memoryview(owned)[_RW_DATA:_RW_DATA + length]
+        data = memoryview(PyByteArray_FromStringAndSize(src, length)) if view is None else view
         self.files_write(unique, nsid, offset, data, owned)
 
     cdef _write_done(self, uint64_t unique, Py_ssize_t length, owned, RangeLocks locks, token, exc):
@@ -411,6 +731,10 @@ cdef class FuseLoop:
         cdef char header[32]
         cdef uint32_t total = <uint32_t>(_OUT + length)
         cdef iovec iov[2]
+        if self.ring_pending is not None:
+            entry = self.ring_pending.pop(unique, None)
+            if entry is not None:
+                return self.ring.commit(<int>entry, unique, err, data, length)
         memcpy(header, &total, 4)
         memcpy(header + _O_OUT_ERR, &err, 4)
         memcpy(header + _O_OUT_UNIQUE, &unique, 8)

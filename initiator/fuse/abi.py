@@ -48,3 +48,24 @@ SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")
 STATFS_OUT = struct.Struct("<QQQQQIIII6I")
 DIRENT = struct.Struct("<QQII")
 INTERRUPT_IN = struct.Struct("<Q")
+
+FUSE_INIT_EXT = 1 << 30
+"""INIT: ``fuse_init_in``/``fuse_init_out`` carry ``flags2``, the flags' upper 32 bits."""
+FUSE_OVER_IO_URING = 1 << 41
+"""INIT (in ``flags2``): the kernel offers requests over io_uring (only while the fuse module's
+``enable_uring`` parameter is on); answered, it holds every request until each per-CPU queue has
+a registered ring entry (docs/wire-facts.md, "FUSE over io_uring")."""
+INIT_IN_EXT = struct.Struct("<IIIII")
+"""``fuse_init_in`` up to ``flags2`` (sent whole by the kernels that have FUSE_INIT_EXT)."""
+
+FUSE_IO_URING_CMD_REGISTER, FUSE_IO_URING_CMD_COMMIT_AND_FETCH = 1, 2
+"""``cmd_op`` of an IORING_OP_URING_CMD on /dev/fuse (``enum fuse_uring_cmd``)."""
+URING_IN_OUT, URING_OP_IN = 128, 128
+"""``fuse_uring_req_header``: ``in_out`` (the in header, then our out header) and ``op_in`` (the
+opcode's first argument, e.g. ``fuse_read_in``) sizes; ``ring_ent_in_out`` follows them."""
+URING_ENT_IN_OUT = struct.Struct("<QQIIQ")
+"""``fuse_uring_ent_in_out``: flags, commit_id, payload_sz, padding, reserved."""
+URING_REQ_HEADER_SIZE = URING_IN_OUT + URING_OP_IN + URING_ENT_IN_OUT.size
+URING_CMD_REQ = struct.Struct("<QQH6x")
+"""``fuse_uring_cmd_req``, in the SQE's 80-byte command area (so the ring needs 128-byte SQEs):
+flags, commit_id, qid."""

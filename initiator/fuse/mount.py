@@ -92,4 +92,6 @@ class FuseMount:
     def describe(self) -> dict[str, Any]:
         return {"mountpoint": self.mountpoint, "name": self.name,
                 "files": [f"ns{n}" for n in sorted(self.session.directory.namespaces())],
+                "transport": self.session.transport, "transport_reason": self.session.transport_reason,
+                "ring_requests": self.session.ring_requests,
                 **self.session.stats}

@@ -23,7 +23,7 @@ from blockd.dataplane import twin
 from initiator.fuse.abi import (
     FALLOCATE_IN, FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_ATOMIC_O_TRUNC, FUSE_BIG_WRITES, FUSE_KERNEL_MINOR,
     FUSE_KERNEL_VERSION, FUSE_MAX_PAGES, FUSE_MIN_MINOR, FUSE_PARALLEL_DIROPS, IN_HEADER, INIT_IN, INIT_OUT,
-    INTERRUPT_IN, OUT_HEADER, RW_IN,
+    INTERRUPT_IN, OUT_HEADER, RW_IN, FUSE_INIT_EXT, FUSE_OVER_IO_URING, INIT_IN_EXT,
 )
 from initiator.fuse.blockfile import BlockFiles
 from initiator.fuse.directory import NamespaceDir
@@ -52,12 +52,32 @@ COPY_LIMIT = 64 << 10
 SPARE_BUFFERS = 8
 MAX_BATCH = 8
 """Requests read from /dev/fuse per readiness callback at most (then the loop takes its turn)."""
+RING_ENTRIES = 8
+"""FUSE over io_uring: entries (requests in flight) per kernel queue; the kernel has one queue
+per possible CPU and queues a request on its caller's CPU, where it waits for a free entry."""
+RING_PAYLOAD = max(8192, MAX_WRITE, MAX_PAGES * 4096)
+"""An entry's payload buffer: the kernel refuses one smaller than this (``fuse_uring_create``:
+FUSE_MIN_READ_BUFFER, max_write, max_pages pages)."""
+_ENDED = frozenset({errno.ENOTCONN, errno.ECONNABORTED, errno.ECANCELED})
+"""How a ring entry's command ends when the connection does (unmount, abort, our close)."""
 
 _unpack_in = IN_HEADER.unpack_from
 _unpack_rw = RW_IN.unpack_from
 _pack_out = OUT_HEADER.pack
 _HDR = IN_HEADER.size
 _RW_DATA = _HDR + RW_IN.size
+
+
+def possible_cpus(path: str = "/sys/devices/system/cpu/possible") -> int:
+    """How many CPUs the kernel may ever run (its FUSE ring has one queue for each): the count
+    of a list of ranges such as ``0-3,8``."""
+    with open(path) as f:
+        text = f.read().strip()
+    count = 0
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        count += int(last or first) - int(first) + 1
+    return count
 
 
 class FuseSession:
@@ -106,6 +126,11 @@ class FuseSession:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_error_log = 0.0
         self._suppressed = 0
+        self.transport = "/dev/fuse"
+        """How requests reach us: ``io_uring`` (FUSE over io_uring) or ``/dev/fuse``, chosen at
+        INIT (see ``init``), with why in ``transport_reason``; ``blockctl mounts`` shows both."""
+        self.transport_reason = "before INIT"
+        self._ring_fd = -1
 
     # -- the device ---------------------------------------------------------------------------------
 
@@ -126,6 +151,12 @@ class FuseSession:
         """Close the device fd. The last close of a FUSE connection aborts it in the kernel
         (fuse_dev_release), so whatever still waits on this mount gets ENOTCONN rather than
         waiting for us: this is how an unmount that hangs is ended (see ``FuseMount.stop``)."""
+        if self._ring_fd >= 0:
+            if self._loop is not None:
+                self._loop.remove_reader(self._ring_fd)
+            self._ring_fd = -1
+        if self._fast is not None:
+            self._fast.stop_ring()  # its commands hold /dev/fuse open: end them first
         if self.fd >= 0:
             if self._loop is not None:
                 self._loop.remove_reader(self.fd)
@@ -274,12 +305,65 @@ class FuseSession:
         if major != FUSE_KERNEL_VERSION or minor < FUSE_MIN_MINOR:
             log.error("unsupported FUSE protocol", major=major, minor=minor)
             raise FsError(errno.EPROTO)
+        if flags & FUSE_INIT_EXT and len(arg) >= INIT_IN_EXT.size:
+            flags |= INIT_IN_EXT.unpack_from(arg)[4] << 32
+        ring = self._make_ring(flags)
+        out = flags & WANTED_FLAGS
+        if ring:
+            out |= FUSE_INIT_EXT | FUSE_OVER_IO_URING
         self.reply(unique, INIT_OUT.pack(
-            FUSE_KERNEL_VERSION, FUSE_KERNEL_MINOR, max_readahead, flags & WANTED_FLAGS,
-            MAX_BACKGROUND, MAX_BACKGROUND * 3 // 4, MAX_WRITE, 1, MAX_PAGES, 0, 0, *(0,) * 7))
-        log.info("fuse session ready", mountpoint=self.mountpoint, proto=f"{major}.{minor}")
+            FUSE_KERNEL_VERSION, FUSE_KERNEL_MINOR, max_readahead, out & 0xFFFFFFFF,
+            MAX_BACKGROUND, MAX_BACKGROUND * 3 // 4, MAX_WRITE, 1, MAX_PAGES, 0, out >> 32, *(0,) * 7))
+        if ring:
+            # the kernel holds every request from now on until each of its queues has an entry
+            self._ring_fd = self._fast.register_ring()
+            self._loop.add_reader(self._ring_fd, self._fast.on_ring)
+        log.info("fuse session ready", mountpoint=self.mountpoint, proto=f"{major}.{minor}",
+                 transport=self.transport, why=self.transport_reason)
         if self.ready is not None and not self.ready.done():
             self.ready.set_result(None)
+
+    def _make_ring(self, flags: int) -> bool:
+        """Whether this connection runs over io_uring: when the compiled loop runs, the kernel
+        offered it in INIT (the fuse module's ``enable_uring`` is on) and io_uring can be set
+        up; else /dev/fuse. Sets ``transport`` and its reason."""
+        if self._fast is None:
+            self.transport_reason = "the Python loop serves /dev/fuse only"
+            return False
+        if not flags & FUSE_OVER_IO_URING:
+            self.transport_reason = "the kernel does not offer FUSE over io_uring (fuse enable_uring off?)"
+            return False
+        queues = possible_cpus()
+        try:
+            self._fast.make_ring(queues, RING_ENTRIES, RING_PAYLOAD)
+        except OSError as exc:
+            self.transport_reason = f"io_uring unavailable: {exc}"
+            return False
+        self.transport = "io_uring"
+        self.transport_reason = f"{queues} queues x {RING_ENTRIES} entries"
+        return True
+
+    @property
+    def ring_requests(self) -> int:
+        """Requests served from the io_uring so far (0 on /dev/fuse)."""
+        ring = None if self._fast is None else self._fast.ring
+        return 0 if ring is None else ring.served
+
+    def ring_entry_ended(self, err: int, before_any_request: bool) -> None:
+        """A ring entry's command ended with ``err``: the connection ending (quiet); before any
+        request, the kernel refusing a registration, after which it serves the connection
+        through /dev/fuse (``fuse_uring_cmd``), as we then report; else a refused commit, whose
+        entry takes no more requests (the others go on)."""
+        if err in _ENDED:
+            return
+        if not before_any_request:
+            log.warning("fuse io_uring commit refused by the kernel: one ring entry fewer",
+                        mountpoint=self.mountpoint, error=os.strerror(err))
+            return
+        log.warning("fuse io_uring registration refused by the kernel: requests go through /dev/fuse",
+                    mountpoint=self.mountpoint, error=os.strerror(err))
+        self.transport = "/dev/fuse"
+        self.transport_reason = f"io_uring registration refused: {os.strerror(err)}"
 
     def spawn(self, unique: int, coro: Coroutine[Any, Any, None]) -> None:
         """Serve request ``unique`` by a coroutine (interruptible; it replies itself)."""

@@ -1,0 +1,135 @@
+"""FUSE over io_uring against /dev/fuse: the same workloads through a mount on each path, real
+daemons and a real kernel (docs/wire-facts.md, "FUSE over io_uring").
+
+The path is chosen at mount by the fuse module's ``enable_uring`` parameter (on: the ring; off:
+the fallback), which these tests set around each mount and put back. Without the parameter (a
+kernel without CONFIG_FUSE_IO_URING) they skip, and under ``CI=true`` that skip is a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+import random
+import subprocess
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from blockd.dataplane import COMPILED
+from blockd_stack import Stack
+
+ENABLE = Path("/sys/module/fuse/parameters/enable_uring")
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
+PATHS = ("io_uring", "/dev/fuse")
+"""The path each mount is asked for (``enable_uring`` on or off at its INIT)."""
+SERVED_BY = {"io_uring": "io_uring" if COMPILED else "/dev/fuse", "/dev/fuse": "/dev/fuse"}
+"""The path that then serves it: the ring needs the compiled loop, so on the Python plane
+(BLOCKD_PURE=1, which the daemons inherit) both mounts run the /dev/fuse fallback."""
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@pytest.fixture(autouse=True)
+def _needs_the_ring() -> None:
+    if not ENABLE.exists():
+        pytest.skip("this kernel has no FUSE over io_uring (no /sys/module/fuse/parameters/enable_uring)")
+    if subprocess.run(["which", "fio"], capture_output=True).returncode:
+        pytest.skip("fio is not installed")
+
+
+@contextlib.contextmanager
+def _mounted(tmp: Path, path: str, size: int = 64 << 20) -> Iterator[Stack]:
+    """A stack whose mount runs on ``path``: ``enable_uring`` set for its INIT only."""
+    before = ENABLE.read_text().strip()
+    stack = Stack(tmp, size=size)
+    try:
+        ENABLE.write_text("Y" if path == "io_uring" else "N")
+        try:
+            stack.start()
+        finally:
+            ENABLE.write_text(before)
+        yield stack
+    finally:
+        stack.stop()
+
+
+def _mount_line(stack: Stack) -> str:
+    """The mount's line of ``blockctl mounts``."""
+    return next(line for line in stack.blockctl("mounts").stdout.splitlines() if str(stack.mnt) in line)
+
+
+def _ring_requests(line: str) -> int:
+    """The requests the ring served, from a ``blockctl mounts`` line ("...; N requests from the ring)")."""
+    return int(line.rsplit("; ", 1)[1].split()[0])
+
+
+def _fio(stack: Stack, *args: str) -> dict:
+    proc = subprocess.run(["fio", "--name=j", f"--filename={stack.file}", "--direct=1", "--verify=crc32c",
+                           "--verify_fatal=1", "--do_verify=1", "--verify_state_save=0", "--group_reporting",
+                           "--output-format=json", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr + proc.stdout[-2000:] + stack.log("initiator")
+    job = json.loads(proc.stdout[proc.stdout.index("{"):])["jobs"][0]  # after fio's warnings
+    assert job["error"] == 0
+    return job
+
+
+def _workload(stack: Stack) -> str:
+    """A fixed mix through the mount (aligned 4 KiB to 1 MiB writes, unaligned ones, a punched
+    hole, fsyncs, reads back, names and statfs): the sha256 of what the file reads back."""
+    rng = random.Random(42)
+    assert os.listdir(stack.mnt) == ["ns1"]
+    assert os.statvfs(stack.mnt).f_bsize > 0
+    fd = os.open(stack.file, os.O_RDWR)
+    try:
+        for size in (4096, 128 << 10, 1 << 20):
+            for _ in range(6):
+                off = rng.randrange(0, (stack.size - size) // 4096) * 4096
+                assert os.pwrite(fd, rng.randbytes(size), off) == size
+        for _ in range(40):  # read-modify-write on the daemon's Python path
+            off = rng.randrange(0, stack.size - 9000)
+            n = rng.randrange(1, 9000)
+            assert os.pwrite(fd, rng.randbytes(n), off) == n
+        os.fsync(fd)
+        assert _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                              ctypes.c_long(8 << 20), ctypes.c_long(1 << 20)) == 0
+        digest = hashlib.sha256()
+        for off in range(0, stack.size, 1 << 20):
+            digest.update(os.pread(fd, 1 << 20, off))
+        return digest.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def test_the_same_workload_leaves_the_same_bytes_on_both_paths(tmp_path: Path) -> None:
+    seen: dict[str, tuple[str, str]] = {}
+    for path in PATHS:
+        with _mounted(tmp_path / path.replace("/", "_"), path) as stack:
+            read_back = _workload(stack)
+            with open(stack.backing, "rb") as f:
+                on_target = hashlib.sha256(f.read()).hexdigest()
+            line = _mount_line(stack)
+            assert f"via {SERVED_BY[path]} " in line, line
+            # the ring took the requests (not the kernel falling back to /dev/fuse), or none
+            assert (_ring_requests(line) > 100) if SERVED_BY[path] == "io_uring" else _ring_requests(line) == 0, line
+            seen[path] = (read_back, on_target)
+    assert read_back == on_target
+    assert seen["io_uring"] == seen["/dev/fuse"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fio_verify_on_each_path(tmp_path: Path, path: str) -> None:
+    with _mounted(tmp_path, path) as stack:
+        job = _fio(stack, "--ioengine=libaio", "--iodepth=16", "--rw=randwrite", "--bs=4k",
+                   "--size=16M", "--numjobs=1")
+        assert job["write"]["io_bytes"] == 16 << 20 and job["read"]["io_bytes"] == 16 << 20
+        # four writers, each on its own 8 MiB, big blocks: entries of both queues in use at once
+        job = _fio(stack, "--ioengine=psync", "--rw=write", "--bsrange=128k-1m", "--size=8M",
+                   "--offset_increment=8M", "--offset=16M", "--numjobs=4")
+        assert job["write"]["io_bytes"] == 32 << 20 and job["read"]["io_bytes"] == 32 << 20
+        line = _mount_line(stack)
+        assert f"via {SERVED_BY[path]} " in line, line
+        assert (_ring_requests(line) > 4096) if SERVED_BY[path] == "io_uring" else _ring_requests(line) == 0, line
