@@ -8,6 +8,18 @@ random stream of writes, overlapping ones among them and at once, through lane-o
 through the reference alone, and compares every copy with what arrival order says; the
 loopback tests (test_overlap.py, test_loopback.py) run the daemons, whose compiled TCP path
 hands the lane its writes (``compiled_writes`` in their replicas view shows it ran).
+
+Each rule broken on purpose, one edit at a time in ``_mirror_io.pyx`` (2026-12-07):
+
+- the overlap decline removed (``if earlier:`` never taken): the overlap decline case and the
+  differential (3 seeds) fail here, ``test_overlap.py`` ends with different copies;
+- the lane leaving the region lists at once (its write invisible to later commands): the
+  cross-path wait test, a failing replica's test and the differential fail;
+- the bit check removed: the ``bit_clear`` decline case fails;
+- the in-sync check removed: the ``replica_away`` decline case fails;
+- the host answered before the replicas (``done`` called at send): the steady-write test, the
+  cross-path wait, both failing-replica cases and the differential fail;
+- a replica's failure taken as success: both failing-replica cases fail.
 """
 
 from __future__ import annotations
