@@ -43,6 +43,7 @@ EXTENSIONS = [
     Extension("target._tcp_io", ["target/_tcp_io.pyx"], extra_compile_args=["-O2"]),
     Extension("target._tcp_thread", ["target/_tcp_thread.pyx"], extra_compile_args=["-O2"]),
     Extension("target._rdma_fast", ["target/_rdma_fast.pyx"], extra_compile_args=["-O2"]),
+    Extension("target.replication._mirror_io", ["target/replication/_mirror_io.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._queue", ["initiator/_queue.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._lane", ["initiator/_lane.pyx"], extra_compile_args=["-O2"]),
     Extension("initiator._inline", ["initiator/_inline.pyx"], extra_compile_args=["-O2"]),

@@ -86,6 +86,8 @@ TWINS: dict[str, Twin] = {t.compiled: t for t in (
          "tests/core/test_tcp_thread.py"),
     Twin("target._rdma_fast", "target.rdma:RdmaTargetConnection._completions, RdmaTargetConnection.queue_response",
          "tests/core/test_rdma_fast.py"),
+    Twin("target.replication._mirror_io", "target.replication.mirror:ReplicatedBackend.write",
+         "tests/replication/test_mirror_fast.py"),
     Twin("initiator._queue", "initiator.queue", "tests/core/test_host_queue_differential.py"),
     Twin("initiator._tcp_host_io", "initiator.tcp_host_io", "tests/core/test_tcp_host_differential.py"),
     Twin("initiator._inline", "initiator.tcp_host_io:TcpHostIo.submit", "tests/core/test_tcp_host_differential.py"),

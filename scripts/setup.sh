@@ -38,7 +38,7 @@ stamp=.venv/.blockd-installed
 # the extensions in place).
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
    || [ -n "$(find blockd target initiator -name '*.pyx' -newer "$stamp")" ] \
-   || ! ls blockd/_*.so blockd/rdma/_*.so target/_*.so initiator/_*.so initiator/fuse/_*.so >/dev/null 2>&1; then
+   || ! ls blockd/_*.so blockd/rdma/_*.so target/_*.so target/replication/_*.so initiator/_*.so initiator/fuse/_*.so >/dev/null 2>&1; then
   .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
   touch "$stamp"
 fi

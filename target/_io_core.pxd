@@ -37,12 +37,14 @@ ctypedef struct RwCommand:
     unsigned int nsid
     unsigned long long slba
     unsigned int nlb  # blocks (NLB + 1)
-    PyObject* ns  # set by eligible: the namespace's FastNamespace, borrowed (take it at once)
+    PyObject* ns  # set by eligible: the namespace's FastNamespace (mirror_eligible: its MirrorLane),
+                  # borrowed (take it at once)
 
 
 cdef bint bind_queue(object queue, QueueShape* shape) except -1
 cdef void parse_rw(const unsigned char* sqe, RwCommand* c) noexcept
 cdef object eligible(RwCommand* c, unsigned int length, bint fua_ok, object ctrl, object queue, QueueShape* shape)
+cdef object mirror_eligible(RwCommand* c, unsigned int length, object ctrl, object queue, QueueShape* shape)
 cdef void write_cqe(unsigned char* p, unsigned int sqhd, unsigned int sqid, unsigned int cid) noexcept
 cdef bint queue_ready(object queue, object ctrl, Py_ssize_t pool) except -1
 cdef unsigned int next_sqhd(object queue, QueueShape* shape) except? 0xFFFFFFFF

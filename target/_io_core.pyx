@@ -144,6 +144,37 @@ cdef object eligible(RwCommand* c, unsigned int length, bint fua_ok, object ctrl
     return entry
 
 
+cdef object mirror_eligible(RwCommand* c, unsigned int length, object ctrl, object queue, QueueShape* shape):
+    """The namespace if the compiled path may hand this in-capsule Write of ``length`` bytes to
+    a replicated namespace's compiled lane (``target/replication/_mirror_io.pyx``), its
+    :class:`MirrorLane` in ``c.ns``; else None and the Python queue takes it. :func:`eligible`'s
+    rule for a namespace whose backend is a ``ReplicatedBackend`` with a lane (a plain file as its
+    local copy, the compiled plane): PSDT SGL, a Write without FUA (FUA goes to every copy through
+    the Python mirror), a length not 0 and within MDTS, a namespace of the controller's view, the
+    range inside its data area (``Namespace.blocks``, the metadata excluded) and the length its
+    blocks say, writable, the queue ready. The lane then decides whether the mirror's state lets
+    it take the write now (it declines before anything happened otherwise)."""
+    if (c.flags & _PSDT_MASK) != _PSDT_SGL or c.opcode != _WRITE or c.control & _FUA:
+        return None
+    if length == 0 or length > shape.max_transfer:
+        return None
+    entry = ctrl.io_namespaces.get(c.nsid)
+    if entry is None:
+        return None
+    lane = getattr(entry.backend, "lane", None)
+    if lane is None:
+        return None
+    cdef unsigned long long blocks = entry.blocks
+    cdef int shift = entry.lba_shift
+    if (c.slba >= blocks or c.nlb > blocks - c.slba or (<unsigned long long>c.nlb << shift) != length
+            or entry.backend.read_only):
+        return None
+    if not queue_ready(queue, ctrl, shape.pool):
+        return None
+    c.ns = <PyObject*>lane
+    return entry
+
+
 def serves(bytes sqe, unsigned int length, bint fua_ok, ctrl, queue, unsigned int max_transfer):
     """:func:`eligible` for one SQE, from Python: the test's handle on the rule
     (``tests/core/test_io_core.py``); True when the compiled path would serve it."""

@@ -11,6 +11,7 @@ from blockd._output cimport OutputBatcher
 from blockd._pdu_reader cimport PduReader
 from target._file_io cimport FastNamespace
 from target._io_core cimport QueueShape
+from target.replication._mirror_io cimport MirrorLane
 
 
 # The PDU layout, from protocol/ at import (target/_tcp_io.pyx's _check_layouts checks it).
@@ -114,5 +115,6 @@ cdef class TcpServe:
     cdef bint _read_by_reference(self, nsobj, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid, long long start) except -1
     cdef bint _write(self, nsobj, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid, const unsigned char* data, long long start, bint fua) except -1
     cdef bint _send_r2t(self, nsobj, FastNamespace ns, off_t offset, unsigned int length, unsigned int cid, const unsigned char* header, long long start) except -1
+    cdef bint _mirror_write(self, entry, MirrorLane lane, const unsigned char* header, unsigned long long offset, unsigned int length, unsigned int cid, const unsigned char* data, long long start) except -1
     cdef unsigned int _next_sqhd(self) except? 0xFFFFFFFF
     cdef void _complete(self, FastNamespace ns, int kind, unsigned int length, long long start) noexcept

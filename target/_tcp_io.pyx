@@ -52,6 +52,14 @@ connection's pipe to the socket, with the same bytes on the wire and the same en
 
 Every offset comes from ``protocol/`` at import and is checked there against headers built by
 ``protocol/`` (a changed layout is an ImportError, and the target runs the Python path).
+
+An in-capsule Write to a replicated namespace that ``target._io_core.mirror_eligible`` accepts
+goes, on the event loop only, to its compiled lane (``target/replication/_mirror_io.pyx``), which
+takes it or declines before anything happened (:meth:`TcpServe._mirror_write`). One it takes
+completes later, when every replica took it: it holds the pool slot and the namespace as the
+queue's request would, and :class:`MirrorReply` answers it as ``TargetQueue._complete`` and
+``queue_response`` would, or, for an error (a replica lost with too few copies left), gives it
+to the queue as its own failed write (``TargetQueue.adopt_write``, ``write_failed``).
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
@@ -70,8 +78,9 @@ from target._file_io cimport FastFile, FastNamespace, _pwrite_all, _read_pipe, _
 from target._io_core cimport (
     _FLUSH, _FUA, _KIND_FLUSH, _KIND_READ, _KIND_WRITE, _O_ADDR, _O_LEN, _O_SGL_ID, _PSDT_MASK, _PSDT_SGL, _READ,
     _SGL_IN_CAPSULE, _SGL_TRANSPORT, _SQE_SIZE, _WRITE, QueueShape, RwCommand, bind_queue, count_io, eligible,
-    next_sqhd, parse_rw, queue_ready, write_cqe,
+    mirror_eligible, next_sqhd, parse_rw, queue_ready, write_cqe,
 )
+from target.replication._mirror_io cimport MirrorLane
 
 import os
 
@@ -217,6 +226,43 @@ cdef class R2tWrite:
     ``cid``, ``length`` and ``data`` of it as of a request; the rare ends the compiled path leaves to
     Python (its data never comes, its write fails) get the request the queue would have made
     (:meth:`TcpFastPath.request`)."""
+
+
+cdef class MirrorReply:
+    """The end of a replicated write the lane took (:meth:`TcpServe._mirror_write`): called
+    once, with None when every copy took it, else with the error the host gets."""
+
+    cdef TcpServe serve
+    cdef object entry
+    cdef unsigned int cid
+    cdef unsigned int length
+    cdef long long start
+    cdef bytes sqe
+    cdef bytes data
+
+    def __call__(self, exc):
+        cdef TcpServe serve = self.serve
+        cdef IoCounters ns_counters
+        entry = self.entry
+        queue = serve.queue
+        if exc is not None:  # the queue's own failed write: status, error log, counters, reply
+            queue.write_failed(queue.adopt_write(self.sqe, self.start, entry, self.data, None), exc)
+            return
+        # TargetQueue._complete: SQHD, the counters, the namespace's hold
+        cdef bytes resp = serve._capsule_reply(self.cid)
+        cdef long long elapsed = now_ns() - self.start
+        serve.counters._count(_KIND_WRITE, self.length, elapsed)
+        ns_counters = entry.counters
+        ns_counters._count(_KIND_WRITE, self.length, elapsed)
+        entry.in_flight -= 1
+        if entry.removed:
+            serve.conn.target.namespace_released(entry)
+        # TcpTargetConnection.queue_response (nothing on a closing connection), response_sent
+        if serve.transport.is_closing():
+            return
+        serve.served += 1
+        serve.out._send((resp,))
+        queue.in_flight -= 1
 
 
 # -- the I/O path of one TCP connection --------------------------------------------------------------
@@ -407,7 +453,15 @@ cdef class TcpServe:
                 return False
         # the core's part: the one rule both transports ask (target/_io_core.pyx)
         entry = eligible(&c, length, self.threaded and sgl_id == _SGL_IN_CAPSULE, self.ctrl, self.queue, &self.shape)
-        if entry is None or self.transport.is_closing():
+        if entry is None:
+            if c.opcode != _WRITE or sgl_id != _SGL_IN_CAPSULE or self.threaded:
+                return False  # (a replicated write on the queue's thread: the loop's, where its replicas are)
+            entry = mirror_eligible(&c, length, self.ctrl, self.queue, &self.shape)
+            if entry is None or self.transport.is_closing():
+                return False
+            return self._mirror_write(entry, <MirrorLane><object>c.ns, header, c.slba << entry.lba_shift, length,
+                                      c.cid, data, start)
+        if self.transport.is_closing():
             return False
         cdef FastNamespace ns = <FastNamespace><object>c.ns
         cdef FastFile f = ns.file
@@ -641,6 +695,31 @@ cdef class TcpServe:
             return self._emit(resp) >= 0
         self.out._send((resp,))
         return True
+
+    # -- replicated writes (target/replication/_mirror_io.pyx) ---------------------------------------------
+
+    cdef bint _mirror_write(self, entry, MirrorLane lane, const unsigned char* header, unsigned long long offset,
+                            unsigned int length, unsigned int cid, const unsigned char* data, long long start) except -1:
+        """Hand an in-capsule Write to a replicated namespace's lane; False (nothing done) when
+        it declines. What the queue holds from ``submit`` to ``response_sent`` is taken first (the
+        pool slot, the namespace), as for an R2T write, and given back by :class:`MirrorReply`."""
+        cdef MirrorReply reply = MirrorReply.__new__(MirrorReply)
+        reply.serve = self
+        reply.entry = entry
+        reply.cid = cid
+        reply.length = length
+        reply.start = start
+        reply.sqe = PyBytes_FromStringAndSize(<const char*>header + _SQE_AT, _SQE_SIZE)  # for an error's request
+        self.queue.in_flight += 1
+        entry.in_flight += 1
+        data_copy = PyBytes_FromStringAndSize(<const char*>data, length)  # staging is reused after this call
+        reply.data = data_copy
+        if lane.submit(offset, data_copy, reply):
+            self.ctrl.traffic_seen = True
+            return True
+        self.queue.in_flight -= 1
+        entry.in_flight -= 1
+        return False
 
     # -- R2T writes ----------------------------------------------------------------------------------------
 

@@ -244,7 +244,9 @@ class TargetQueue:
         """The R2T write the compiled path took (``target/_tcp_io.pyx``: it counted the slot,
         held ``ns``, took the budgets and sent the R2T) as the request ``submit`` would have made,
         waiting for its data in ``data``: for the ends it leaves to this queue (the data never
-        came, the write failed), which ``data_failed`` and ``data_ready`` then end as their own."""
+        came, the write failed), which ``data_failed`` and ``data_ready`` then end as their own.
+        Also an in-capsule write the compiled mirror lane took (slot and ``ns`` held, no budget)
+        whose replicas failed it: ``write_failed`` answers it with the mirror's status."""
         fields = _unpack_command(sqe)
         req = Request(sqe, fields, transport_ctx, start_ns)
         self._map_sgl(req, _TO_CONTROLLER, fields, None)

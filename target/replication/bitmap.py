@@ -59,13 +59,25 @@ class WriteIntentBitmap:
     async def mark(self, offset: int, length: int) -> None:
         """Set the bits of the regions that ``[offset, offset + length)`` touches; return once
         they are all on disk. Bits already on disk cost one byte test each and no I/O."""
+        first, last = self._unmarked(offset, length)
+        if first <= last:
+            await self._set(first, last)
+
+    def marked(self, offset: int, length: int) -> bool:
+        """Whether every region ``[offset, offset + length)`` touches has its bit on disk, so
+        that :meth:`mark` would write nothing (the compiled mirror path takes only such writes:
+        ``target/replication/_mirror_io.pyx``)."""
+        first, last = self._unmarked(offset, length)
+        return first > last
+
+    def _unmarked(self, offset: int, length: int) -> tuple[int, int]:
+        """The first region of the range whose bit is not on disk, and the range's last region."""
         first = offset >> self._shift
         last = (offset + length - 1) >> self._shift
         persisted = self._persisted
         while first <= last and persisted[first >> 3] >> (first & 7) & 1:
             first += 1
-        if first <= last:
-            await self._set(first, last)
+        return first, last
 
     async def _set(self, first: int, last: int) -> None:
         if last >= self.regions or first < 0:

@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import structlog
 
 from protocol.replication import METADATA_BLOCK, superblock_offsets
+from blockd.dataplane import twin
 from protocol.status import Status
 from target.backend import Backend
 from target.filter import BackendFilter
@@ -41,6 +42,10 @@ from target.replication.link import (
 from target.replication.metadata import Metadata, MetadataError
 
 log = structlog.get_logger("blockd.target.replication")
+
+MirrorLane = getattr(twin("target.replication._mirror_io"), "MirrorLane", None)
+"""The compiled twin of :meth:`ReplicatedBackend.write`'s steady case, or None (the Python
+plane, or not built): then every host write takes :meth:`ReplicatedBackend.write`."""
 
 SWEEP_INTERVAL = 1.0
 """Seconds between lazy clears of the bits of regions every copy has durably."""
@@ -157,7 +162,15 @@ class ReplicatedBackend(BackendFilter):
         self._tasks: list[asyncio.Task[None]] = []
         self._slot_lock = asyncio.Lock()
         self._closed = False
+        self._fast_ends: set[asyncio.Task[None]] = set()
+        """The ends of compiled-path writes a replica failed (:meth:`fast_write_failed`)."""
         self.read_into = inner.read_into  # type: ignore[method-assign]  # reads are local: no extra call
+        fast = getattr(inner, "fast", None)
+        self.lane = MirrorLane(self, fast) if MirrorLane is not None and fast is not None else None
+        """The compiled path's way in (``target/replication/_mirror_io.pyx``): a plain file as
+        the local copy only; the target's compiled transport hands it the in-capsule writes
+        ``target._io_core.mirror_eligible`` accepts, and it takes those whose every rule holds
+        now, else the write comes here as ever."""
 
     @classmethod
     async def open(cls, inner: Backend, openers: list[tuple[str, Opener]], region_size: int,
@@ -227,13 +240,40 @@ class ReplicatedBackend(BackendFilter):
                 await self._write_local(offset, data, fua, regions)
             finally:
                 failed = await fut
-                for link, exc in failed:
-                    await self._lost(link, exc)
-            if failed and len(targets) - len(failed) + 1 < self.min_in_sync:
-                raise ReplicationError(Status.WRITE_FAULT, f"{self.name}: the write reached "
-                                       f"{len(targets) - len(failed) + 1} copies, min_in_sync is {self.min_in_sync}")
+                if failed:
+                    await self._replicas_failed(failed, len(targets))
         finally:
             self._end(regions, me)
+
+    async def _replicas_failed(self, failed: list[tuple[ReplicaLink, BaseException]], sent: int) -> None:
+        """A write went to ``sent`` replicas and ``failed`` did not take it: they leave the
+        copies in sync; Write Fault if fewer than ``min_in_sync`` copies took it."""
+        for link, exc in failed:
+            await self._lost(link, exc)
+        if sent - len(failed) + 1 < self.min_in_sync:
+            raise ReplicationError(Status.WRITE_FAULT, f"{self.name}: the write reached "
+                                   f"{sent - len(failed) + 1} copies, min_in_sync is {self.min_in_sync}")
+
+    def fast_write_failed(self, failed: list[tuple[ReplicaLink, BaseException]], sent: int, regions: range,
+                          me: _InFlight, finish: Callable[[BaseException | None], None]) -> None:
+        """The end of a write the compiled lane sent, that a replica did not take: what
+        :meth:`write` does then (in a task: it writes metadata), then ``finish`` with None (the
+        host's write succeeded) or the error the host gets."""
+        async def end() -> None:
+            error: BaseException | None = None
+            try:
+                await self._replicas_failed(failed, sent)
+            except OSError as exc:
+                error = exc
+            except Exception as exc:  # as TargetQueue._execute: logged, Internal Error
+                log.exception("write failed", namespace=self.name)
+                error = ReplicationError(Status.INTERNAL_ERROR, str(exc))
+            finally:
+                self._end(regions, me)
+            finish(error)
+        task = self._loop.create_task(end())
+        self._fast_ends.add(task)
+        task.add_done_callback(self._fast_ends.discard)
 
     async def _begin(self, offset: int, length: int, regions: range) -> tuple[list[ReplicaLink], _InFlight]:
         """What every command that changes data does first: wait for a copy of its regions in
@@ -251,19 +291,7 @@ class ReplicatedBackend(BackendFilter):
         self._serving()
         if self.copying:
             await self._wait_copies(regions)
-        me = _InFlight(offset, offset + length)
-        earlier: list[_InFlight] = []
-        inflight = self.inflight
-        for r in regions:
-            here = inflight.get(r)
-            if here is None:
-                inflight[r] = [me]
-                continue
-            for other in here:
-                if other.start < me.end and me.start < other.end:
-                    earlier.append(other)
-            here.append(me)
-        self._recent.update(regions)
+        me, earlier = self._join(offset, length, regions)
         try:
             for other in earlier:
                 if other.over:
@@ -282,6 +310,25 @@ class ReplicatedBackend(BackendFilter):
             self._end(regions, me)
             raise
         return targets, me
+
+    def _join(self, offset: int, length: int, regions: range) -> tuple[_InFlight, list[_InFlight]]:
+        """Join the commands in flight in ``regions`` (undone by :meth:`_end`); the earlier ones
+        this one overlaps. The compiled lane joins here too, and takes a write only when the
+        list is empty (else it undoes the join and the write comes to :meth:`write`)."""
+        me = _InFlight(offset, offset + length)
+        earlier: list[_InFlight] = []
+        inflight = self.inflight
+        for r in regions:
+            here = inflight.get(r)
+            if here is None:
+                inflight[r] = [me]
+                continue
+            for other in here:
+                if other.start < me.end and me.start < other.end:
+                    earlier.append(other)
+            here.append(me)
+        self._recent.update(regions)
+        return me, earlier
 
     def _end(self, regions: range, me: _InFlight) -> None:
         inflight = self.inflight
@@ -697,6 +744,7 @@ class ReplicatedBackend(BackendFilter):
                 "data_size": self.data_size, "region_size": self.region_size,
                 "min_in_sync": self.min_in_sync, "copies_in_sync": in_sync,
                 "generation": f"{self.md.current:016x}", "node_id": f"{self.md.node_id:016x}",
+                "compiled_writes": self.lane.served if self.lane is not None else 0,
                 "replicas": [link.view() for link in self.links]}
 
     def link(self, which: str | int) -> ReplicaLink:

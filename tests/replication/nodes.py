@@ -125,8 +125,12 @@ timeout = 2.0
     def replicas(self) -> list[dict[str, Any]]:
         """The first namespace's replicas as ``blockctl target replicas --json`` shows them,
         asked on the control socket from this process (polled often: no blockctl per look)."""
+        return self.namespace()["replicas"]
+
+    def namespace(self) -> dict[str, Any]:
+        """The first replicated namespace as ``blockctl target replicas --json`` shows it."""
         with ControlClient(str(self.sock), timeout=30, daemon="target") as client:
-            return client.call({"op": "replicas"})["namespaces"][0]["replicas"]
+            return client.call({"op": "replicas"})["namespaces"][0]
 
     def wait_states(self, want: Callable[[list[dict[str, Any]]], bool], timeout: float = 30.0) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout

@@ -1,0 +1,135 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Twin of :meth:`target.replication.mirror.ReplicatedBackend.write` in its steady case: the
+compiled target path's replicated write.
+
+Profiled before (py-spy of the primary at QD1 with one replica, 2026-12-07, docs/benchmarks.md):
+the primary spent ~108 µs of user time per replicated 4 KiB write (8 µs unreplicated, on the
+queue's thread): of its samples, a quarter in the Python target core (``TargetQueue.submit``, the
+``Request``, ``Controller._check_rw``, ``_complete``, ``queue_response``), a quarter in the
+mirror's ``write`` with the send to the replica, a third in the asyncio task the write became
+while it waited for the replica (``eager.start``'s task, its future, the loop's callbacks). The compiled TCP path
+(``target/_tcp_io.pyx``) now hands an in-capsule Write without FUA to a replicated namespace,
+accepted by the core's rule ``target._io_core.mirror_eligible``, to :meth:`MirrorLane.submit`, on
+the event loop (where the replica associations live), which takes it only when every rule of the
+reference holds *now* with nothing to wait for:
+
+- this copy is the primary, no region is being copied (resync, verify), and every replica is in
+  sync (``min_in_sync`` then holds, no generation is started, nothing is missed);
+- every bit of its regions is on disk already (``WriteIntentBitmap.marked``: bitmap before data);
+- it overlaps no command in flight: it joins the region lists (``ReplicatedBackend._join``, the
+  one implementation) and, if an earlier overlapping command is there, leaves them again
+  (``_end``) and declines, so that the reference's ``_begin`` joins it in the same place and
+  waits (the ordering of overlapping writes);
+- the local ``pwrite`` succeeds.
+
+Then it sends the write to every replica (``submit_write``, the host library's compiled lane)
+and answers the host once each took it (``_end`` first: a later overlapping write waits for
+that). Anything else is declined before anything happened, and the capsule goes to the Python
+queue and ``ReplicatedBackend.write``, which decides: FUA (to every copy), a bit to set, a
+replica away or resyncing, an overlap, a failing local device. A replica that fails a write this
+lane sent ends in :meth:`ReplicatedBackend.fast_write_failed` (the reference's ``_lost``, the
+new generation, ``min_in_sync``), and the host gets that write's status through the Python queue.
+``tests/replication/test_mirror_fast.py`` holds the two paths together.
+"""
+
+from posix.types cimport off_t
+
+from target._file_io cimport FastFile, _pwrite_all
+
+import functools
+
+
+cdef class MirrorWrite:
+    """One write the lane sent: the replicas still to answer, and those that failed."""
+
+    cdef MirrorLane lane
+    cdef object me
+    cdef object regions
+    cdef int pending
+    cdef int sent
+    cdef list failed
+    cdef object reply
+
+    def done(self, link, exc):
+        """``submit_write``'s ``done`` for ``link`` (``exc`` None: it took the write)."""
+        if exc is not None:
+            self.failed.append((link, exc))
+        self.pending -= 1
+        if self.pending:
+            return
+        mirror = self.lane.mirror
+        if self.failed:
+            mirror.fast_write_failed(self.failed, self.sent, self.regions, self.me, self.reply)
+            return
+        mirror._end(self.regions, self.me)
+        self.lane.served += 1
+        self.reply(None)
+
+
+cdef class MirrorLane:
+    """The compiled way into one :class:`~target.replication.mirror.ReplicatedBackend`
+    (module docstring); made by it over its local copy's :class:`FastFile`."""
+
+    def __init__(self, mirror, FastFile file):
+        # (link's state names, imported here: the compiled TCP path cimports this module while
+        # target.backend, which the replication package imports, may still be initialising)
+        from target.replication.link import IN_SYNC
+        self.in_sync = IN_SYNC
+        self.mirror = mirror
+        self.file = file
+        self.size = mirror.data_size
+        self.shift = mirror.region_size.bit_length() - 1
+
+    cdef bint submit(self, unsigned long long offset, bytes data, object reply) except -1:
+        """Take the write of ``data`` at ``offset`` (in the data area, checked by the caller):
+        True, and ``reply(None)`` or ``reply(error)`` once it ended (never before this returns
+        for a success; the caller counts the command in flight first); False, nothing done, and
+        the caller hands it to the Python queue."""
+        cdef Py_ssize_t length = len(data), done
+        cdef FastFile f = self.file
+        cdef int fd = f.fd
+        cdef const unsigned char* p = <const unsigned char*><const char*>data
+        m = self.mirror
+        links = m.links
+        if (not length or fd < 0 or f.read_only or not m.primary or m.copying or not links
+                or len(links) + 1 < m.min_in_sync):
+            self.declined += 1
+            return False
+        for link in links:
+            if link.state != self.in_sync:
+                self.declined += 1
+                return False
+        for bm in m._bitmaps:
+            if not bm.marked(offset, length):
+                self.declined += 1
+                return False
+        regions = range(offset >> self.shift, ((offset + length - 1) >> self.shift) + 1)
+        me, earlier = m._join(offset, length, regions)
+        if earlier:
+            m._end(regions, me)
+            self.declined += 1
+            return False
+        with nogil:
+            done = _pwrite_all(fd, p, length, <off_t>offset)
+        if done != length:  # the reference writes again and reports the error (_local_failed)
+            m._end(regions, me)
+            self.declined += 1
+            return False
+        cdef MirrorWrite w = MirrorWrite.__new__(MirrorWrite)
+        w.lane = self
+        w.me = me
+        w.regions = regions
+        w.pending = w.sent = len(links)
+        w.failed = []
+        w.reply = reply
+        for link in links:
+            try:
+                link.io.submit_write(offset, data, False, functools.partial(w.done, link))
+            except Exception as exc:  # refused before it was sent (LINK_ERRORS)
+                w.done(link, exc)
+        return True
+
+    def write(self, unsigned long long offset, bytes data, reply):
+        """:meth:`submit` for Python callers: the tests' handle on the lane
+        (``tests/replication/test_mirror_fast.py``), which the target's transport reaches in C."""
+        return self.submit(offset, data, reply)
