@@ -75,8 +75,8 @@ def test_the_namespace_backend_is_checked_against_the_registry(tmp_path: Path, r
     port = free_port()
     default = config([port], [sub(NQN, [ns(tmp_path / "a.img")])])
     assert default.subsystems[0].namespaces[0].backend == "file"
-    with pytest.raises(ConfigError, match="backend must be one of file, test-ram, not 'rbd'"):
-        config([port], [sub(NQN, [{**ns(tmp_path / "a.img"), "backend": "rbd"}])])
+    with pytest.raises(ConfigError, match="backend must be one of file, rbd, test-ram, not 'nbd'"):
+        config([port], [sub(NQN, [{**ns(tmp_path / "a.img"), "backend": "nbd"}])])
 
 
 def test_both_ends_register_the_same_transport_names() -> None:
