@@ -93,8 +93,18 @@ def _wait(cond, what: str, timeout: float = 120) -> None:
         time.sleep(0.5)
 
 
-def _lock_owner(cluster: Cluster) -> str:
-    return cluster.run("rbd", "lock", "ls", f"{cluster.pool}/{IMAGE}") + cluster.run("rbd", "status", f"{cluster.pool}/{IMAGE}")
+def _locked(cluster: Cluster) -> bool:
+    """The image's exclusive lock has an owner (A took it at start)."""
+    import rados
+    import rbd
+    r = rados.Rados(conffile=str(cluster.conf))
+    r.connect()
+    try:
+        io = r.open_ioctx(cluster.pool)
+        with rbd.Image(io, IMAGE) as img:  # not read-only: lock_get_owners refuses that (EINVAL)
+            return bool(list(img.lock_get_owners()))
+    finally:
+        r.shutdown()
 
 
 def _fio_verify(dev: str, log: Path) -> subprocess.Popen:
@@ -126,10 +136,7 @@ def gateways(rxe):
     state = {"cluster": cluster, "daemons": daemons}
     try:
         daemons["a"] = _start("a", "optimized", cluster)
-        _wait(lambda: "exclusive" in cluster.run("rbd", "lock", "ls", f"{cluster.pool}/{IMAGE}").lower()
-              or "auto" in cluster.run("rbd", "lock", "ls", f"{cluster.pool}/{IMAGE}").lower()
-              or "There is 1 exclusive lock" in cluster.run("rbd", "lock", "ls", f"{cluster.pool}/{IMAGE}"),
-              "A holds the image's lock", timeout=60)
+        _wait(lambda: _locked(cluster), "A holds the image's lock", timeout=60)
         daemons["b"] = _start("b", "inaccessible", cluster)
         for name in ("a", "b"):
             state["dev"] = sh(f"nvmeh_connect tcp {ADDR0} {PORTS[name]} {NQN} --reconnect-delay=1 "
@@ -138,7 +145,8 @@ def gateways(rxe):
     finally:
         sh(f"nvme disconnect -n {NQN}", check=False)
         for d in daemons.values():
-            os.kill(d.proc.pid, signal.SIGCONT) if d.proc.poll() is None else None
+            if d.proc.poll() is None:
+                os.kill(d.proc.pid, signal.SIGCONT)
             d.stop()
         cluster.stop()
 
