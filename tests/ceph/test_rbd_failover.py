@@ -229,3 +229,30 @@ def test_a_zombie_gateways_write_never_lands(ceph: Cluster, image: str, pair: tu
     assert outcome == Status.ANA_INACCESSIBLE  # refused with a path status, not a medium error
     assert through_host == b"B" * BS
     assert _read_image(ceph, image, lba * BS, BS) == b"B" * BS  # the zombie's write never landed
+
+
+def test_a_demoted_gateway_hands_the_image_over_without_a_fence(ceph: Cluster, image: str,
+                                                                pair: tuple[Gateway, Gateway]) -> None:
+    """``blockctl target ana demote`` on A: A releases the lock, B takes the ownerless lock by
+    itself and goes optimized; A's client is not blocklisted (nothing to fence)."""
+    a, b = pair
+    a_client = _owner(ceph, image)
+    with ControlClient(str(a.sock), timeout=10, daemon="target") as client:
+        client.call({"op": "ana-set", "state": "inaccessible"})
+    _wait(lambda: b.ana() == "optimized", "B took the released lock")
+    assert _owner(ceph, image) not in (None, a_client)
+    assert a.ana() == "inaccessible" and not _blocklisted(ceph, a_client)
+
+
+def test_a_gateway_told_to_serve_while_another_lives_stays_inaccessible(
+        ceph: Cluster, image: str, pair: tuple[Gateway, Gateway], tmp_path: Path) -> None:
+    """A third gateway configured optimized on the image A holds: it cannot take the lock from a
+    live owner, so it makes its group inaccessible rather than serve without it."""
+    a, _ = pair
+    a_client = _owner(ceph, image)
+    c = Gateway(tmp_path, "c", ceph, image, "optimized", (200, 299))
+    try:
+        _wait(lambda: c.ana() == "inaccessible", "C gave up its group")
+        assert _owner(ceph, image) == a_client and a.ana() == "optimized"
+    finally:
+        c.stop()
