@@ -57,13 +57,17 @@ class Gateway:
         self._yielded_until = 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="rbd-gateway")
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(), name="rbd-gateway")
 
     def wake(self) -> None:
-        """Look again now (the backend was fenced)."""
-        self._wake.set()
+        """Look again now (the backend was fenced); from any thread (an I/O queue may run its
+        commands on a loop of its own)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
 
     def stop(self) -> None:
         """Stop looking; release the lock if held, so the other gateway takes over at once."""
