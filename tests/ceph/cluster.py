@@ -1,7 +1,7 @@
 """A single-node Ceph cluster for the RBD tests and benchmarks: one mon, an optional mgr and one
 memstore OSD on 127.0.0.1, all under one temporary folder, from Debian's packages.
 
-The sequence is the one tried in ``/work/shared/docs/ceph-single-node.md`` (go-ceph's CI starts
+The sequence is the one tried for issue 37 on this project's machine kind (go-ceph's CI starts
 Ceph the same way with its micro-osd script): cephx off, pool size 1, the two paxos intervals
 shortened (start-up 8 s -> about 1 s), every daemon in the foreground as a child of this
 process so that stopping it is a ``terminate``/``wait`` in reverse order (the OSD before the
