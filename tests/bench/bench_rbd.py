@@ -91,7 +91,7 @@ def main() -> None:
             s.stop()
         cluster.stop()
     lines = [f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `.venv/bin/python tests/bench/bench_rbd.py "
-             f"--runtime {args.runtime} --write-doc`; memstore cluster started in {start_s:.2f} s "
+             f"--runtime {args.runtime}{' --write-doc' if args.write_doc else ''}`; memstore cluster started in {start_s:.2f} s "
              f"(mon {rss['mon'] // 1024} MiB, OSD {rss['osd'] // 1024} MiB RSS at start; OSD "
              f"{rss_after['osd'] // 1024} MiB after the run). Ratio: IOPS against fio-librbd in the same run.", "",
              "| job | fio-librbd IOPS | blockd-rbd IOPS (ratio) | blockd-file IOPS (ratio) |", "|---|---|---|---|"]
@@ -99,6 +99,10 @@ def main() -> None:
         floor = r["fio-librbd"]["iops"]
         cells = [f"{r[n]['iops']:,.0f} ({r[n]['iops'] / floor:.2f})" for n in ("blockd-rbd", "blockd-file")]
         lines.append(f"| {job_name} | {floor:,.0f} | {cells[0]} | {cells[1]} |")
+    lines += ["", "fio-librbd is librbd in fio's own process (no gateway): the floor for any gateway. "
+              "blockd-rbd adds NVMe/TCP on loopback, the target's Python I/O path and librbd aio; "
+              "blockd-file is the same stack on a file, the NVMe-oF path alone. `rbd map` and "
+              "`rbd-nbd` are not measured: this host's kernel has no rbd/nbd modules (docs/ceph.md)."]
     text = "\n".join(lines)
     print(text)
     if args.write_doc:
