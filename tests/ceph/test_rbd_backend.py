@@ -177,3 +177,31 @@ def test_a_missing_image_fails_the_start_with_its_name(ceph: Cluster) -> None:
     with pytest.raises(RuntimeError, match="cannot open rbd/no-such-image: .*image not found"):
         run(main())
     assert os.path.exists(ceph.conf)
+
+
+def test_the_resize_verb_resizes_the_image(ceph: Cluster, image: str) -> None:
+    """``blockctl target resize`` with a size grows the image itself (another client sees it)
+    and the host gets the event."""
+    port = free_port()
+    cfg = config([port], [sub(NQN, [rbd_ns(ceph, image)])])
+
+    async def main() -> tuple[list[int], dict[str, Any]]:
+        async with serving(cfg) as service:
+            host = await connect(port, nr_io_queues=1)
+            seen: list[int] = []
+            host.namespace_listeners.append(lambda: seen.append(host.namespaces[1].size))
+            try:
+                reply = await service.op_resize(NQN, 1, 80 * MIB)
+                await until(lambda: host.namespaces[1].size == 80 * MIB, timeout=15)
+                other = Client(ceph, image)
+                try:
+                    assert other.image.size() == 80 * MIB
+                finally:
+                    other.close()
+                return seen, reply
+            finally:
+                await host.close()
+
+    seen, reply = run(main())
+    assert (reply["old_size"], reply["size"]) == (64 * MIB, 80 * MIB)
+    assert seen[0] == 80 * MIB
