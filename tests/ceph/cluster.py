@@ -29,6 +29,9 @@ from pathlib import Path
 
 DAEMONS = ("ceph-mon", "ceph-osd", "ceph", "rbd")
 """The programs the cluster needs (ceph-mgr only with ``mgr=True``)."""
+SEARCH_PATH = os.environ.get("BLOCKD_CEPH_PATH")
+"""Where the programs are looked for (a PATH); unset: the PATH. The CI rule's test points it at
+nothing."""
 WATCH_TIMEOUT = 3
 """Seconds after which the OSD drops the watch of a client that stopped pinging (Ceph's default
 is 30): how soon a standby gateway sees that the active one is gone."""
@@ -69,7 +72,11 @@ memstore device bytes = {store_bytes}
 
 def missing_programs(mgr: bool = False) -> list[str]:
     """The cluster's programs not found on PATH (empty: it can start)."""
-    return [p for p in DAEMONS + (("ceph-mgr",) if mgr else ()) if shutil.which(p) is None]
+    return [p for p in DAEMONS + (("ceph-mgr",) if mgr else ()) if shutil.which(p, path=SEARCH_PATH) is None]
+
+
+def _argv(args: tuple[str, ...]) -> tuple[str, ...]:
+    return (shutil.which(args[0], path=SEARCH_PATH) or args[0], *args[1:])
 
 
 def _free_port() -> int:
@@ -99,14 +106,14 @@ class Cluster:
 
     def run(self, *args: str, timeout: float = START_TIMEOUT) -> str:
         """A ``ceph``/``rbd`` command against this cluster; its stdout. Raises with its stderr."""
-        done = subprocess.run(args, env=self.env(), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(_argv(args), env=self.env(), capture_output=True, text=True, timeout=timeout)
         if done.returncode:
             raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
         return done.stdout
 
     def _daemon(self, name: str, *args: str) -> None:
         log = open(self.dir / "log" / f"{name}.out", "wb")
-        self.procs[name] = subprocess.Popen((*args, "-f"), env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = subprocess.Popen(_argv((*args, "-f")), env=self.env(), stdout=log, stderr=subprocess.STDOUT)
         log.close()
 
     def start(self) -> "Cluster":

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import rados
-import rbd
 
-from initiator.errors import NvmeError
+rados = pytest.importorskip("rados", reason="python3-rados is missing (scripts/setup.sh installs it)")
+rbd = pytest.importorskip("rbd", reason="python3-rbd is missing (scripts/setup.sh installs it)")
+
+from initiator.errors import NvmeError  # noqa: E402  (after the importorskip of python3-rbd)
 from protocol.status import Status
 from target.config import NamespaceConfig
 from target.rbd_backend import RbdOptions

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-import rados
-import rbd
+
+rados = pytest.importorskip("rados", reason="python3-rados is missing (scripts/setup.sh installs it)")
+rbd = pytest.importorskip("rbd", reason="python3-rbd is missing (scripts/setup.sh installs it)")
 
 from initiator.control import ControlClient
 from initiator.controller import Controller

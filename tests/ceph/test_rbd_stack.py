@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-import rados
-import rbd
+
+rados = pytest.importorskip("rados", reason="python3-rados is missing (scripts/setup.sh installs it)")
+rbd = pytest.importorskip("rbd", reason="python3-rbd is missing (scripts/setup.sh installs it)")
 
 from tests.ceph.cluster import Cluster
 from tests.ceph.rbd_stack import RbdStack
