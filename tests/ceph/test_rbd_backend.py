@@ -206,3 +206,14 @@ def test_the_resize_verb_resizes_the_image(ceph: Cluster, image: str) -> None:
     seen, reply = run(main())
     assert (reply["old_size"], reply["size"]) == (64 * MIB, 80 * MIB)
     assert seen[0] == 80 * MIB
+
+
+def test_failover_needs_the_exclusive_lock_feature(ceph: Cluster) -> None:
+    ceph.run("rbd", "create", f"{ceph.pool}/nolock", "--size", "8M", "--image-feature", "layering")
+    cfg = config([free_port()], [sub(NQN, [rbd_ns(ceph, "nolock", failover=True)])])
+
+    async def main() -> None:
+        async with serving(cfg):
+            pass
+    with pytest.raises(RuntimeError, match="failover needs the exclusive-lock feature"):
+        run(main())
