@@ -118,6 +118,8 @@ class RbdBackend:
         self.gateway: Gateway | None = None
         self._hooks: NamespaceHooks | None = None
         self._watch: Any = None
+        self._watch_lost = False
+        """librados reported the header watch broken (blocklisted, cluster gone): not unwatched."""
         conf = {"keyring": opts.keyring} if opts.keyring else {}
         self.cluster = rados.Rados(conffile=opts.conf, rados_id=opts.client_id, conf=conf)
         try:
@@ -218,8 +220,8 @@ class RbdBackend:
             loop.call_soon_threadsafe(self._header_changed)
             return ""
 
-        def broken(*_: Any) -> None:  # the watch ended (blocklisted, cluster gone): I/O will say why
-            return None
+        def broken(*_: Any) -> None:  # a librados thread: the watch ended (blocklisted, cluster gone)
+            self._watch_lost = True
         self._watch = self.ioctx.watch(f"rbd_header.{self.image_id}", notified, broken)
         if self.opts.failover:
             from target.rbd_gateway import Gateway
@@ -249,8 +251,8 @@ class RbdBackend:
         if self.gateway is not None:
             self.gateway.stop()
             self.gateway = None
-        if self._watch is not None and not self.fenced:  # a fenced client's watch is gone already
-            self._watch.close()  # (and unwatching it then aborted librados 16.2 here, in one sequence)
+        if self._watch is not None and not (self.fenced or self._watch_lost):
+            self._watch.close()  # not a broken watch: unwatching one aborted librados 16.2 (a test sequence)
         self._watch = None
         if self.cluster is not None:
             try:
