@@ -50,6 +50,10 @@ class Gateway:
         self.backend = backend
         self.hooks = hooks
         self.opts = backend.opts
+        self.me: str = backend.cluster.get_addrs()
+        """This gateway's client address, as the lock's owner and the watchers name it: librbd
+        may say it does not own the lock for a moment while it re-takes its own (after its watch
+        was re-registered), and a lock whose owner is this client is never another gateway's."""
         self.takeovers = 0
         """Times this gateway took the lock from a dead owner or an empty lock and served."""
         self._since: float | None = None
@@ -104,7 +108,7 @@ class Gateway:
                 await self.hooks.set_serving(False)
             return
         image = self.backend.image
-        mine = await asyncio.to_thread(image.is_exclusive_lock_owner)
+        mine = await asyncio.to_thread(self._mine, image)
         if mine and not serving:
             log.info("demoted: releasing the image's lock", image=self.opts.image)
             await asyncio.to_thread(image.lock_release)
@@ -126,6 +130,11 @@ class Gateway:
                 log.warning("took the image over: this group goes optimized", image=self.opts.image)
                 await self.hooks.set_serving(True)  # only now that the old owner is fenced
             self._since = None
+
+    def _mine(self, image: Any) -> bool:
+        """This gateway holds the lock (by librbd's word, or as the owner the lock names)."""
+        return bool(image.is_exclusive_lock_owner()) or any(
+            o["owner"] == self.me for o in image.lock_get_owners())
 
     @staticmethod
     def _owner_alive(image: Any) -> bool:

@@ -93,6 +93,9 @@ class Cluster:
     pool: str = "rbd"
     mgr: bool = False
     store_bytes: int = 2 << 30
+    watch_timeout: int = WATCH_TIMEOUT
+    """``osd client watch timeout``; a slow guest (qemu TCG) needs more, or a gateway's own watch
+    lapses between its pings."""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     start_seconds: float = 0.0
     """Wall time from nothing to the pool initialised."""
@@ -122,7 +125,7 @@ class Cluster:
         for sub in ("mon", "mgr", "osd", "run", "log"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         self.conf.write_text(_CONF.format(fsid=uuid.uuid4(), port=_free_port(), dir=self.dir,
-                                          watch_timeout=WATCH_TIMEOUT, store_bytes=self.store_bytes))
+                                          watch_timeout=self.watch_timeout, store_bytes=self.store_bytes))
         try:
             self.run("ceph-mon", "--id", "a", "--mkfs", "--keyring", "/dev/null")
             (self.dir / "mon" / "keyring").touch()

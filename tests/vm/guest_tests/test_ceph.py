@@ -109,7 +109,7 @@ def _locked(cluster: Cluster) -> bool:
 
 def _fio_verify(dev: str, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        ["bash", "-c", f"fio --name=rbd-failover --filename={dev} --rw=randwrite --bs=4k --size=8M "
+        ["bash", "-c", f"fio --name=rbd-failover --filename={dev} --rw=randwrite --bs=4k --size=2M "
                        "--direct=1 --ioengine=libaio --iodepth=4 --rate_iops=200 --verify=crc32c "
                        f"--do_verify=1 --verify_fatal=1 --randrepeat=0 >{log} 2>&1"])
 
@@ -129,7 +129,9 @@ def _fio_done(fio: subprocess.Popen, log: Path) -> None:
 
 @pytest.fixture(scope="module")
 def gateways(rxe):
-    cluster = Cluster(Path(tempfile.mkdtemp(prefix="ceph-", dir="/dev/shm"))).start()
+    # under qemu TCG a client's pings can lag several seconds: Ceph's 3 s of the host tests would
+    # end the active gateway's own watch (and its lock) while it lives
+    cluster = Cluster(Path(tempfile.mkdtemp(prefix="ceph-", dir="/dev/shm")), watch_timeout=15).start()
     print(f"ceph in the guest: up in {cluster.start_seconds:.1f} s")
     cluster.create_image(IMAGE, SIZE)
     daemons: dict[str, Daemon] = {}
@@ -157,6 +159,7 @@ def test_khost_rbd_one_subsystem_two_paths(gateways):
     assert _ana_state(PORTS["b"]) == "inaccessible"
 
 
+@pytest.mark.timeout(900)  # fio writes at ~10 IOPS through TCG, librbd and a guest OSD
 def test_khost_rbd_fio_verify_through_kill_9(gateways):
     log = RESULTS / "rbd-kill9-fio.log"
     fio = _fio_verify(gateways["dev"], log)
@@ -169,10 +172,11 @@ def test_khost_rbd_fio_verify_through_kill_9(gateways):
         _wait(lambda: _ana_state(PORTS["b"]) == "optimized", "B took over by itself", timeout=180)
     finally:
         _fio_done(fio, log)
-    assert "took the image over" in gateways["daemons"]["b"].log_tail(400)
-    assert "fencing the image's previous owner" in gateways["daemons"]["b"].log_tail(400)
+    b_log = gateways["daemons"]["b"].log_tail(400)
+    assert "fencing the image's previous owner" in b_log and b_log.count("took the image over") == 1, b_log
 
 
+@pytest.mark.timeout(900)
 def test_khost_rbd_fio_verify_through_sigstop(gateways):
     cluster = gateways["cluster"]
     gateways["daemons"]["a"].stop()
