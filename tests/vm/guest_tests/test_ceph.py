@@ -142,7 +142,7 @@ def gateways(rxe):
         daemons["b"] = _start("b", "inaccessible", cluster)
         for name in ("a", "b"):
             state["dev"] = sh(f"nvmeh_connect tcp {ADDR0} {PORTS[name]} {NQN} --reconnect-delay=1 "
-                              "--ctrl-loss-tmo=300", timeout=120).strip().splitlines()[-1]
+                              "--ctrl-loss-tmo=1200", timeout=120).strip().splitlines()[-1]
         yield state
     finally:
         sh(f"nvme disconnect -n {NQN}", check=False)
