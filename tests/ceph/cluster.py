@@ -196,7 +196,9 @@ def main() -> None:
         cluster.create_image(image, int(args.size))
     print(f"CEPH_CONF={cluster.conf} started in {cluster.start_seconds:.2f} s; RSS KiB {cluster.rss_kib()}",
           flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    def stop(*_: object) -> None:
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, stop)
     try:
         while all(p.poll() is None for p in cluster.procs.values()):
             time.sleep(0.5)
