@@ -16,6 +16,8 @@ APT_PACKAGES=(
   fio nbdkit libnbd-bin nvme-cli fuse3
   qemu-system-x86 busybox-static cpio kmod iproute2
   systemd dmsetup
+  # the single-node Ceph test bed and the rbd backend (tests/ceph, docs/ceph.md)
+  ceph-mon ceph-mgr ceph-osd ceph-common python3-rbd python3-rados
 )
 
 missing=()

@@ -16,7 +16,8 @@ import fcntl
 import os
 import stat
 import struct
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Awaitable, Callable, Protocol
 
 from blockd.linux_files import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE, fallocate
 from target.io_fast import FastFile
@@ -69,6 +70,23 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release the storage; further calls are errors."""
+
+
+@dataclass(frozen=True)
+class NamespaceHooks:
+    """What the service hands a backend whose storage changes outside the target (an RBD image
+    resized by ``rbd resize``, another gateway taking the image over): a backend with an
+    ``attach(hooks)`` method gets them once its namespace is in its subsystem, and ``close``
+    ends what ``attach`` started."""
+
+    resized: Callable[[], None]
+    """The storage's size changed: resize the namespace to it and tell the hosts (the resize
+    verb's path, with the Namespace Attribute Changed event)."""
+    serving: Callable[[], bool]
+    """Whether the namespace's ANA group serves I/O on any of its subsystem's ports now."""
+    set_serving: Callable[[bool], Awaitable[None]]
+    """Make the namespace's ANA group optimized (True) or inaccessible (False) on every port,
+    as ``blockctl target ana promote|demote`` does, with the ANA change event."""
 
 
 class FileBackend:
@@ -210,6 +228,8 @@ class FileBackend:
 def open_file(nc: NamespaceConfig) -> FileBackend:
     """The ``file`` backend's opener (:mod:`target.backend_registry`): ``path`` is the file or
     device, created at ``size`` when missing."""
+    if nc.options:
+        raise ValueError(f"the file backend takes no options (got {', '.join(k for k, _ in nc.options)})")
     return FileBackend(nc.path, nc.size, read_only=nc.read_only)
 
 

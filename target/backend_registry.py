@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 DEFAULT_BACKEND = "file"
 
-BACKENDS: dict[str, tuple[str, str]] = {"file": ("target.backend", "open_file")}
+BACKENDS: dict[str, tuple[str, str]] = {"file": ("target.backend", "open_file"),
+                                         "rbd": ("target.rbd_backend", "open_rbd")}
 """Configuration name -> (module, its opener's name); the module is imported on first use, so
 reading a configuration loads no backend's dependencies."""
 

@@ -59,6 +59,7 @@ Example::
     block_size = 512          # or 4096
     read_only = false
     ana_group = 1             # optional: its ANA group (default 1)
+    options = {}              # optional: a backend's own settings (backend = "rbd": docs/ceph.md)
     nguid = "..."             # optional, 32 hex digits; uuid = "8-4-4-4-12"; eui64 = 16 hex digits:
                               # by default derived from (NQN, nsid), so equal on two targets
 
@@ -176,6 +177,9 @@ class NamespaceConfig:
     (target.replication.external); None: they sit at the end of ``path``."""
     backend: str = DEFAULT_BACKEND
     """The registered backend that opens ``path`` (:mod:`target.backend_registry`)."""
+    options: tuple[tuple[str, Any], ...] = ()
+    """The ``[subsystem.namespace.options]`` table, sorted by key: settings of a backend other
+    than the file (the rbd backend's ceph.conf, client, failover); its opener checks them."""
 
 
 MAX_CNTLID = 0xFFEF
@@ -439,7 +443,7 @@ def _transport(table: dict[str, Any], where: str) -> str:
 def _namespace(n: dict[str, Any], where: str, default_nsid: int) -> NamespaceConfig:
     unknown(n, {"nsid", "backend", "path", "size", "block_size", "read_only", "ana_group", "nguid", "uuid", "eui64",
                 "replica", "region_size", "min_in_sync", "resync_rate", "standby_nqn", "standby_hosts",
-                "metadata_path"}, where)
+                "metadata_path", "options"}, where)
     nsid = take(n, "nsid", int, where, default_nsid)
     size = n.get("size")
     block_size = take(n, "block_size", int, where, 512)
@@ -451,7 +455,8 @@ def _namespace(n: dict[str, Any], where: str, default_nsid: int) -> NamespaceCon
     read_only = take(n, "read_only", bool, where, False)
     path = take(n, "path", str, where)
     common = {"ana_group": _ana_group(n, where), "ids": _namespace_ids(n, where),
-              "backend": _one_of(n, "backend", backend_names(), where)}
+              "backend": _one_of(n, "backend", backend_names(), where),
+              "options": tuple(sorted(take(n, "options", dict, where, {}).items()))}
     replicas = tuple(_replica(r, f"{where} replica #{k + 1}")
                      for k, r in enumerate(take(n, "replica", list, where, [])))
     if not replicas:

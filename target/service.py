@@ -17,7 +17,7 @@ from target.config import MAX_REPLICAS, NamespaceConfig, PortConfig, SubsystemCo
 from blockd.control_socket import RequestError
 from protocol.constants import ANA_STATE_NAMES, AnaState
 from target.ana import MAX_ANA_GROUPS, STANDBY_ANA_GROUP
-from target.backend import Backend
+from target.backend import Backend, NamespaceHooks
 from target.backend_registry import open_backend
 from target.control import ControlServer
 from blockd.prometheus import MetricsServer
@@ -90,7 +90,9 @@ async def _open_namespace(sub: Subsystem, nc: NamespaceConfig, open_replica: Rep
         raise RuntimeError(f"{where}: {nc.path} size is not a multiple of {nc.block_size}")
     if isinstance(backend, ReplicatedBackend):
         backend.start()
-    return Namespace(nc.nsid, backend, nc.block_size, sub.nqn, nc.path, nc.ana_group, nc.ids)
+    derived = getattr(backend, "derived_ids", None)  # a backend whose storage names itself (rbd)
+    ids = nc.ids if derived is None else tuple(c if c is not None else d for c, d in zip(nc.ids, derived()))
+    return Namespace(nc.nsid, backend, nc.block_size, sub.nqn, nc.path, nc.ana_group, ids)
 
 
 class TargetService:
@@ -163,6 +165,28 @@ class TargetService:
         self.target.add_subsystem(sub)
         for nc in sc.namespaces:
             self._add_standby(sc, nc, sub.namespaces[nc.nsid])
+            self._attach(sub, sub.namespaces[nc.nsid])
+
+    def _attach(self, sub: Subsystem, ns: Namespace) -> None:
+        """Hand a backend whose storage changes outside the target (rbd) its hooks
+        (:class:`target.backend.NamespaceHooks`)."""
+        attach = getattr(ns.backend, "attach", None)
+        if attach is None:
+            return
+
+        def resized() -> None:
+            try:
+                self.target.resize_namespace(sub, ns.nsid, None)
+            except (ValueError, OSError) as exc:
+                log.error("namespace not resized", nqn=sub.nqn, nsid=ns.nsid, error=str(exc))
+
+        def serving() -> bool:
+            sc = next(s for s in self.config.subsystems if s.nqn == sub.nqn)
+            return _serves(_ports(self.config, sc), ns.ana_group, self.target.ana.state)
+
+        async def set_serving(on: bool) -> None:
+            await self.op_ana_set("optimized" if on else "inaccessible", group=ns.ana_group)
+        attach(NamespaceHooks(resized, serving, set_serving))
 
     async def _open(self, sub: Subsystem, sc: SubsystemConfig, nc: NamespaceConfig, config: TargetConfig) -> Namespace:
         primary = _serves(_ports(config, sc), nc.ana_group, self.target.ana.state)
@@ -278,6 +302,7 @@ class TargetService:
             if old_ns.get(nsid) is None or not _kept(old_ns[nsid], nc):
                 self.target.add_namespace(sub, await self._open(sub, after, nc, config))
                 self._add_standby(after, nc, sub.namespaces[nsid])
+                self._attach(sub, sub.namespaces[nsid])
                 log.info("namespace added", nqn=sub.nqn, nsid=nsid, path=nc.path)
 
     def _apply_resizes(self, old: TargetConfig, new: TargetConfig) -> None:

@@ -29,8 +29,8 @@ GUEST_DIR = TESTS / "vm" / "guest_tests"
 """The VM groups' own guest files and fixtures (their conftest expects the guest's tools)."""
 IN_GUEST = bool(os.environ.get("BLOCKD_VM") or os.environ.get("RDMAVM"))
 IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
-PEER_GROUPS = tuple(TESTS / group for group in ("vm", "fuse", "systemd", "rdma"))
-"""The test directories whose tests need a real peer (a VM, a FUSE mount, systemd, RDMA)."""
+PEER_GROUPS = tuple(TESTS / group for group in ("vm", "fuse", "systemd", "rdma", "ceph"))
+"""The test directories whose tests need a real peer (a VM, a FUSE mount, systemd, RDMA, a Ceph cluster)."""
 
 
 def _guest_tests_of(host_module: Path) -> list[Path]:

@@ -32,3 +32,22 @@ def test_under_ci_a_missing_vm_bed_fails() -> None:
     assert result.returncode == 1, result.stdout + result.stderr
     assert "skipped under CI=true" in result.stdout
     assert "/nonexistent" in result.stdout  # the skip's reason is kept
+
+
+def _run_ceph_group_without_ceph(ci: bool) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env["BLOCKD_CEPH_PATH"] = "/nonexistent"
+    if ci:
+        env["CI"] = "true"
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/ceph/test_rbd_backend.py", "-k", "land"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_without_ci_a_missing_ceph_skips_and_under_ci_fails() -> None:
+    """The Ceph group (tests/ceph) follows the same rule as the VM bed."""
+    laptop = _run_ceph_group_without_ceph(ci=False)
+    assert laptop.returncode == 0 and "skipped" in laptop.stdout, laptop.stdout + laptop.stderr
+    ci = _run_ceph_group_without_ceph(ci=True)
+    assert ci.returncode == 1 and "skipped under CI=true" in ci.stdout, ci.stdout + ci.stderr
+    assert "ceph-mon" in ci.stdout  # the reason names what is missing

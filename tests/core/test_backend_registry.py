@@ -75,11 +75,25 @@ def test_the_namespace_backend_is_checked_against_the_registry(tmp_path: Path, r
     port = free_port()
     default = config([port], [sub(NQN, [ns(tmp_path / "a.img")])])
     assert default.subsystems[0].namespaces[0].backend == "file"
-    with pytest.raises(ConfigError, match="backend must be one of file, test-ram, not 'rbd'"):
-        config([port], [sub(NQN, [{**ns(tmp_path / "a.img"), "backend": "rbd"}])])
+    with pytest.raises(ConfigError, match="backend must be one of file, rbd, test-ram, not 'nbd'"):
+        config([port], [sub(NQN, [{**ns(tmp_path / "a.img"), "backend": "nbd"}])])
 
 
 def test_both_ends_register_the_same_transport_names() -> None:
     """A replica's transport is checked against the target's registry (target/ may not import
     the host), so the host's must hold the same names."""
     assert transport_names() == tuple(TRANSPORTS) == ("tcp", "rdma")
+
+
+def test_backend_options_reach_the_opener_which_checks_them(tmp_path: Path) -> None:
+    """``[subsystem.namespace.options]`` is the backend's own table: parsed as given, and the
+    file backend, which has no options, refuses any with a message naming them."""
+    port = free_port()
+    cfg = config([port], [sub(NQN, [{**ns(tmp_path / "a.img"), "options": {"zeta": 1, "alpha": "x"}}])])
+    assert cfg.subsystems[0].namespaces[0].options == (("alpha", "x"), ("zeta", 1))
+
+    async def main() -> None:
+        async with serving(cfg):
+            pass
+    with pytest.raises(RuntimeError, match="the file backend takes no options .got alpha, zeta."):
+        run(main())

@@ -1,0 +1,219 @@
+"""The ``rbd`` backend on the session's single-node cluster, with blockd's host in this process:
+bytes land in the image, Identify matches a file namespace but for the ids (derived from the
+image), an outside ``rbd resize`` reaches the host as an event, and a blocklisted gateway answers
+with a path status the host retries elsewhere."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+rados = pytest.importorskip("rados", reason="python3-rados is missing (scripts/setup.sh installs it)")
+rbd = pytest.importorskip("rbd", reason="python3-rbd is missing (scripts/setup.sh installs it)")
+
+from initiator.errors import NvmeError  # noqa: E402  (after the importorskip of python3-rbd)
+from protocol.status import Status
+from target.config import NamespaceConfig
+from target.rbd_backend import RbdOptions
+from tests.ceph.cluster import Cluster
+from tests.ceph.conftest import rbd_ns
+from tests.core.conftest import NQN, config, connect, free_port, ns, run, serving, sub, until
+
+MIB = 1 << 20
+
+
+class Client:
+    """A second RADOS client on the image (an administrator, another gateway)."""
+
+    def __init__(self, cluster: Cluster, image: str) -> None:
+        self.rados = rados.Rados(conffile=str(cluster.conf))
+        self.rados.conf_set("rbd_cache", "false")
+        self.rados.connect()
+        self.ioctx = self.rados.open_ioctx(cluster.pool)
+        self.image = rbd.Image(self.ioctx, image)
+
+    def close(self) -> None:
+        self.image.close()
+        self.ioctx.close()
+        self.rados.shutdown()
+
+
+def test_bytes_land_in_the_image(ceph: Cluster, image: str) -> None:
+    port = free_port()
+    rng = random.Random(37)
+    data = rng.randbytes(256 * 1024)
+    cfg = config([port], [sub(NQN, [rbd_ns(ceph, image)])])
+
+    async def main() -> tuple[bytes, bytes, bytes]:
+        async with serving(cfg) as service:
+            backend = service.target.subsystems[NQN].namespaces[1].backend
+            assert type(backend).__name__ == "RbdBackend" and service.target.subsystems[NQN].namespaces[1].fast is None
+            host = await connect(port, nr_io_queues=2)
+            try:
+                assert host.namespaces[1].size == 64 * MIB  # the image's size
+                await host.write_bytes(1, 3 * MIB + 4096, data)
+                await host.write_bytes(1, 10 * MIB, b"f" * 4096, fua=True)
+                back = bytes(await host.read_bytes(1, 3 * MIB + 4096, len(data)))
+                await host.write_bytes(1, 20 * MIB, b"z" * 8192)
+                await host.deallocate(1, [(20 * MIB // 512 + 1, 3)])  # 1.5 KiB, not object-aligned
+                await host.write_zeroes(1, 20 * MIB // 512 + 10, 2)
+                holes = bytes(await host.read_bytes(1, 20 * MIB, 8192))
+                return back, holes, bytes(await host.read_bytes(1, 10 * MIB, 4096))
+            finally:
+                await host.close()
+
+    back, holes, fua = run(main())
+    assert back == data and fua == b"f" * 4096
+    assert holes == b"z" * 512 + bytes(1536) + b"z" * 3072 + bytes(1024) + b"z" * 2048
+    other = Client(ceph, image)  # what a second client reads from the cluster itself
+    try:
+        assert other.image.read(3 * MIB + 4096, len(data)) == data
+        assert other.image.read(20 * MIB, 8192) == holes
+    finally:
+        other.close()
+
+
+def _idns(ident: Any) -> dict[str, Any]:
+    return {k: v for k, v in dict(ident).items() if not k.startswith("_") and k not in ("nguid", "eui64")}
+
+
+def test_identify_matches_a_file_namespace_but_the_ids(ceph: Cluster, image: str, tmp_path: Path) -> None:
+    port = free_port()
+    other_nqn = NQN + "-other"
+    cfg = config([port], [sub(NQN, [ns(tmp_path / "f.img", 1, size=64 * MIB), rbd_ns(ceph, image, nsid=2)]),
+                          sub(other_nqn, [rbd_ns(ceph, image, nsid=7)])])
+
+    async def main() -> tuple[Any, ...]:
+        async with serving(cfg) as service:
+            host = await connect(port, nr_io_queues=1)
+            other = await connect(port, other_nqn, nr_io_queues=1)
+            try:
+                ns1 = service.target.subsystems[NQN].namespaces
+                ids = (ns1[1].nguid, ns1[2].nguid, ns1[2].uuid,
+                       service.target.subsystems[other_nqn].namespaces[7].nguid)
+                return (await host.identify_namespace(1), await host.identify_namespace(2),
+                        await other.identify_namespace(7), ids,
+                        service.target.subsystems[NQN].namespaces[2].backend.derived_ids())
+            finally:
+                await host.close()
+                await other.close()
+
+    file_id, rbd_id, other_id, (file_nguid, rbd_nguid, rbd_uuid, other_nguid), derived = run(main())
+    assert _idns(rbd_id) == _idns(file_id)
+    assert bytes(rbd_id.nguid) == rbd_nguid == derived[0] != file_nguid
+    assert rbd_uuid.bytes == derived[1]
+    assert other_nguid == rbd_nguid and bytes(other_id.nguid) == rbd_nguid  # another NQN, nsid: same ids
+
+
+def test_outside_resize_reaches_the_host(ceph: Cluster, image: str) -> None:
+    port = free_port()
+    cfg = config([port], [sub(NQN, [rbd_ns(ceph, image)])])
+
+    async def main() -> list[int]:
+        async with serving(cfg):
+            host = await connect(port, nr_io_queues=1)
+            seen: list[int] = []
+            host.namespace_listeners.append(lambda: seen.append(host.namespaces[1].size))
+            try:
+                ceph.run("rbd", "resize", f"{ceph.pool}/{image}", "--size", "96M")
+                await until(lambda: host.namespaces[1].size == 96 * MIB, timeout=15)
+                assert (await host.identify_namespace(1)).nsze == 96 * MIB // 512
+                await host.write_bytes(1, 90 * MIB, b"g" * 4096)  # past the old end
+                assert await host.read_bytes(1, 90 * MIB, 4096) == b"g" * 4096
+                return seen
+            finally:
+                await host.close()
+
+    assert run(main()) == [96 * MIB]
+
+
+def test_a_blocklisted_gateway_answers_with_a_path_status(ceph: Cluster, image: str) -> None:
+    port = free_port()
+    cfg = config([port], [sub(NQN, [rbd_ns(ceph, image)])])
+
+    async def main() -> tuple[int, int, bool]:
+        async with serving(cfg) as service:
+            host = await connect(port, nr_io_queues=1)
+            other = Client(ceph, image)
+            try:
+                await host.write_bytes(1, 0, b"a" * 4096)  # librbd takes the exclusive lock for it
+                owner = next(iter(other.image.lock_get_owners()))
+                other.image.lock_break(owner["mode"], owner["owner"])  # blocklists the target's client
+                with pytest.raises(NvmeError) as wrote:
+                    await host.write_bytes(1, 0, b"b" * 4096)
+                with pytest.raises(NvmeError) as read:
+                    await host.read_bytes(1, 0, 4096)
+                assert other.image.read(0, 4096) == b"a" * 4096  # the refused write did not land
+                return wrote.value.status, read.value.status, service.target.subsystems[NQN].namespaces[1].backend.fenced
+            finally:
+                other.close()
+                await host.close()
+
+    wrote, read, fenced = run(main())
+    assert wrote == read == Status.ANA_INACCESSIBLE and fenced
+
+
+@pytest.mark.parametrize("path, options, error", [
+    ("rbd", {}, "pool/image"),
+    ("rbd/a/b", {}, "pool/image"),
+    ("rbd/x", {"cache": True}, "unknown rbd option 'cache'"),
+    ("rbd/x", {"failover": "yes"}, "failover has the wrong type"),
+])
+def test_bad_options_get_one_line(path: str, options: dict[str, Any], error: str) -> None:
+    nc = NamespaceConfig(1, path, None, backend="rbd", options=tuple(sorted(options.items())))
+    with pytest.raises(ValueError, match=error):
+        RbdOptions.from_config(nc)
+
+
+def test_a_missing_image_fails_the_start_with_its_name(ceph: Cluster) -> None:
+    cfg = config([free_port()], [sub(NQN, [rbd_ns(ceph, "no-such-image")])])
+
+    async def main() -> None:
+        async with serving(cfg):
+            pass
+    with pytest.raises(RuntimeError, match="cannot open rbd/no-such-image: .*image not found"):
+        run(main())
+    assert os.path.exists(ceph.conf)
+
+
+def test_the_resize_verb_resizes_the_image(ceph: Cluster, image: str) -> None:
+    """``blockctl target resize`` with a size grows the image itself (another client sees it)
+    and the host gets the event."""
+    port = free_port()
+    cfg = config([port], [sub(NQN, [rbd_ns(ceph, image)])])
+
+    async def main() -> tuple[list[int], dict[str, Any]]:
+        async with serving(cfg) as service:
+            host = await connect(port, nr_io_queues=1)
+            seen: list[int] = []
+            host.namespace_listeners.append(lambda: seen.append(host.namespaces[1].size))
+            try:
+                reply = await service.op_resize(NQN, 1, 80 * MIB)
+                await until(lambda: host.namespaces[1].size == 80 * MIB, timeout=15)
+                other = Client(ceph, image)
+                try:
+                    assert other.image.size() == 80 * MIB
+                finally:
+                    other.close()
+                return seen, reply
+            finally:
+                await host.close()
+
+    seen, reply = run(main())
+    assert (reply["old_size"], reply["size"]) == (64 * MIB, 80 * MIB)
+    assert seen[0] == 80 * MIB
+
+
+def test_failover_needs_the_exclusive_lock_feature(ceph: Cluster) -> None:
+    ceph.run("rbd", "create", f"{ceph.pool}/nolock", "--size", "8M", "--image-feature", "layering")
+    cfg = config([free_port()], [sub(NQN, [rbd_ns(ceph, "nolock", failover=True)])])
+
+    async def main() -> None:
+        async with serving(cfg):
+            pass
+    with pytest.raises(RuntimeError, match="failover needs the exclusive-lock feature"):
+        run(main())
