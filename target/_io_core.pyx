@@ -152,14 +152,15 @@ cdef object mirror_eligible(RwCommand* c, unsigned int length, object ctrl, obje
     local copy, the compiled plane): PSDT SGL, a Write without FUA (FUA goes to every copy through
     the Python mirror), a length not 0 and within MDTS, a namespace of the controller's view, the
     range inside its data area (``Namespace.blocks``, the metadata excluded) and the length its
-    blocks say, writable, the queue ready. The lane then decides whether the mirror's state lets
+    blocks say, writable, no host registered on it
+    (``Namespace.reserved``: the lane is not withdrawn by ``fast.accessible``), the queue ready. The lane then decides whether the mirror's state lets
     it take the write now (it declines before anything happened otherwise)."""
     if (c.flags & _PSDT_MASK) != _PSDT_SGL or c.opcode != _WRITE or c.control & _FUA:
         return None
     if length == 0 or length > shape.max_transfer:
         return None
     entry = ctrl.io_namespaces.get(c.nsid)
-    if entry is None:
+    if entry is None or entry.reserved:  # a registrant: the queue checks the reservation (target/reservations.py)
         return None
     lane = getattr(entry.backend, "lane", None)
     if lane is None:

@@ -15,6 +15,9 @@ from protocol.reservation import AcquireAction, RegisterAction, ReservationType
 from protocol.status import Status
 from tests.core.conftest import connect, run
 
+from blockd import dataplane
+from target.replication import mirror as mirror_mod
+
 from .test_roles import NQN, fast_links, in_sync, pair  # noqa: F401 (fast_links: an autouse fixture)
 
 HOST_A = "nqn.2014-08.org.example:cluster-a"
@@ -86,5 +89,42 @@ def test_a_standby_that_was_down_gets_the_state_when_it_reconnects(tmp_path: Pat
                 report = await reservations.report(host_b, 1)
                 assert report.rtype == ReservationType.WRITE_EXCLUSIVE and [r.key for r in report.registrants] == [0xA]
             finally:
+                await host_b.close()
+    run(main())
+
+
+def test_the_compiled_lane_refuses_a_fenced_host_as_the_queue_does(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replicated namespace's host writes may take the compiled lane (``_mirror_io.pyx``),
+    which the reservation's withdrawal of the compiled plane (``fast.accessible``) does not
+    reach: ``mirror_eligible`` must leave a reserved namespace's writes to the Python queue, which
+    checks them. The region's write-intent bit is set by the holder's write first (sweeper slowed
+    down), so the lane would take the fenced host's write if the rule let it; it took the
+    holder's writes when nothing was registered (``compiled_writes``), where the plane is
+    built. Found when issues 35 (the lane) and 38 (reservations) met in one merge."""
+    monkeypatch.setattr(mirror_mod, "SWEEP_INTERVAL", 60.0)
+
+    async def main() -> None:
+        async with pair(tmp_path) as (a, b):
+            await b.start("inaccessible")
+            await a.start("optimized")
+            await in_sync(a)
+            host_a = await connect(a.ports[0], NQN, hostnqn=HOST_A)
+            host_b = await connect(a.ports[0], NQN, hostnqn=HOST_B)
+            try:
+                for _ in range(2):  # the first sets the region's bit, the second may take the lane
+                    await host_a.write_bytes(1, 0, b"a" * 4096)
+                lane_before = a.backend.view()["compiled_writes"]
+                await reservations.register(host_b, 1, RegisterAction.REGISTER, 0, 0xB)
+                await reservations.acquire(host_b, 1, AcquireAction.ACQUIRE, ReservationType.WRITE_EXCLUSIVE, 0xB)
+                await host_b.write_bytes(1, 0, b"B" * 4096)  # the holder writes: the bit stays set
+                with pytest.raises(NvmeError) as fenced:
+                    await host_a.write_bytes(1, 4096, b"A" * 4096)
+                assert fenced.value.status == Status.RESERVATION_CONFLICT
+                assert await host_b.read_bytes(1, 4096, 4096) == bytes(4096)  # nothing of A's landed
+                assert a.backend.view()["compiled_writes"] == lane_before
+                assert lane_before >= 1 or not dataplane.COMPILED  # the lane was there to refuse
+            finally:
+                await host_a.close()
                 await host_b.close()
     run(main())
