@@ -1,0 +1,228 @@
+"""nvme-cli's habits (issue 39), inside the VM: blockctl's JSON against nvme-cli's own for the
+same controllers, the kernel host's ``nvme discover`` and ``nvme connect-all`` on blockd's
+discovery ports (a listing port on 8009, a referring one on 8010), ``blockctl connect-all``.
+
+Run from the host by tests/vm/test_nvmecli.py (one boot for the file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .util import ADDR0, RESULTS, Daemon, sh, start_target, tool, wait_path, wait_tcp
+
+NQN = "nqn.2026-11.io.blockd:nvmecli"
+VOL = "/dev/shm/nvmecli-vol.img"
+KNQN = "nqn.2026-11.io.blockd:nvmecli-kernel"
+KVOL = "/dev/shm/nvmecli-kernel.img"
+KPORT = 4421
+LISTING, REFERRING = 8009, 8010
+SOCK = "/run/blockd/nvmecli-initiator.sock"
+TARGET_SOCK = "/run/blockd/nvmecli-target.sock"
+DISC_NQN = "nqn.2014-08.org.nvmexpress.discovery"
+
+TARGET_TOML = f"""\
+[control]
+socket = "{TARGET_SOCK}"
+
+[[port]]
+id = 1
+transport = "tcp"
+address = "{ADDR0}"
+port = 4420
+
+[[port]]
+id = 2
+transport = "tcp"
+address = "{ADDR0}"
+port = {LISTING}
+discovery = "all"
+
+[[port]]
+id = 3
+transport = "tcp"
+address = "{ADDR0}"
+port = {REFERRING}
+
+[[port.referral]]
+transport = "tcp"
+address = "{ADDR0}"
+port = 4420
+port_id = 1
+
+[[subsystem]]
+nqn = "{NQN}"
+serial = "BLOCKDNVMECLI1"
+model = "blockd nvme-cli test"
+allow_any_host = true
+ports = [1]
+
+[[subsystem.namespace]]
+nsid = 1
+path = "{VOL}"
+size = "32MiB"
+"""
+
+
+def blockctl(*args: str, check: bool = True) -> str:
+    return sh(shlex.join([tool("blockctl"), "--socket", SOCK, *args]), timeout=180, check=check)
+
+
+def nvme_json(cmd: str) -> Any:
+    return json.loads(sh(f"nvme {cmd} -o json", timeout=120))
+
+
+def khost_ctrls(nqn: str) -> list[str]:
+    """The kernel host's controllers (nvmeX) connected to ``nqn``."""
+    out = sh(f"for c in /sys/class/nvme-fabrics/ctl/nvme*; do [ -e $c/subsysnqn ] && "
+             f"[ \"$(cat $c/subsysnqn)\" = {shlex.quote(nqn)} ] && basename $c; done; true")
+    return sorted(out.split())
+
+
+@pytest.fixture(scope="module")
+def kernel_target(rxe):
+    """nvmet exporting KNQN (a 64 MiB file) on ADDR0:KPORT."""
+    sh("modprobe nvme-tcp")
+    sh(f"rm -f {KVOL} && truncate -s 64M {KVOL} && nvmet_subsys {KNQN} KERNELNVMECLI && "
+       f"nvmet_ns_file {KNQN} 1 {KVOL} && nvmet_port 9 tcp {ADDR0} {KPORT} && nvmet_link 9 {KNQN}")
+    wait_tcp(ADDR0, KPORT, timeout=30, what="kernel nvmet-tcp")
+    yield
+    sh(f"nvme disconnect -n {KNQN}; nvmet_teardown", check=False)
+
+
+@pytest.fixture(scope="module")
+def blockd_target(rxe):
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    cfg = RESULTS / "nvmecli-target.toml"
+    cfg.write_text(TARGET_TOML)
+    Path(VOL).unlink(missing_ok=True)
+    sh(f"truncate -s 32M {VOL}")
+    d = start_target("blockd-target-nvmecli", cfg)
+    for port in (LISTING, REFERRING):
+        wait_tcp(ADDR0, port, timeout=60, proc=d.proc, what="blockd target")
+    yield d
+    sh(f"nvme disconnect -n {NQN}", check=False)
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def blockd_initiator():
+    os.makedirs(os.path.dirname(SOCK), exist_ok=True)
+    d = Daemon("blockd-initiator-nvmecli", [tool("blockd"), "initiator", "--socket", SOCK])
+    wait_path(SOCK, timeout=120, proc=d.proc, what="blockd initiator")
+    yield d
+    d.stop()
+
+
+def _golden(ours: dict[str, Any], theirs: dict[str, Any], skip: set[str], what: str) -> None:
+    """Every field blockctl prints is one nvme-cli prints, with the same value (``skip``: those
+    that differ by nature, e.g. the controller id of two different controllers)."""
+    foreign = sorted(set(ours) - set(theirs))
+    assert not foreign, f"{what}: blockctl fields nvme-cli does not have: {foreign}"
+    differ = {k: (ours[k], theirs[k]) for k in ours if k not in skip and ours[k] != theirs[k]}
+    assert not differ, f"{what}: (blockctl, nvme-cli) differ: {differ}"
+    print(f"{what}: {len(ours)} fields equal to nvme-cli's ({len(theirs)} in nvme-cli's report)")
+
+
+def _json_as_nvme_cli_prints_it(which: str) -> None:
+    """blockctl discover, id-ctrl, id-ns and list with -o json against nvme-cli -o json, both
+    looking at the same subsystem (the kernel's nvmet, or blockd's target): the same names,
+    the same values."""
+    nqn, port = (KNQN, KPORT) if which == "nvmet" else (NQN, 4420)
+    ours_log = json.loads(blockctl("discover", "-t", "tcp", "-a", ADDR0, "-s", str(port), "-o", "json"))
+    theirs_log = nvme_json(f"discover -t tcp -a {ADDR0} -s {port}")
+    assert ours_log == theirs_log
+
+    dev = sh(f"nvmeh_connect tcp {ADDR0} {port} {nqn}", timeout=120).strip().splitlines()[-1]
+    blockctl("connect", "-t", "tcp", "-a", ADDR0, "-s", str(port), "-n", nqn, "--name", which, "-i", "1")
+    try:
+        ctrl = sh(f"nvmeh_ctrl {nqn}").strip()
+        _golden(json.loads(blockctl("id-ctrl", which, "-o", "json")), nvme_json(f"id-ctrl /dev/{ctrl}"),
+                {"cntlid"}, f"{which} id-ctrl")
+        _golden(json.loads(blockctl("id-ns", which, "-N", "1", "-o", "json")), nvme_json(f"id-ns {dev}"),
+                set(), f"{which} id-ns")
+        ours = [d for d in json.loads(blockctl("list", "-o", "json"))["Devices"] if d["Connection"] == which]
+        theirs = [d for d in nvme_json("list")["Devices"] if d["DevicePath"] == dev]
+        assert len(ours) == len(theirs) == 1, (ours, theirs)
+        shared = {k: v for k, v in ours[0].items() if k in theirs[0]}
+        assert set(shared) == {"NameSpace", "Firmware", "ModelNumber", "SerialNumber", "UsedBytes", "MaximumLBA",
+                               "PhysicalSize", "SectorSize"}, ours
+        _golden(shared, theirs[0], set(), f"{which} list")
+    finally:
+        blockctl("disconnect", which, check=False)
+        sh(f"nvme disconnect -n {nqn}", check=False)
+
+
+def test_json_as_nvme_cli_prints_it_nvmet(kernel_target, blockd_initiator):
+    _json_as_nvme_cli_prints_it("nvmet")
+
+
+def test_json_as_nvme_cli_prints_it_blockd(blockd_target, blockd_initiator):
+    _json_as_nvme_cli_prints_it("blockd")
+
+
+def test_khost_discover_on_8009_finds_the_volume(blockd_target):
+    """The kernel host's nvme discover on the listing port (8009, no subsystem of its own)
+    finds the subsystem at its I/O port; blockctl prints the same JSON."""
+    records = nvme_json(f"discover -t tcp -a {ADDR0} -s {LISTING}")["records"]
+    assert [(r["subtype"], r["subnqn"], r["trsvcid"], r["portid"]) for r in records] == [
+        ("current discovery subsystem", DISC_NQN, str(LISTING), 2), ("nvme subsystem", NQN, "4420", 1)]
+    ours = json.loads(blockctl("discover", "-t", "tcp", "-a", ADDR0, "-s", str(LISTING), "-o", "json"))
+    assert ours["records"] == records
+
+
+def test_khost_discover_referral(blockd_target):
+    """On the referring port the kernel host's nvme discover shows nvmet's referral entry."""
+    records = nvme_json(f"discover -t tcp -a {ADDR0} -s {REFERRING}")["records"]
+    assert records[1:] == [{"trtype": "tcp", "adrfam": "ipv4", "subtype": "discovery subsystem referral",
+                            "treq": "not specified", "portid": 1, "trsvcid": "4420", "subnqn": DISC_NQN,
+                            "traddr": ADDR0, "eflags": "none", "sectype": "none"}], records
+
+
+def _khost_connect_all(port: int) -> None:
+    """nvme connect-all on a discovery port connects the volume (through the listing, or by
+    following the referral); a second run connects nothing more."""
+    assert khost_ctrls(NQN) == []
+    try:
+        sh(f"nvme connect-all -t tcp -a {ADDR0} -s {port}", timeout=120)
+        first = khost_ctrls(NQN)
+        assert len(first) == 1, first
+        sh(f"nvme connect-all -t tcp -a {ADDR0} -s {port}", timeout=120)
+        assert khost_ctrls(NQN) == first
+    finally:
+        sh(f"nvme disconnect -n {NQN}", check=False)
+
+
+def test_khost_connect_all_listing(blockd_target):
+    _khost_connect_all(LISTING)
+
+
+def test_khost_connect_all_referral(blockd_target):
+    _khost_connect_all(REFERRING)
+
+
+def test_connect_all_from_discovery_conf(blockd_target, blockd_initiator):
+    """The same /etc/nvme/discovery.conf serves nvme connect-all and blockctl connect-all; a
+    second blockctl connect-all finds the volume connected already."""
+    conf = Path("/etc/nvme/discovery.conf")
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text(f"# written by test_nvmecli\n-t tcp -a {ADDR0} -s {REFERRING}\n")
+    try:
+        sh("nvme connect-all", timeout=120)
+        assert len(khost_ctrls(NQN)) == 1
+        report = json.loads(blockctl("connect-all", "-i", "1", "-o", "json"))["connections"]
+        assert [(r["subnqn"], r["trsvcid"], r["result"]) for r in report] == [(NQN, "4420", "connected")]
+        again = json.loads(blockctl("connect-all", "-o", "json"))["connections"]
+        assert [r["result"] for r in again] == ["already connected"]
+        listed = json.loads(blockctl("list", "-o", "json"))["Devices"]
+        assert [(d["SubsystemNQN"], d["State"]) for d in listed] == [(NQN, "live")]
+    finally:
+        conf.unlink()
+        blockctl("disconnect", NQN, check=False)
+        sh(f"nvme disconnect -n {NQN}", check=False)
