@@ -35,3 +35,9 @@ def test_khost_connect_all_referral(guest_case):
 
 def test_connect_all_from_discovery_conf(guest_case):
     """/etc/nvme/discovery.conf serves nvme connect-all and blockctl connect-all."""
+
+
+def test_error_statuses_as_nvmet(guest_case):
+    """Malformed admin and I/O commands from nvme-cli: blockd's status and error-log entry ==
+    nvmet's, but for the documented differences (docs/wire-facts.md)."""
+    print((guest_case.results / "error-statuses.txt").read_text())

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -226,3 +228,109 @@ def test_connect_all_from_discovery_conf(blockd_target, blockd_initiator):
         conf.unlink()
         blockctl("disconnect", NQN, check=False)
         sh(f"nvme disconnect -n {NQN}", check=False)
+
+
+# ---------------------------------- error statuses: blockd beside nvmet, the same commands ---
+STATUS_NQN = "nqn.2026-11.io.blockd:nvmecli-status"
+STATUS_VOL = "/dev/shm/nvmecli-status.img"
+STATUS_PORT = 4430
+STATUS_TOML = f"""\
+[control]
+socket = ""
+
+[[port]]
+transport = "tcp"
+address = "{ADDR0}"
+port = {STATUS_PORT}
+
+[[subsystem]]
+nqn = "{STATUS_NQN}"
+allow_any_host = true
+
+[[subsystem.namespace]]
+nsid = 1
+path = "{STATUS_VOL}"
+size = "64MiB"
+block_size = 4096
+"""
+"""Like the kernel target's file namespace: 64 MiB of 4096-byte blocks (nvmet picks 4 KiB)."""
+
+END = (64 << 20) // 4096  # the first block past the end of either namespace
+
+ERROR_CASES = {
+    # admin commands, on the controller (nvme admin-passthru)
+    "vendor admin opcode": "admin-passthru {ctrl} --opcode=0xc0",
+    "identify unknown cns": "admin-passthru {ctrl} --opcode=0x06 --cdw10=0x7f --data-len=4096 -r",
+    "identify ns 0xffffffff": "admin-passthru {ctrl} --opcode=0x06 --namespace-id=0xffffffff --data-len=4096 -r",
+    "identify ns not there": "admin-passthru {ctrl} --opcode=0x06 --namespace-id=0xdead --data-len=4096 -r",
+    "get log page unknown lid": "admin-passthru {ctrl} --opcode=0x02 --cdw10=$((0x7f | 127 << 16)) --data-len=512 -r",
+    "get log page past the end": "admin-passthru {ctrl} --opcode=0x02 --cdw10=$((0x0c | 127 << 16)) --cdw12=8192 "
+                                 "--data-len=512 -r",
+    "get features unknown fid": "admin-passthru {ctrl} --opcode=0x0a --cdw10=0x7e",
+    "set features unknown fid": "admin-passthru {ctrl} --opcode=0x09 --cdw10=0x7e",
+    "set features save": "admin-passthru {ctrl} --opcode=0x09 --cdw10=$((0x07 | 1 << 31)) --cdw11=0x00010001",
+    "abort": "admin-passthru {ctrl} --opcode=0x08 --cdw10=0x00010000",
+    # I/O commands, on the namespace (nvme io-passthru)
+    "vendor io opcode": "io-passthru {dev} --opcode=0x7f --namespace-id=1",
+    "read ns not there": "io-passthru {dev} --opcode=0x02 --namespace-id=0xdead --data-len=4096 -r",
+    "read past the end": f"io-passthru {{dev}} --opcode=0x02 --namespace-id=1 --cdw10={END} --data-len=4096 -r",
+    "read across the end": f"io-passthru {{dev}} --opcode=0x02 --namespace-id=1 --cdw10={END - 1} --cdw12=1 "
+                           "--data-len=8192 -r",
+    "read data length differs": "io-passthru {dev} --opcode=0x02 --namespace-id=1 --data-len=8192 -r",
+    "write past the end": f"io-passthru {{dev}} --opcode=0x01 --namespace-id=1 --cdw10={END} --data-len=4096 -w "
+                          "-i /dev/zero",
+    "write zeroes past the end": f"io-passthru {{dev}} --opcode=0x08 --namespace-id=1 --cdw10={END}",
+    "flush ns not there": "io-passthru {dev} --opcode=0x00 --namespace-id=0xdead",
+    "dsm range past the end": "io-passthru {dev} --opcode=0x09 --namespace-id=1 --cdw11=4 --data-len=16 -w "
+                              "-i {dsm}",
+}
+"""Malformed or refused commands, as nvme-cli sends them: each to nvmet's subsystem and to
+blockd's, compared by status (DNR and More included) and the Error Information entry behind it."""
+
+STATUS_DIFFERENCES: dict[str, tuple[Any, Any]] = {}
+"""Cases where blockd answers otherwise than nvmet, on purpose (docs/wire-facts.md says why for
+each): the case -> (blockd's answer, nvmet's answer)."""
+
+
+def _answer(cmd: str, ctrl: str) -> tuple[int, Any]:
+    """nvme-cli's status for ``cmd`` (0 for success) and what the Error Information log got
+    for it: None when no entry was added, else (status field, parameter error location)."""
+    before = json.loads(sh(f"nvme error-log /dev/{ctrl} -e 1 -o json"))["errors"][0]["error_count"]
+    r = subprocess.run(["bash", "-c", f"nvme {cmd}"], capture_output=True, text=True, timeout=120)
+    print(f"$ nvme {cmd}\n[exit {r.returncode}]\n{r.stdout[-400:]}{r.stderr[-400:]}")
+    m = re.search(r"NVMe status: .*\((0x[0-9a-fA-F]+)\)", r.stdout + r.stderr)
+    assert m or r.returncode == 0, f"nvme {cmd}: neither success nor an NVMe status\n{r.stdout}{r.stderr}"
+    status = int(m.group(1), 16) if m else 0
+    newest = json.loads(sh(f"nvme error-log /dev/{ctrl} -e 1 -o json"))["errors"][0]
+    entry = None if newest["error_count"] == before else (newest["status_field"], newest["parm_error_location"])
+    return status, entry
+
+
+def test_error_statuses_as_nvmet(rxe, kernel_target, scratch):
+    """Every ERROR_CASES command gets from blockd the status nvmet gives (More only with an
+    Error Information entry, the same entry), except the documented STATUS_DIFFERENCES."""
+    Path(STATUS_VOL).unlink(missing_ok=True)
+    sh(f"truncate -s 64M {STATUS_VOL}")
+    cfg = RESULTS / "nvmecli-status.toml"
+    cfg.write_text(STATUS_TOML)
+    dsm = f"{scratch}/dsm-range"
+    Path(dsm).write_bytes(bytes(4) + (8).to_bytes(4, "little") + END.to_bytes(8, "little"))  # 8 blocks at END
+    target = start_target("blockd-target-status", cfg, STATUS_PORT)
+    seen: dict[str, dict[str, Any]] = {}
+    try:
+        for name, (nqn, port) in (("blockd", (STATUS_NQN, STATUS_PORT)), ("nvmet", (KNQN, KPORT))):
+            dev = sh(f"nvmeh_connect tcp {ADDR0} {port} {nqn}", timeout=120).strip().splitlines()[-1]
+            try:
+                ctrl = sh(f"nvmeh_ctrl {nqn}").strip()
+                seen[name] = {case: _answer(cmd.format(ctrl=f"/dev/{ctrl}", dev=dev, dsm=dsm), ctrl)
+                              for case, cmd in ERROR_CASES.items()}
+            finally:
+                sh(f"nvme disconnect -n {nqn}", check=False)
+    finally:
+        target.stop()
+    table = [f"{case:<28} blockd {seen['blockd'][case]!s:<24} nvmet {seen['nvmet'][case]!s}" for case in ERROR_CASES]
+    print("\n".join(table))
+    (RESULTS / "error-statuses.txt").write_text("\n".join(table) + "\n")
+    differ = {case: (seen["blockd"][case], seen["nvmet"][case]) for case in ERROR_CASES
+              if seen["blockd"][case] != seen["nvmet"][case]}
+    assert differ == STATUS_DIFFERENCES
