@@ -277,3 +277,16 @@ def test_progress_on_a_terminal(big_env: Env, tmp_path: Path) -> None:
     assert rc == 0 and seen == "", seen
     res = env.ok("write", "vol", "-i", str(src))
     assert res.stderr.decode().strip() == f"wrote {big} bytes at offset 0 of namespace 1"
+
+
+def test_discovery_tables_of_the_initiator_config() -> None:
+    """[[discovery]]: connect options but nqn, traddr required, values checked as connect's."""
+    from initiator.config import parse as parse_initiator
+    ok = parse_initiator({"discovery": [{"traddr": "192.0.2.1", "trsvcid": 8009, "nr_io_queues": 2}]})
+    assert [dict(d) for d in ok.discoveries] == [{"traddr": "192.0.2.1", "trsvcid": 8009, "nr_io_queues": 2}]
+    for bad, needle in (({"traddr": "a", "nqn": "nqn.2026-11.io.blockd:x"}, "unknown setting.* nqn"),
+                        ({"trsvcid": 8009}, "missing 'traddr'"),
+                        ({"traddr": "a", "trsvcid": 70000}, "out of range"),
+                        ({"traddr": "a", "colour": "red"}, "unknown setting.* colour")):
+        with pytest.raises(ConfigError, match=needle):
+            parse_initiator({"discovery": [bad]})
