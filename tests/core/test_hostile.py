@@ -239,7 +239,7 @@ COMMAND_CASES: dict[str, tuple] = {
     "identify-short-buffer": ("admin", _sqe(0x06, nsid=0, sgl=transport_sgl(512), cdw10=1), b"", 0xC01E),
     "identify-ns-invalid": ("admin", _sqe(0x06, nsid=7, sgl=transport_sgl(4096), cdw10=0), b"", 0xC016),
     "identify-ns-list-ffffffff": ("admin", _sqe(0x06, nsid=0xFFFFFFFF, sgl=transport_sgl(4096), cdw10=2), b"", 0xC016),
-    "get-log-bad-lid": ("admin", _sqe(0x02, nsid=0, sgl=transport_sgl(512), cdw10=0x7F | (127 << 16)), b"", 0xC212),
+    "get-log-bad-lid": ("admin", _sqe(0x02, nsid=0, sgl=transport_sgl(512), cdw10=0x7F | (127 << 16)), b"", 0xC004),
     "get-log-odd-lpo": ("admin", _sqe(0x02, nsid=0, sgl=transport_sgl(512), cdw10=0x02 | (127 << 16), cdw12=2), b"", 0xC004),
     "get-log-numd-mismatch": ("admin", _sqe(0x02, nsid=0, sgl=transport_sgl(512), cdw10=0x02 | (63 << 16)), b"", 0xC01E),
     # commands that return no data, sent with a data buffer: they must still complete

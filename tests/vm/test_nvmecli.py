@@ -41,3 +41,9 @@ def test_error_statuses_as_nvmet(guest_case):
     """Malformed admin and I/O commands from nvme-cli: blockd's status and error-log entry ==
     nvmet's, but for the documented differences (docs/wire-facts.md)."""
     print((guest_case.results / "error-statuses.txt").read_text())
+
+
+def test_raw_command_statuses_as_nvmet(guest_case):
+    """test_hostile's raw malformed commands against nvmet: its statuses == blockd's, but the
+    documented differences."""
+    print((guest_case.results / "raw-statuses.txt").read_text())

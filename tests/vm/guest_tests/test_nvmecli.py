@@ -334,3 +334,59 @@ def test_error_statuses_as_nvmet(rxe, kernel_target, scratch):
     differ = {case: (seen["blockd"][case], seen["nvmet"][case]) for case in ERROR_CASES
               if seen["blockd"][case] != seen["nvmet"][case]}
     assert differ == STATUS_DIFFERENCES
+
+
+# ---------------------------------- the raw NVMe/TCP client's cases against nvmet ---
+RAW_PORT = 4440
+RAW_KINDS = ("fresh", "admin-disabled", "admin", "io")
+"""tests/core/test_hostile.py's COMMAND_CASES of these queue kinds (the others need their own
+set-up there) run unchanged against nvmet; there each one's status is blockd's, checked."""
+
+RAW_DIFFERENCES: dict[str, tuple[Any, Any]] = {}
+"""Raw cases where nvmet answers otherwise than blockd, on purpose (docs/wire-facts.md,
+"Error statuses beside nvmet"): case -> (blockd's wire status, nvmet's answer)."""
+
+
+def test_raw_command_statuses_as_nvmet(rxe, scratch):
+    """The raw client's malformed commands (the exact bytes of test_hostile's table) sent to
+    nvmet: every status as blockd answers it, but the documented RAW_DIFFERENCES."""
+    import asyncio
+
+    from tests.core.conftest import NQN as RAW_NQN
+    from tests.core.test_hostile import COMMAND_CASES, SIZE, _queue_for
+
+    vol = f"{scratch}/raw.img"
+    sh(f"truncate -s {SIZE} {vol} && modprobe loop")
+    loop = sh(f"losetup -f --show {vol}").strip()
+    sh(f"nvmet_subsys {RAW_NQN} RAWPEER && nvmet_ns_file {RAW_NQN} 1 {loop} 0 && "
+       f"nvmet_port 8 tcp 127.0.0.1 {RAW_PORT} && nvmet_link 8 {RAW_NQN}")
+    wait_tcp("127.0.0.1", RAW_PORT, timeout=30, what="kernel nvmet-tcp (raw cases)")
+
+    async def answer(kind: str, sqe: bytes, data: bytes) -> Any:
+        conn, others, _ = await _queue_for(kind, RAW_PORT)
+        try:
+            status, *_ = await conn.command(sqe, data, timeout=10)
+            return status
+        except (AssertionError, asyncio.TimeoutError) as exc:
+            return f"no completion ({type(exc).__name__})"
+        finally:
+            for c in [conn, *others]:
+                await c.close()
+
+    seen = {}
+    try:
+        for name, (kind, sqe, data, want, *_) in sorted(COMMAND_CASES.items()):
+            if kind in RAW_KINDS:
+                got = asyncio.run(answer(kind, sqe, data))
+                seen[name] = (want, got)
+    finally:
+        sh(f"nvmet_unlink 8 {RAW_NQN}; rmdir /sys/kernel/config/nvmet/ports/8; "
+           f"echo 0 >/sys/kernel/config/nvmet/subsystems/{RAW_NQN}/namespaces/1/enable; "
+           f"rmdir /sys/kernel/config/nvmet/subsystems/{RAW_NQN}/namespaces/1 "
+           f"/sys/kernel/config/nvmet/subsystems/{RAW_NQN}; losetup -d {loop}", check=False)
+    table = [f"{name:<36} blockd {want:#06x}  nvmet " + (f"{got:#06x}" if isinstance(got, int) else got)
+             for name, (want, got) in seen.items()]
+    print("\n".join(table))
+    (RESULTS / "raw-statuses.txt").write_text("\n".join(table) + "\n")
+    differ = {name: (want, got) for name, (want, got) in seen.items() if want != got}
+    assert differ == RAW_DIFFERENCES
