@@ -271,8 +271,7 @@ ERROR_CASES = {
     "set features save": "admin-passthru {ctrl} --opcode=0x09 --cdw10=$((0x07 | 1 << 31)) --cdw11=0x00010001",
     "abort": "admin-passthru {ctrl} --opcode=0x08 --cdw10=0x00010000",
     # I/O commands, on the namespace (nvme io-passthru)
-    "vendor io opcode": "io-passthru {dev} --opcode=0x7f --namespace-id=1",
-    "read ns not there": "io-passthru {dev} --opcode=0x02 --namespace-id=0xdead --data-len=4096 -r",
+    "vendor io opcode": "io-passthru {dev} --opcode=0x80 --namespace-id=1",
     "read past the end": f"io-passthru {{dev}} --opcode=0x02 --namespace-id=1 --cdw10={END} --data-len=4096 -r",
     "read across the end": f"io-passthru {{dev}} --opcode=0x02 --namespace-id=1 --cdw10={END - 1} --cdw12=1 "
                            "--data-len=8192 -r",
@@ -280,12 +279,13 @@ ERROR_CASES = {
     "write past the end": f"io-passthru {{dev}} --opcode=0x01 --namespace-id=1 --cdw10={END} --data-len=4096 -w "
                           "-i /dev/zero",
     "write zeroes past the end": f"io-passthru {{dev}} --opcode=0x08 --namespace-id=1 --cdw10={END}",
-    "flush ns not there": "io-passthru {dev} --opcode=0x00 --namespace-id=0xdead",
     "dsm range past the end": "io-passthru {dev} --opcode=0x09 --namespace-id=1 --cdw11=4 --data-len=16 -w "
                               "-i {dsm}",
 }
 """Malformed or refused commands, as nvme-cli sends them: each to nvmet's subsystem and to
-blockd's, compared by status (DNR and More included) and the Error Information entry behind it."""
+blockd's, compared by status (DNR and More included) and the Error Information entry behind it.
+An I/O command for another NSID cannot be sent this way (the kernel refuses a passthrough whose
+NSID is not the device's, EINVAL): the raw client's cases below have those."""
 
 STATUS_DIFFERENCES: dict[str, tuple[Any, Any]] = {}
 """Cases where blockd answers otherwise than nvmet, on purpose (docs/wire-facts.md says why for
