@@ -21,7 +21,6 @@ from typing import Any, Iterator
 
 import pytest
 
-from blockd.cli import nvme_json
 from blockd.config import ConfigError
 from target.config import idle_ports, parse
 
