@@ -289,3 +289,20 @@ def test_discovery_tables_of_the_initiator_config() -> None:
                         ({"traddr": "a", "colour": "red"}, "unknown setting.* colour")):
         with pytest.raises(ConfigError, match=needle):
             parse_initiator({"discovery": [bad]})
+
+
+def test_rdma_discovery_record_as_nvme_cli() -> None:
+    """An RDMA entry: nvme-cli's json_discovery_log puts rdma_prtype, rdma_qptype, rdma_cms
+    (libnvme's names) and rdma_pkey (a number) where a TCP entry has sectype; its text prints
+    the P_Key with C's %#04x."""
+    from blockd.cli.nvme_json import discovery_record, discovery_text
+    from initiator.discovery import DiscoveryEntry
+    from protocol.logpage import TSAS_RDMA
+    tsas = TSAS_RDMA.build(dict(qptype=1, prtype=4, cms=1, pkey=0xFFFF))
+    e = DiscoveryEntry(1, 1, 2, 1, "4420", NQN, "192.0.2.1", 4, 0, tsas)
+    record = discovery_record(e)
+    assert list(record)[-4:] == ["rdma_prtype", "rdma_qptype", "rdma_cms", "rdma_pkey"] and "sectype" not in record
+    assert (record["trtype"], record["rdma_prtype"], record["rdma_qptype"], record["rdma_cms"], record["rdma_pkey"]) \
+        == ("rdma", "roce-v2", "connected", "rdma-cm", 0xFFFF)
+    assert "rdma_pkey: 0xffff" in discovery_text(1, [e])
+    assert "rdma_pkey: 0000" in discovery_text(1, [DiscoveryEntry(1, 1, 2, 1, "4420", NQN, "a", 4, 0, bytes(256))])
