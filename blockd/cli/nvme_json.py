@@ -54,8 +54,14 @@ def discovery_text(genctr: int, entries: list[Any]) -> str:
     lines = [f"Discovery Log Number of Records {len(entries)}, Generation counter {genctr}"]
     for n, e in enumerate(entries):
         lines.append(f"=====Discovery Log Entry {n}======")
-        lines += [f"{key + ':':<8} {value}" for key, value in discovery_record(e).items()]
+        lines += [f"{key + ':':<8} {_c_hex(value) if key == 'rdma_pkey' else value}"
+                  for key, value in discovery_record(e).items()]
     return "\n".join(lines)
+
+
+def _c_hex(value: int) -> str:
+    """C's ``%#04x``, as nvme-cli prints the RDMA P_Key: no 0x for zero."""
+    return f"{value:#04x}" if value else "0000"
 
 
 _PADDED = {"sn": 20, "mn": 40, "fr": 8}
