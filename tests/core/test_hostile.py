@@ -227,7 +227,7 @@ COMMAND_CASES: dict[str, tuple] = {
     "property-get-huge-offset": ("admin", prop_sqe(1, True, 0xFFFFFFF0), b"", 0xC004),
     "property-set-unknown-offset": ("admin", prop_sqe(1, False, 0x24, value=1), b"", 0xC004),
     "property-set-csts": ("admin", prop_sqe(1, False, 0x1C, value=1), b"", 0xC004),
-    "property-get-on-io-queue": ("io", prop_sqe(1, True, 0x1C), b"", 0xC004),
+    "property-get-on-io-queue": ("io", prop_sqe(1, True, 0x1C), b"", 0xC002),  # Invalid Opcode, as nvmet
     "fabrics-auth-send": ("admin", bytes([0x7F, 0x40, 1, 0, 0x05]) + bytes(19) + transport_sgl(0) + bytes(24), b"", 0xC002),
     # admin commands
     "admin-unknown-opcode": ("admin", _sqe(0x04, nsid=0), b"", 0xC002),
@@ -247,7 +247,7 @@ COMMAND_CASES: dict[str, tuple] = {
     "property-get-with-data-buffer": ("admin", prop_sqe(1, True, 0x1C)[:24] + transport_sgl(4096)
                                       + prop_sqe(1, True, 0x1C)[40:], b"", 0xC01E),
     "set-features-unknown": ("admin", _sqe(0x09, nsid=0, cdw10=0x7E), b"", 0xC004),
-    "keep-alive-without-kato": ("admin", _sqe(0x18, nsid=0), b"", 0x8034),
+    "keep-alive-without-kato": ("admin", _sqe(0x18, nsid=0), b"", 0x0034),  # no DNR, as nvmet
     # I/O commands: flags and SGLs
     "io-psdt-00": ("io", _rw(0x02, 0, 1, flags=0x00), b"", 0xC004),
     "io-psdt-10": ("io", _rw(0x02, 0, 1, flags=0x80), b"", 0xC004),
