@@ -287,9 +287,21 @@ blockd's, compared by status (DNR and More included) and the Error Information e
 An I/O command for another NSID cannot be sent this way (the kernel refuses a passthrough whose
 NSID is not the device's, EINVAL): the raw client's cases below have those."""
 
-STATUS_DIFFERENCES: dict[str, tuple[Any, Any]] = {}
-"""Cases where blockd answers otherwise than nvmet, on purpose (docs/wire-facts.md says why for
-each): the case -> (blockd's answer, nvmet's answer)."""
+_PAST_END = ((0x6080, (0x4080, 40)), (0x6081, (0x4081, 48)))
+"""blockd: LBA Out of Range at SLBA; nvmet's file backend: Capacity Exceeded at NLB (ENOSPC)."""
+
+STATUS_DIFFERENCES: dict[str, tuple[Any, Any]] = {
+    "identify ns not there": ((0x600B, (0x400B, 4)), (0, None)),  # nvmet: zeroes for an NSID past NN
+    "get log page past the end": ((0x6002, (0x4002, 40)), (0, None)),  # nvmet ignores the ANA log's LPO
+    "set features save": ((0x610D, (0x410D, 40)), (0, None)),  # nvmet ignores SV
+    "read past the end": _PAST_END,
+    "read across the end": _PAST_END,
+    "write past the end": _PAST_END,
+    "write zeroes past the end": _PAST_END,
+    "dsm range past the end": _PAST_END,
+}
+"""Cases where blockd answers otherwise than nvmet (Linux 6.1, measured 2026-12-07), each right by
+the spec (docs/wire-facts.md, "Error statuses beside nvmet"): case -> (blockd's, nvmet's)."""
 
 
 def _answer(cmd: str, ctrl: str) -> tuple[int, Any]:
@@ -342,9 +354,37 @@ RAW_KINDS = ("fresh", "admin-disabled", "admin", "io")
 """tests/core/test_hostile.py's COMMAND_CASES of these queue kinds (the others need their own
 set-up there) run unchanged against nvmet; there each one's status is blockd's, checked."""
 
-RAW_DIFFERENCES: dict[str, tuple[Any, Any]] = {}
-"""Raw cases where nvmet answers otherwise than blockd, on purpose (docs/wire-facts.md,
-"Error statuses beside nvmet"): case -> (blockd's wire status, nvmet's answer)."""
+_INTERNAL = 0xC00C
+"""nvmet's block-device backend past the end: the bio fails, Internal Error (with More)."""
+
+RAW_DIFFERENCES: dict[str, tuple[Any, Any]] = {
+    "connect-admin-sqsize-too-big": (0x8304, 0),  # nvmet takes an admin SQ past the ASQSZ it advertises
+    "get-log-odd-lpo": (0xC004, 0xC016),  # we check the LPO first, nvmet the SMART log's NSID 0
+    "identify-ns-invalid": (0xC016, 0),  # nvmet: zeroes for an NSID past NN
+    "identify-ns-list-ffffffff": (0xC016, 0),  # nvmet: an empty list for NSID FFFFFFFFh
+    "io-dsm-range-near-2^64": (0xC100, _INTERNAL),
+    "io-dsm-range-past-end": (0xC100, _INTERNAL),
+    "io-flush-with-data": (0xC004, 0x8004),  # nvmet-tcp's check has no error location: no More
+    "io-incapsule-more-than-sent": (0x802C, "no completion (TimeoutError)"),  # nvmet waits for the rest
+    "io-incapsule-offset": (0x802C, "no completion (AssertionError)"),  # nvmet closes the connection
+    "io-incapsule-read": (0xC004, 0x8004),
+    "io-lba-near-2^64-read": (0xC100, _INTERNAL),
+    "io-lba-near-2^64-write": (0xC100, _INTERNAL),
+    "io-lba-past-end": (0xC100, _INTERNAL),
+    "io-lba-straddles-end": (0xC100, _INTERNAL),
+    "io-lba-wraps-2^64-write": (0xC100, _INTERNAL),
+    "io-read-over-mdts": (0xC01E, 0),  # nvmet-tcp has no MDTS; ours is 1 MiB
+    "io-sgl-keyed-over-tcp": (0x8022, 0),  # nvmet-tcp takes any SGL type as a transport data block
+    "io-sgl-last-segment": (0x8022, 0),
+    "io-sgl-type0-bad-subtype": (0xC004, 0),
+    "io-write-zeroes-near-2^64": (0xC100, _INTERNAL),
+    "io-write-zeroes-past-end": (0xC100, _INTERNAL),
+    "io-write-zeroes-with-data": (0xC004, 0x8004),
+    "second-connect": (0x8018, 0xC002),  # nvmet: a Connect on a connected queue is an unknown opcode
+}
+"""Raw cases where nvmet (Linux 6.1, measured 2026-12-07) answers otherwise than blockd, each
+justified in docs/wire-facts.md, "Error statuses beside nvmet": case -> (blockd's wire status,
+nvmet's answer)."""
 
 
 def test_raw_command_statuses_as_nvmet(rxe, scratch):
