@@ -22,6 +22,13 @@ Example::
     # paths = ["192.0.2.1:4420", "192.0.2.2:4420"]  # multipath (ANA failover): instead of traddr
     # iopolicy = "numa"                 # among the paths: or "round-robin", "queue-depth"
 
+    # discovery controllers `blockctl connect-all --config FILE` reads (as lines of nvme-cli's
+    # /etc/nvme/discovery.conf): traddr, and any other connect option but nqn
+    [[discovery]]
+    transport = "tcp"
+    traddr = "192.0.2.1"
+    trsvcid = 8009
+
     # FUSE mounts, as `blockctl mount vol1 /mnt/vol1` (initiator/fuse/): made once the
     # connection is up; the mount point must be an existing directory
     [[mount]]
@@ -86,6 +93,8 @@ class InitiatorConfig:
     connections: tuple[ConnectionConfig, ...] = ()
     mounts: tuple[MountConfig, ...] = ()
     metrics: MetricsConfig | None = None
+    discoveries: tuple[tuple[tuple[str, Any], ...], ...] = field(default=(), repr=False)
+    """``[[discovery]]``: the connect options of each discovery controller (may hold secrets)."""
 
 
 def _table(table: Any, where: str) -> dict[str, Any]:
@@ -120,6 +129,20 @@ def _connection(table: Any, where: str) -> ConnectionConfig:
     return ConnectionConfig(tuple(options.items()), name, tuple(paths))
 
 
+def _discovery(table: Any, where: str) -> tuple[tuple[str, Any], ...]:
+    options = dict(_table(table, where))
+    extra = sorted(options.keys() - OPTIONS_BY_KEY.keys() | options.keys() & {"nqn"})
+    if extra:
+        raise ConfigError(f"{where}: unknown setting(s) {', '.join(extra)}")
+    if "traddr" not in options:
+        raise ConfigError(f"{where}: missing 'traddr'")
+    for key, value in options.items():
+        why = check_option(key, value)
+        if why:
+            raise ConfigError(f"{where}: {why}")
+    return tuple(options.items())
+
+
 def _mount(table: Any, where: str) -> MountConfig:
     fields = dict(_table(table, where))
     extra = set(fields) - {"connection", "mountpoint"}
@@ -134,7 +157,7 @@ def _mount(table: Any, where: str) -> MountConfig:
 
 
 def parse(raw: dict[str, Any], source: str = "initiator config") -> InitiatorConfig:
-    extra = set(raw) - {"connection", "mount", "metrics"}
+    extra = set(raw) - {"connection", "mount", "metrics", "discovery"}
     if extra:
         raise ConfigError(f"{source}: unknown setting(s) {', '.join(sorted(extra))}")
     conns = [_connection(t, f"{source} connection #{i + 1}") for i, t in enumerate(raw.get("connection", []))]
@@ -148,13 +171,15 @@ def parse(raw: dict[str, Any], source: str = "initiator config") -> InitiatorCon
             raise ConfigError(f"{source} mount #{i + 1}: no [[connection]] named {m.connection!r}")
         mounts.append(m)
     metrics = metrics_config(take(raw, "metrics", dict, source, {}), f"{source} [metrics]", DEFAULT_METRICS_PORT)
-    return InitiatorConfig(tuple(conns), tuple(mounts), metrics)
+    discoveries = tuple(_discovery(t, f"{source} discovery #{i + 1}") for i, t in enumerate(raw.get("discovery", [])))
+    return InitiatorConfig(tuple(conns), tuple(mounts), metrics, discoveries)
 
 
 def load(path: str) -> InitiatorConfig:
     """Read and validate an initiator configuration file; one holding secrets must not be
     readable by others."""
     config = parse(read_toml(path), path)
-    if any(k in ("dhchap_secret", "dhchap_ctrl_secret") for c in config.connections for k, _ in c.options):
+    if any(k in ("dhchap_secret", "dhchap_ctrl_secret")
+           for options in [*(c.options for c in config.connections), *config.discoveries] for k, _ in options):
         refuse_readable_secrets(path)
     return config

@@ -30,6 +30,10 @@ class DiscoveryEntry:
     trsvcid: str
     subnqn: str
     traddr: str
+    treq: int = 0
+    eflags: int = 0
+    tsas: bytes = bytes(256)
+    """Transport specific address subtype (TCP: byte 0 is SECTYPE; RDMA: protocol.logpage.TSAS_RDMA)."""
 
     @property
     def transport(self) -> str:
@@ -39,7 +43,15 @@ class DiscoveryEntry:
             return str(self.trtype)
 
 
-async def discovery_log(ctrl: Controller) -> list[DiscoveryEntry]:
+@dataclass(frozen=True)
+class DiscoveryLog:
+    """A discovery log page: its generation counter and its records."""
+
+    genctr: int
+    entries: list[DiscoveryEntry]
+
+
+async def discovery_log(ctrl: Controller) -> DiscoveryLog:
     """The discovery log of the discovery controller ``ctrl`` is connected to."""
     header = DISCOVERY_HEADER.parse(await ctrl.get_log_page(LogPageId.DISCOVERY, DISCOVERY_HEADER_SIZE, rae=True))
     if header.numrec > MAX_DISCOVERY_RECORDS:
@@ -51,13 +63,13 @@ async def discovery_log(ctrl: Controller) -> list[DiscoveryEntry]:
     for i in range(header.numrec):
         e = DISCOVERY_ENTRY.parse(page[DISCOVERY_HEADER_SIZE + i * DISCOVERY_ENTRY_SIZE:][:DISCOVERY_ENTRY_SIZE])
         entries.append(DiscoveryEntry(e.trtype, e.adrfam, e.subtype, e.portid,
-                                      e.trsvcid.strip(), e.subnqn, e.traddr.strip()))
-    return entries
+                                      e.trsvcid.strip(), e.subnqn, e.traddr.strip(), e.treq, e.eflags, e.tsas))
+    return DiscoveryLog(DISCOVERY_HEADER.parse(page).genctr, entries)
 
 
 async def discover(traddr: str, trsvcid: int, transport: str = "tcp", hostnqn: str | None = None,
                    timeout: float = 5.0, dhchap_secret: str | None = None,
-                   dhchap_ctrl_secret: str | None = None) -> list[DiscoveryEntry]:
+                   dhchap_ctrl_secret: str | None = None) -> DiscoveryLog:
     """Read the discovery log of a target (non-persistent discovery controller, KATO 0); the
     secrets serve a discovery controller that asks for authentication."""
     params = ConnectParams(traddr=traddr, subnqn=DISCOVERY_NQN, trsvcid=trsvcid,

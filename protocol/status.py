@@ -31,7 +31,7 @@ class Status(IntEnum):
     SGL_INVALID_OFFSET = 0x016 | DNR
     NS_WRITE_PROTECTED = 0x020
     KEEP_ALIVE_EXPIRED = 0x019
-    KEEP_ALIVE_INVALID = 0x01A | DNR
+    KEEP_ALIVE_INVALID = 0x01A  # without DNR, as nvmet_execute_keep_alive answers it (measured in the VM bed)
     LBA_RANGE = 0x080 | DNR
     CAPACITY_EXCEEDED = 0x081 | DNR
     NS_NOT_READY = 0x082

@@ -33,6 +33,14 @@ Example::
     transport = "tcp"         # or "rdma"
     address = "127.0.0.1"
     port = 4420
+    discovery = "port"        # optional: what its discovery log lists: "port" (nvmet's rule: the
+                              # subsystems on this port) or "all" (SPDK's: every port's, the host may see)
+
+    [[port.referral]]         # optional, as nvmet's ports/N/referrals: a discovery log entry of
+    transport = "tcp"         # subtype referral sending the host to another discovery controller
+    address = "192.0.2.7"
+    port = 8009
+    port_id = 1               # optional: the PORTID the entry names (default 0)
 
     [[subsystem]]
     nqn = "nqn.2026-11.io.blockd:vol1"
@@ -121,11 +129,29 @@ _NQN = re.compile(r"^nqn\.\d{4}-\d{2}\.[^:]+(:.+)?$")
 
 
 @dataclass(frozen=True)
+class ReferralConfig:
+    """Another discovery controller a port's discovery log refers hosts to (nvmet's referral:
+    transport, address, service and PORTID of the entry)."""
+    transport: str
+    address: str
+    port: int
+    port_id: int = 0
+
+
+DISCOVERY_LISTINGS = ("port", "all")
+"""What a port's discovery log lists: "port", the subsystems exported on that port (nvmet); "all",
+every port's listener of every subsystem the host may use (SPDK's default)."""
+
+
+@dataclass(frozen=True)
 class PortConfig:
     port_id: int
     transport: str
     address: str
     port: int
+    discovery: str = "port"
+    """One of :data:`DISCOVERY_LISTINGS`."""
+    referrals: tuple[ReferralConfig, ...] = ()
 
 
 DEFAULT_REGION_SIZE = 64 << 10
@@ -372,7 +398,7 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
     ports: list[PortConfig] = []
     for i, p in enumerate(take(raw, "port", list, source, [])):
         where = f"{source} port #{i + 1}"
-        unknown(p, {"id", "transport", "address", "port"}, where)
+        unknown(p, {"id", "transport", "address", "port", "discovery", "referral"}, where)
         transport = _transport(p, where)
         address = take(p, "address", str, where)
         if transport == "rdma" and address in ("0.0.0.0", "::"):
@@ -380,7 +406,10 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
         number = take(p, "port", int, where, DEFAULT_IO_PORT)
         if not 1 <= number <= 65535:
             raise ConfigError(f"{where}: port {number} is out of range")
-        ports.append(PortConfig(take(p, "id", int, where, i + 1), transport, address, number))
+        referrals = tuple(_referral(r, f"{where} referral #{k + 1}")
+                          for k, r in enumerate(take(p, "referral", list, where, [])))
+        ports.append(PortConfig(take(p, "id", int, where, i + 1), transport, address, number,
+                                _one_of(p, "discovery", DISCOVERY_LISTINGS, where), referrals))
     ids = [p.port_id for p in ports]
     if len(set(ids)) != len(ids):
         raise ConfigError(f"{source}: port ids must be unique")
@@ -424,6 +453,33 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
     return TargetConfig(tuple(ports), tuple(subsystems), log_format,
                         take(logging_t, "level", str, f"{source} [logging]", "info"), max_io_queues,
                         limits, control_socket, metrics, ana, threaded_queues=threaded_queues)
+
+
+def _referral(r: Any, where: str) -> ReferralConfig:
+    if not isinstance(r, dict):
+        raise ConfigError(f"{where}: must be a table")
+    unknown(r, {"transport", "address", "port", "port_id"}, where)
+    number = take(r, "port", int, where)
+    if not 1 <= number <= 65535:
+        raise ConfigError(f"{where}: port {number} is out of range")
+    port_id = take(r, "port_id", int, where, 0)
+    if not 0 <= port_id <= 0xFFFF:
+        raise ConfigError(f"{where}: port_id must be 0..65535")
+    address = take(r, "address", str, where)
+    if not address or len(address.encode()) > 255:
+        raise ConfigError(f"{where}: address must be 1 to 255 bytes")
+    return ReferralConfig(_transport(r, where), address, number, port_id)
+
+
+def idle_ports(config: TargetConfig) -> list[PortConfig]:
+    """Ports whose discovery log would name nothing but the discovery subsystem: no subsystem
+    exported there, no referral and no listing of the other ports (``discovery = "all"`` with a
+    subsystem somewhere). A host sent there finds no volume: worth a warning at start."""
+    def exported(port_id: int) -> bool:
+        return any(s.ports is None or port_id in s.ports for s in config.subsystems)
+    return [p for p in config.ports
+            if not exported(p.port_id) and not p.referrals
+            and not (p.discovery == "all" and any(exported(q.port_id) for q in config.ports))]
 
 
 def _one_of(table: dict[str, Any], key: str, names: tuple[str, ...], where: str) -> str:

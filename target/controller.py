@@ -92,7 +92,6 @@ ERROR_LOCATIONS: dict[int, int] = {
     Status.ANA_PERSISTENT_LOSS: _NSID,
     Status.ANA_TRANSITION: _NSID,
     Status.NS_WRITE_PROTECTED: _CDW10,
-    Status.INVALID_LOG_PAGE: _CDW10,  # LID
     Status.FEATURE_NOT_SAVEABLE: _CDW10,  # SV
     Status.INTERNAL_ERROR: _OPCODE,
     Status.WRITE_FAULT: _OPCODE,
@@ -439,7 +438,7 @@ class Controller:
         elif lid == LogPageId.ERROR:
             page = b"".join(self.error_log)
         elif self.is_discovery:
-            req.status = Status.INVALID_LOG_PAGE
+            req.status = Status.INVALID_FIELD  # an unsupported LID: as nvmet, and the spec (Get Log Page)
             return
         elif lid in (LogPageId.SMART, LogPageId.FIRMWARE_SLOT):
             page = bytes(512)
@@ -460,7 +459,7 @@ class Controller:
             if not fields.lsp_rae & GET_LOG_PAGE_RAE:  # reading the log re-arms the event
                 self.changed_nsids.clear()
         else:
-            req.status = Status.INVALID_LOG_PAGE
+            req.status = Status.INVALID_FIELD
             return
         self._give(req, page[lpo:lpo + req.length] if lpo < len(page) else b"")
 

@@ -385,8 +385,8 @@ class TargetQueue:
         return _SUCCESS
 
     def _check_property(self, req: Request) -> int:
-        if self.qid != 0:
-            return _INVALID_FIELD
+        if self.qid != 0:  # an admin-only Fabrics command: nvmet_parse_fabrics_io_cmd's Invalid Opcode
+            return _INVALID_OPCODE
         return _BAD_LENGTH if req.length else _SUCCESS
 
     def _check_property_set(self, req: Request) -> int:

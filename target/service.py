@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable, Iterator
 
 import structlog
 
-from target.config import MAX_REPLICAS, NamespaceConfig, PortConfig, SubsystemConfig, TargetConfig
+from target.config import MAX_REPLICAS, NamespaceConfig, PortConfig, SubsystemConfig, TargetConfig, idle_ports
 from blockd.control_socket import RequestError
 from protocol.constants import ANA_STATE_NAMES, AnaState
 from target.ana import MAX_ANA_GROUPS, STANDBY_ANA_GROUP
@@ -37,7 +37,7 @@ DRAIN_TIMEOUT = 30.0
 
 
 def _port_info(p: PortConfig) -> PortInfo:
-    return PortInfo(p.port_id, p.transport, p.address, str(p.port))
+    return PortInfo(p.port_id, p.transport, p.address, str(p.port), p.discovery == "all", p.referrals)
 
 
 def _kept(before: NamespaceConfig, after: NamespaceConfig | None) -> bool:
@@ -132,6 +132,10 @@ class TargetService:
             await self._add_subsystem(sc, self.config)
         for pc in self.config.ports:
             await self._add_port(pc)
+        for pc in idle_ports(self.config):
+            log.warning("port serves nothing: no subsystem is exported on it and it has no referral; a host "
+                        "discovering there finds no volume (add a [[port.referral]] or discovery = \"all\")",
+                        port=pc.port_id, address=f"{pc.transport}://{pc.address}:{pc.port}")
 
     def describe(self) -> str:
         """One line on what is exported, for logs and systemd STATUS=."""

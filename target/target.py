@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from target.config import Limits
+from target.config import Limits, ReferralConfig
 from protocol.constants import (
     AEN_DISCOVERY_CHANGED, AEN_NS_ATTR_CHANGED, DISCOVERY_NQN, DYNAMIC_CNTLID,
     TREQ_SECURE_CHANNEL_NOT_SPECIFIED, TREQ_SQFLOW_DISABLE_SUPPORTED, AddressFamily, AnaState, SubsystemType,
@@ -41,10 +41,18 @@ class PortInfo:
     """The transport's configuration name (see :func:`target.transport.transport_info`)."""
     address: str
     service: str
+    list_all: bool = False
+    """Its discovery log lists every port's entries, not only its own (target.config, ``discovery``)."""
+    referrals: tuple[ReferralConfig, ...] = ()
+    """Discovery controllers its discovery log refers hosts to."""
 
     @property
     def family(self) -> int:
-        return AddressFamily.IPV6 if ":" in self.address else AddressFamily.IPV4
+        return _family(self.address)
+
+
+def _family(address: str) -> int:
+    return AddressFamily.IPV6 if ":" in address else AddressFamily.IPV4
 
 
 class Target:
@@ -301,18 +309,22 @@ class Target:
     # -- discovery --------------------------------------------------------------------------------
 
     def discovery_log(self, ctrl: Controller) -> bytes:
-        """Discovery log for ``ctrl``'s host: this discovery subsystem, then every allowed
-        subsystem exported on the port the host asked on. As nvmet, the log names only that
-        port: a host that discovered over TCP is not sent to an RDMA port it may not reach
-        (and ``nvme connect-all`` would try every entry)."""
+        """Discovery log for ``ctrl``'s host, in nvmet's order: this discovery subsystem, every
+        allowed subsystem exported on the port the host asked on, then the port's referrals. As
+        nvmet, the log names only that port (a host that discovered over TCP is not sent to an
+        RDMA port it may not reach, and ``nvme connect-all`` tries every entry), unless the port
+        lists every port (``discovery = "all"``, SPDK's rule): then each allowed subsystem comes
+        once per port that exports it."""
         port = self.ports.get(ctrl.port_id)
         if port is None:  # the port went away while its discovery controller lives on
             return DISCOVERY_HEADER.build(dict(genctr=self.genctr, numrec=0, recfmt=0))
         entries = [self._entry(port, DISCOVERY_NQN, SubsystemType.CURRENT_DISCOVERY, ctrl)]
+        listed = sorted(self.ports.values(), key=lambda p: p.port_id) if port.list_all else [port]
         for sub in self.subsystems.values():
-            if sub.is_discovery or not sub.exported_on(port.port_id) or not sub.allows(ctrl.hostnqn):
+            if sub.is_discovery or not sub.allows(ctrl.hostnqn):
                 continue
-            entries.append(self._entry(port, sub.nqn, SubsystemType.NVME, ctrl))
+            entries += [self._entry(p, sub.nqn, SubsystemType.NVME, ctrl) for p in listed if sub.exported_on(p.port_id)]
+        entries += [self._referral(r) for r in port.referrals]
         header = DISCOVERY_HEADER.build(dict(genctr=self.genctr, numrec=len(entries), recfmt=0))
         return header + b"".join(entries)
 
@@ -321,12 +333,15 @@ class Target:
         if address in ("0.0.0.0", "::", ""):
             queue = ctrl.queues.get(0)
             address = queue.local_address if queue is not None and queue.local_address else "127.0.0.1"
-        transport = transport_info(port.transport)
-        return DISCOVERY_ENTRY.build(dict(
-            trtype=transport.trtype, adrfam=port.family,
-            subtype=subtype, treq=_TREQ, portid=port.port_id, cntlid=DYNAMIC_CNTLID,
-            asqsz=ADMIN_QUEUE_MAX, eflags=0, trsvcid=port.service, subnqn=nqn,
-            traddr=address, tsas=transport.tsas))
+        return _discovery_entry(port.transport, port.family, subtype, port.port_id, port.service, nqn, address)
+
+    @staticmethod
+    def _referral(r: ReferralConfig) -> bytes:
+        """A referral entry as nvmet's ``nvmet_format_discovery_entry`` makes one: subtype
+        referral, the discovery NQN, the referral's own address, PORTID and TREQ (nvmet's
+        ``addr_treq`` of a referral stays "not specified": 0)."""
+        return _discovery_entry(r.transport, _family(r.address), SubsystemType.REFERRAL, r.port_id, str(r.port),
+                                DISCOVERY_NQN, r.address, treq=TREQ_SECURE_CHANNEL_NOT_SPECIFIED)
 
     # -- keep-alive and shutdown ------------------------------------------------------------------
 
@@ -359,3 +374,12 @@ class Target:
         for ns in self.draining:  # a command that never completed (its connection died) held it
             ns.backend.close()
         self.draining.clear()
+
+
+def _discovery_entry(transport_name: str, family: int, subtype: int, port_id: int, service: str, nqn: str,
+                     address: str, treq: int = _TREQ) -> bytes:
+    transport = transport_info(transport_name)
+    return DISCOVERY_ENTRY.build(dict(
+        trtype=transport.trtype, adrfam=family, subtype=subtype, treq=treq, portid=port_id,
+        cntlid=DYNAMIC_CNTLID, asqsz=ADMIN_QUEUE_MAX, eflags=0, trsvcid=service, subnqn=nqn,
+        traddr=address, tsas=transport.tsas))

@@ -15,10 +15,10 @@ import argparse
 import functools
 import os
 import sys
-import time
 from typing import Any, BinaryIO, Iterator
 
-from blockd.cli import targetctl
+from blockd.cli import nvme_json, targetctl
+from blockd.cli.output import add_format_flag, emit, print_json, wants_json
 from initiator.control import CHUNK, ControlClient, ControlError
 from initiator.params import CONNECT_OPTIONS, OPTIONS_BY_KEY, ConnectOption
 from protocol.constants import DEFAULT_IO_PORT, DEFAULT_TCP_DISCOVERY_PORT
@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     for key in ("transport", "traddr", "hostnqn", "dhchap_secret", "dhchap_ctrl_secret"):
         _option_flag(d, OPTIONS_BY_KEY[key])
     _option_flag(d, OPTIONS_BY_KEY["trsvcid"], default=None, help="target port (tcp: 8009, rdma: 4420)")
+    add_format_flag(d)
 
     c = sub.add_parser("connect", help="connect to a subsystem (held by the initiator daemon)")
     for opt in CONNECT_OPTIONS:
@@ -60,9 +61,23 @@ def _parser() -> argparse.ArgumentParser:
                         "port presenting the subsystem (the port defaults to -s); instead of -a. A path "
                         "down now joins when it comes up; the connect fails only if none connects")
 
+    add_format_flag(c)
+
+    ca = sub.add_parser("connect-all", help="discover, then connect every NVM subsystem the discovery logs "
+                                            "name (referrals followed), skipping those connected already")
+    for opt in CONNECT_OPTIONS:
+        if opt.key != "nqn":
+            _option_flag(ca, opt, required=False, default=None)
+    ca.add_argument("--discovery-conf", default=DISCOVERY_CONF,
+                    help=f"nvme-cli's list of discovery controllers, read when -a is not given (default "
+                         f"{DISCOVERY_CONF}; one '-t tcp -a ADDR -s PORT ...' a line)")
+    ca.add_argument("--config", help="an initiator configuration whose [[discovery]] tables are read too "
+                                     "when -a is not given")
+    add_format_flag(ca)
+
     x = sub.add_parser("disconnect", help="disconnect a connection")
     x.add_argument("name", help="connection name or NQN")
-    sub.add_parser("list", help="list connections")
+    add_format_flag(sub.add_parser("list", help="list connections"))
 
     for cmd, helptext in (("read", "read a byte range to a file or stdout"),
                           ("write", "write a file or stdin to a byte range")):
@@ -78,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
         else:
             r.add_argument("-i", "--input", default="-", help="file, or - for stdin")
             r.add_argument("--fua", action="store_true", help="force unit access (durable on completion)")
+        r.add_argument("-q", "--quiet", action="store_true",
+                       help="no progress bar (there is none either when stderr is not a terminal)")
 
     m = sub.add_parser("mount", help="expose a connection's namespaces as files MOUNTPOINT/ns<N> (FUSE)")
     m.add_argument("name", help="connection name or NQN")
@@ -85,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     u = sub.add_parser("umount", help="unmount a blockd FUSE mount")
     u.add_argument("mountpoint")
     u.add_argument("-l", "--lazy", action="store_true", help="detach now even if files are open")
-    sub.add_parser("mounts", help="list blockd FUSE mounts")
+    add_format_flag(sub.add_parser("mounts", help="list blockd FUSE mounts"))
 
     rx = sub.add_parser("rxe", help="Soft-RoCE links: add NETDEV [--name NAME] | del NAME | list")
     rx.add_argument("rxe_args", nargs=argparse.REMAINDER)
@@ -103,10 +120,13 @@ def _parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("id-ctrl", help="Identify Controller")
     i.add_argument("name")
+    add_format_flag(i)
     n = sub.add_parser("id-ns", help="Identify Namespace")
     n.add_argument("name")
     n.add_argument("-N", "--nsid", type=int, default=1)
     _reservation_parsers(sub)
+
+    add_format_flag(n)
     targetctl.add_parsers(sub)
     return parser
 
@@ -151,14 +171,11 @@ def cmd_discover(args: argparse.Namespace) -> int:
 
     port = args.trsvcid or (DEFAULT_TCP_DISCOVERY_PORT if args.transport == "tcp" else DEFAULT_IO_PORT)
     from blockd import eventloop
-    entries = eventloop.run(discover(args.traddr, port, args.transport, args.hostnqn,
-                                     dhchap_secret=args.dhchap_secret,
-                                     dhchap_ctrl_secret=args.dhchap_ctrl_secret))
-    print(f"Discovery Log Number of Records {len(entries)}")
-    for n, e in enumerate(entries):
-        kind = {1: "referral", 2: "nvme subsystem", 3: "current discovery subsystem"}.get(e.subtype, str(e.subtype))
-        print(f"=====Discovery Log Entry {n}======\ntrtype:  {e.transport}\nsubtype: {kind}\n"
-              f"portid:  {e.portid}\ntrsvcid: {e.trsvcid}\nsubnqn:  {e.subnqn}\ntraddr:  {e.traddr}")
+    log = eventloop.run(discover(args.traddr, port, args.transport, args.hostnqn,
+                                 dhchap_secret=args.dhchap_secret,
+                                 dhchap_ctrl_secret=args.dhchap_ctrl_secret))
+    emit(args, nvme_json.discovery_log(log.genctr, log.entries),
+         lambda: nvme_json.discovery_text(log.genctr, log.entries))
     return 0
 
 
@@ -169,10 +186,78 @@ def cmd_connect(args: argparse.Namespace) -> int:
         reply = client.call({"op": "connect", "name": args.name,
                              **{opt.key: getattr(args, opt.key) for opt in CONNECT_OPTIONS},
                              **({"paths": args.path} if args.path else {})})
+    reply.pop("ok", None)
     paths = f", {len(reply['paths'])} paths" if reply.get("paths") else ""
-    print(f"connected {reply['name']}: {reply['nqn']} cntlid {reply['cntlid']}, "
-          f"{reply['io_queues']} I/O queue(s), {len(reply['namespaces'])} namespace(s){paths}")
+    emit(args, reply, lambda: f"connected {reply['name']}: {reply['nqn']} cntlid {reply['cntlid']}, "
+                              f"{reply['io_queues']} I/O queue(s), {len(reply['namespaces'])} namespace(s){paths}")
     return 0
+
+
+DISCOVERY_CONF = "/etc/nvme/discovery.conf"
+
+
+def _discovery_sources(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Where connect-all discovers: the command line's -a, else discovery.conf and the
+    configuration's [[discovery]] tables; the command line's other options apply to each."""
+    from initiator.connect_all import DiscoveryConfError, parse_discovery_conf
+    given = {opt.key: getattr(args, opt.key) for opt in CONNECT_OPTIONS
+             if opt.key != "nqn" and getattr(args, opt.key) is not None}
+    if args.traddr:
+        return [given]
+    sources = []
+    try:
+        with open(args.discovery_conf) as f:
+            sources += parse_discovery_conf(f.read(), args.discovery_conf)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.discovery_conf}: {exc.strerror}") from None
+    except DiscoveryConfError as exc:
+        raise UsageError(str(exc)) from None
+    if args.config:
+        from blockd.config import ConfigError
+        from initiator.config import load
+        try:
+            sources += [dict(d) for d in load(args.config).discoveries]
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+    if not sources:
+        raise UsageError(f"connect-all: no discovery controller: give -a, or list them in {args.discovery_conf}"
+                         + (f" or {args.config}" if args.config else " or an initiator config (--config)"))
+    return [{**s, **{k: v for k, v in given.items() if k not in s}} for s in sources]
+
+
+def cmd_connect_all(args: argparse.Namespace) -> int:
+    from blockd import eventloop
+    from initiator.connect_all import connected, connection_name, discover_all
+    found, failures = eventloop.run(discover_all(_discovery_sources(args)))
+    for line in failures:
+        print(f"blockctl: discovery failed: {line}", file=sys.stderr)
+    with ControlClient(args.socket) as client:
+        conns = client.call({"op": "list"})["connections"]
+    taken = {c["name"] for c in conns}
+    report: list[dict[str, Any]] = []
+    for f in found:
+        e = f.entry
+        row: dict[str, Any] = {"subnqn": e.subnqn, "transport": e.transport, "traddr": e.traddr, "trsvcid": e.trsvcid}
+        if connected(f, conns):
+            report.append({**row, "result": "already connected"})
+            continue
+        name = connection_name(f, taken)
+        try:
+            with ControlClient(args.socket) as client:
+                reply = client.call({"op": "connect", "name": name, **f.connect_options()})
+        except ControlError as exc:
+            report.append({**row, "result": "failed", "error": str(exc)})
+            continue
+        taken.add(name)
+        report.append({**row, "result": "connected", "name": name, "cntlid": reply["cntlid"]})
+    emit(args, {"connections": report, "discovery_failures": failures}, lambda: "\n".join(
+        f"{r['transport']}://{r['traddr']}:{r['trsvcid']} {r['subnqn']}: {r['result']}"
+        + (f" as {r['name']} (cntlid {r['cntlid']})" if "name" in r else "")
+        + (f": {r['error']}" if "error" in r else "") for r in report) or "no NVM subsystem discovered")
+    failed = failures or any(r["result"] == "failed" for r in report)
+    return 1 if failed and not any(r["result"] != "failed" for r in report) else 0
 
 
 def cmd_disconnect(args: argparse.Namespace) -> int:
@@ -182,9 +267,30 @@ def cmd_disconnect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _devices(args: argparse.Namespace, conns: list[dict[str, Any]]) -> dict[str, Any]:
+    """``list -o json``: each live connection's identity and namespaces' use (Identify, as
+    ``nvme list`` reads them) and the FUSE files of mounted namespaces, then nvme-cli's shape."""
+    with ControlClient(args.socket) as client:
+        mounts = client.call({"op": "mounts"})["mounts"]
+    for c in conns:
+        files = {f"{m['mountpoint']}/{f}" for m in mounts if m["name"] == c["name"] for f in m["files"]}
+        if c["state"] != "live":
+            continue
+        with ControlClient(args.socket) as client:
+            c["identify"] = client.call({"op": "id-ctrl", "name": c["name"]})["identify"]
+        for ns in c["namespaces"]:
+            with ControlClient(args.socket) as client:
+                ns["nuse"] = client.call({"op": "id-ns", "name": c["name"], "nsid": ns["nsid"]})["identify"]["nuse"]
+            ns["device_path"] = next((f for f in sorted(files) if f.endswith(f"/ns{ns['nsid']}")), None)
+    return nvme_json.list_devices(conns)
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     with ControlClient(args.socket) as client:
         conns = client.call({"op": "list"})["connections"]
+    if wants_json(args):
+        print_json(_devices(args, conns))
+        return 0
     if not conns:
         print("no connections")
     for c in conns:
@@ -234,28 +340,17 @@ def _range(args: argparse.Namespace, ns: dict[str, Any], length: int | None) -> 
     return offset, length
 
 
-class Progress:
-    """A one-line progress bar on stderr, only when stderr is a terminal and the transfer is big."""
+PROGRESS_MIN = 8 * CHUNK
+"""Bytes from which a transfer shows a bar (a smaller one ends before a bar says anything)."""
 
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.done = 0
-        self.start = time.monotonic()
-        self.enabled = sys.stderr.isatty() and total >= 8 * CHUNK
-        self._last = 0.0
 
-    def update(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.enabled and (now - self._last > 0.1 or self.done == self.total):
-            self._last = now
-            frac = self.done / self.total
-            rate = self.done / max(now - self.start, 1e-6) / 1e6
-            bar = "#" * int(frac * 30)
-            sys.stderr.write(f"\r[{bar:<30}] {frac:6.1%} {self.done >> 20}/{self.total >> 20} MiB {rate:7.1f} MB/s")
-            if self.done == self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+def _progress(total: int, quiet: bool) -> Any:
+    """A progress bar on stderr (bytes, rate, ETA; tqdm) when stderr is a terminal, the transfer
+    is at least PROGRESS_MIN and not ``quiet``; otherwise one that prints nothing (tqdm's
+    ``disable=None`` is its own terminal test)."""
+    from tqdm import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                disable=True if quiet or total < PROGRESS_MIN else None, dynamic_ncols=True)
 
 
 def cmd_read(args: argparse.Namespace) -> int:
@@ -263,7 +358,7 @@ def cmd_read(args: argparse.Namespace) -> int:
         ns = _namespace(client, args.name, args.nsid)
     offset, length = _range(args, ns, None)
     out: BinaryIO = sys.stdout.buffer if args.output == "-" else _open(args.output, "wb")
-    progress = Progress(length)
+    progress = _progress(length, args.quiet)
     try:
         with ControlClient(args.socket) as client:
             client.send({"op": "read", "name": args.name, "nsid": args.nsid, "offset": offset,
@@ -277,6 +372,7 @@ def cmd_read(args: argparse.Namespace) -> int:
                 progress.update(len(chunk))
         out.flush()
     finally:
+        progress.close()
         if out is not sys.stdout.buffer:
             out.close()
     return 0
@@ -300,7 +396,7 @@ def cmd_write(args: argparse.Namespace) -> int:
     offset, length = _range(args, ns, size)
     if size is not None and size < length:
         raise UsageError(f"{args.input} has {size} bytes, fewer than the {length} to write")
-    progress = Progress(length)
+    progress = _progress(length, args.quiet)
 
     def payload() -> Iterator[bytes]:
         left = length
@@ -318,8 +414,10 @@ def cmd_write(args: argparse.Namespace) -> int:
                          "length": length, "fua": args.fua}, payload())
             client.reply()
     finally:
+        progress.close()
         data_in.close()
-    print(f"wrote {length} bytes at offset {offset} of namespace {args.nsid}", file=sys.stderr)
+    if not args.quiet:
+        print(f"wrote {length} bytes at offset {offset} of namespace {args.nsid}", file=sys.stderr)
     return 0
 
 
@@ -344,25 +442,29 @@ def _open(path: str, mode: str) -> BinaryIO:
         raise UsageError(f"cannot open {path}: {exc.strerror}") from None
 
 
-def _print_fields(ident: dict[str, Any], fields: list[str]) -> None:
-    for f in fields:
-        print(f"{f:<10}: {ident[f]}")
+def _fields_text(ident: dict[str, Any], fields: list[str]) -> str:
+    return "\n".join(f"{f:<10}: {ident[f]}" for f in fields)
 
 
 def cmd_id_ctrl(args: argparse.Namespace) -> int:
     with ControlClient(args.socket) as client:
         ident = client.call({"op": "id-ctrl", "name": args.name})["identify"]
-    _print_fields(ident, ["vid", "sn", "mn", "fr", "cntlid", "ver", "cmic", "mdts", "kas", "maxcmd",
-                          "nn", "oncs", "vwc", "sgls", "ioccsz", "iorcsz", "cntrltype", "subnqn"])
+    emit(args, nvme_json.id_ctrl(ident), lambda: _fields_text(ident, [
+        "vid", "sn", "mn", "fr", "cntlid", "ver", "cmic", "mdts", "kas", "maxcmd",
+        "nn", "oncs", "vwc", "sgls", "ioccsz", "iorcsz", "cntrltype", "subnqn"]))
     return 0
 
 
 def cmd_id_ns(args: argparse.Namespace) -> int:
     with ControlClient(args.socket) as client:
         ident = client.call({"op": "id-ns", "name": args.name, "nsid": args.nsid})["identify"]
-    _print_fields(ident, ["nsze", "ncap", "nuse", "nlbaf", "flbas", "nmic", "dlfeat", "nsattr", "nguid", "eui64"])
-    lbaf = ident["lbaf"][ident["flbas"] & 0xF]
-    print(f"lbaf 0    : ms:{lbaf['ms']} lbads:{lbaf['lbads']} rp:{lbaf['rp']} (in use)")
+
+    def text() -> str:
+        lbaf = ident["lbaf"][ident["flbas"] & 0xF]
+        return (_fields_text(ident, ["nsze", "ncap", "nuse", "nlbaf", "flbas", "nmic", "dlfeat", "nsattr",
+                                     "nguid", "eui64"])
+                + f"\nlbaf 0    : ms:{lbaf['ms']} lbads:{lbaf['lbads']} rp:{lbaf['rp']} (in use)")
+    emit(args, nvme_json.id_ns(ident), text)
     return 0
 
 
@@ -399,6 +501,9 @@ def cmd_umount(args: argparse.Namespace) -> int:
 def cmd_mounts(args: argparse.Namespace) -> int:
     with ControlClient(args.socket) as client:
         mounts = client.call({"op": "mounts"})["mounts"]
+    if wants_json(args):
+        print_json({"mounts": mounts})
+        return 0
     if not mounts:
         print("no mounts")
     for m in mounts:
@@ -433,7 +538,7 @@ def cmd_install_units(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "rxe": cmd_rxe, "install-units": cmd_install_units, "gen-dhchap-key": cmd_gen_dhchap_key,
-    "discover": cmd_discover, "connect": cmd_connect, "disconnect": cmd_disconnect,
+    "discover": cmd_discover, "connect": cmd_connect, "connect-all": cmd_connect_all, "disconnect": cmd_disconnect,
     "list": cmd_list, "read": cmd_read, "write": cmd_write, "id-ctrl": cmd_id_ctrl,
     "id-ns": cmd_id_ns, "mount": cmd_mount, "umount": cmd_umount, "mounts": cmd_mounts,
     "target": targetctl.cmd_target, "iostat": targetctl.cmd_iostat,

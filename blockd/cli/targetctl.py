@@ -2,7 +2,8 @@
 control socket (:mod:`target.control`), or with ``iostat --initiator`` at the initiator
 daemon's connections.
 
-Human tables by default, the control socket's own JSON with ``--json``. An entry point on top
+Human tables by default, the control socket's own JSON with ``-o json`` (``--json`` too;
+:mod:`blockd.cli.output`). An entry point on top
 of the layers, as the rest of ``blockd/cli/``.
 """
 
@@ -10,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import sys
 import time
 from typing import Any, Callable
 
+from blockd.cli.output import add_format_flag, print_json, wants_json
 from blockd.config import ConfigError, parse_size
 from blockd.iostats import interval
 from initiator.control import ControlClient
@@ -37,7 +37,7 @@ def add_parsers(sub: Any) -> None:
                            ("replicas", "replicated namespaces: each replica's state (in sync, degraded, "
                                         "resyncing with progress, split brain)")):
         v = verbs.add_parser(verb, help=helptext)
-        v.add_argument("--json", action="store_true", help="the control socket's JSON reply")
+        add_format_flag(v, json_alias=True)
         if verb == "stats":
             v.add_argument("-i", "--interval", type=float, default=1.0, help="seconds (default 1)")
 
@@ -57,13 +57,13 @@ def add_parsers(sub: Any) -> None:
     a.add_argument("--force", action="store_true",
                    help="promote although a namespace's copy may lack acknowledged writes (starts a new "
                         "replication generation; see docs/replication.md)")
-    a.add_argument("--json", action="store_true", help="the control socket's JSON reply")
+    add_format_flag(a, json_alias=True)
     v = verbs.add_parser("verify", help="compare a replicated namespace's copies region by region (online); "
                                         "regions that differ are reported and resynced")
     v.add_argument("nqn", help="subsystem NQN")
     v.add_argument("nsid", type=int)
     v.add_argument("--replica", help="slot number or name of one replica (default: every one in sync)")
-    v.add_argument("--json", action="store_true", help="the control socket's JSON reply")
+    add_format_flag(v, json_alias=True)
     v = verbs.add_parser("resolve", help="end a split brain by discarding one side's data")
     v.add_argument("nqn", help="subsystem NQN")
     v.add_argument("nsid", type=int)
@@ -81,7 +81,7 @@ def add_parsers(sub: Any) -> None:
                    help="the target's configuration, with the namespace's replica tables (default %(default)s)")
     v.add_argument("--force", action="store_true",
                    help="overwrite a metadata area that is not blank (earlier metadata, or data there)")
-    v.add_argument("--json", action="store_true", help="what was made, as JSON")
+    add_format_flag(v, json_alias=True)
 
     io = sub.add_parser("iostat", help="per-second IOPS, MB/s and latency per namespace of a running "
                                        "target (or per connection of the initiator daemon)")
@@ -90,6 +90,7 @@ def add_parsers(sub: Any) -> None:
                     help="the initiator daemon's connections (its socket: blockctl --socket)")
     io.add_argument("interval", nargs="?", type=_positive, default=1.0, help="seconds between reports (default 1)")
     io.add_argument("count", nargs="?", type=int, help="reports to print (default: until interrupted)")
+    add_format_flag(io)
 
 
 def _positive(text: str) -> float:
@@ -197,9 +198,8 @@ def _ana(args: argparse.Namespace) -> int:
         reply = _call(args, {"op": "ana-set", "state": state, "group": args.group, "port": args.port,
                              "force": args.force})
     reply.pop("ok", None)
-    if args.json:
-        json.dump(reply, sys.stdout, indent=2)
-        print()
+    if wants_json(args):
+        print_json(reply)
     elif args.action == "show":
         print(_table(["PORT", "GROUP", "STATE", "NAMESPACES"],
                      [[e["port"], e["group"], e["state"], " ".join(e["namespaces"]) or "-"] for e in reply["ana"]]))
@@ -268,9 +268,8 @@ def _create_md(args: argparse.Namespace) -> int:
         made = create_md(nc, MAX_REPLICAS, force=args.force)
     except (OSError, ValueError) as exc:  # MetadataError (not blank) is a ValueError
         raise SystemExit(f"blockctl target create-md: {nc.path}: {exc}") from None
-    if args.json:
-        json.dump({**dataclasses.asdict(made), "generation": f"{made.generation:016x}"}, sys.stdout, indent=2)
-        print()
+    if wants_json(args):
+        print_json({**dataclasses.asdict(made), "generation": f"{made.generation:016x}"})
         return 0
     where = (f"in {made.metadata_path} ({_size(made.metadata_length)}); the data area is all of {nc.path}, unchanged"
              if made.metadata_path else
@@ -298,9 +297,8 @@ def cmd_target(args: argparse.Namespace) -> int:
         reply = _call(args, {"op": "verify", "nqn": args.nqn, "nsid": args.nsid, "replica": args.replica},
                       timeout=None)  # the reply comes when every region was compared
         reply.pop("ok", None)
-        if args.json:
-            json.dump(reply, sys.stdout, indent=2)
-            print()
+        if wants_json(args):
+            print_json(reply)
         else:
             print(_verify_text(reply))
         return 1 if any(r["mismatched"] for r in reply["replicas"]) else 0
@@ -313,9 +311,8 @@ def cmd_target(args: argparse.Namespace) -> int:
     else:
         reply = _call(args, {"op": args.verb})
     reply.pop("ok", None)
-    if args.json:
-        json.dump(reply, sys.stdout, indent=2)
-        print()
+    if wants_json(args):
+        print_json(reply)
     elif args.verb == "status":
         print(reply["status"])
         print(f"\n{_ports_text(reply['ports'])}\n\n{_namespaces_text(reply['namespaces'])}\n\n"
@@ -336,34 +333,47 @@ def _host_counters(args: argparse.Namespace) -> dict[str, Any]:
         return client.call({"op": "counters"})
 
 
-def _host_table(before: dict[str, Any], after: dict[str, Any]) -> str:
+def _host_interval(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     seconds = (after["time_ns"] - before["time_ns"]) / 1e9
     old = {c["name"]: c for c in before["connections"]}
-    rows = [{**c, **interval(old.get(c["name"]), c, seconds)} for c in after["connections"]]
-    return _table(["CONNECTION", "CNTLID", *_STATS_HEADERS], _stats_rows(rows, lambda e: [e["name"], e["cntlid"]]))
+    return {"seconds": seconds,
+            "connections": [{**c, **interval(old.get(c["name"]), c, seconds)} for c in after["connections"]]}
 
 
-def _target_table(before: dict[str, Any], after: dict[str, Any]) -> str:
+def _host_table(iv: dict[str, Any]) -> str:
+    return _table(["CONNECTION", "CNTLID", *_STATS_HEADERS],
+                  _stats_rows(iv["connections"], lambda e: [e["name"], e["cntlid"]]))
+
+
+def _target_interval(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     iv = counters_interval(before, after)
+    return {"seconds": iv["seconds"], "namespaces": iv["namespaces"]}
+
+
+def _target_table(iv: dict[str, Any]) -> str:
     return _table(["SUBSYSTEM", "NSID", *_STATS_HEADERS],
                   _stats_rows(iv["namespaces"], lambda e: [e["subsystem"], e["nsid"]]))
 
 
 def cmd_iostat(args: argparse.Namespace) -> int:
     """Like ``iostat -x INTERVAL [COUNT]``: one table per interval, per namespace of the target
-    (or per connection of the initiator daemon)."""
+    (or per connection of the initiator daemon); with ``-o json`` one JSON line per interval."""
     if args.initiator:
-        fetch, table = (lambda: _host_counters(args)), _host_table
+        fetch, between, table = (lambda: _host_counters(args)), _host_interval, _host_table
     else:
-        fetch, table = (lambda: _call(args, {"op": "counters"})), _target_table
+        fetch, between, table = (lambda: _call(args, {"op": "counters"})), _target_interval, _target_table
     before = fetch()
     printed = 0
     while args.count is None or printed < args.count:
         time.sleep(args.interval)
         after = fetch()
-        print(time.strftime("%H:%M:%S"))
-        print(table(before, after))
-        print(flush=True)
+        iv = between(before, after)
+        if wants_json(args):
+            print_json({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **iv}, lines=True)
+        else:
+            print(time.strftime("%H:%M:%S"))
+            print(table(iv))
+            print(flush=True)
         before = after
         printed += 1
     return 0

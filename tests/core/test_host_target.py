@@ -215,12 +215,12 @@ def test_discovery_log_and_access_control(tmp_path: Path) -> None:
 
     async def main() -> None:
         async with serving(cfg) as service:
-            entries = await discover("127.0.0.1", p1, hostnqn=HOSTNQN)
+            entries = (await discover("127.0.0.1", p1, hostnqn=HOSTNQN)).entries
             kinds = [(e.subtype, e.subnqn, e.trsvcid) for e in entries]
             assert kinds[0] == (3, DISCOVERY_NQN, str(p1))
             assert kinds[1:] == [(2, NQN, str(p1))]  # NQN2 is not ours; p2's entries are p2's to give
             assert all(e.traddr == "127.0.0.1" and e.transport == "tcp" for e in entries)
-            other = await discover("127.0.0.1", p2, hostnqn="nqn.2014-08.org.nvmexpress:uuid:other")
+            other = (await discover("127.0.0.1", p2, hostnqn="nqn.2014-08.org.nvmexpress:uuid:other")).entries
             assert sorted((e.subnqn, e.trsvcid) for e in other if e.subtype == 2) == sorted([(NQN, str(p2)), (NQN2, str(p2))])
 
             # GENCTR moves when the configuration changes.

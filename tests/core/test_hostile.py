@@ -227,7 +227,7 @@ COMMAND_CASES: dict[str, tuple] = {
     "property-get-huge-offset": ("admin", prop_sqe(1, True, 0xFFFFFFF0), b"", 0xC004),
     "property-set-unknown-offset": ("admin", prop_sqe(1, False, 0x24, value=1), b"", 0xC004),
     "property-set-csts": ("admin", prop_sqe(1, False, 0x1C, value=1), b"", 0xC004),
-    "property-get-on-io-queue": ("io", prop_sqe(1, True, 0x1C), b"", 0xC004),
+    "property-get-on-io-queue": ("io", prop_sqe(1, True, 0x1C), b"", 0xC002),  # Invalid Opcode, as nvmet
     "fabrics-auth-send": ("admin", bytes([0x7F, 0x40, 1, 0, 0x05]) + bytes(19) + transport_sgl(0) + bytes(24), b"", 0xC002),
     # admin commands
     "admin-unknown-opcode": ("admin", _sqe(0x04, nsid=0), b"", 0xC002),
@@ -239,7 +239,7 @@ COMMAND_CASES: dict[str, tuple] = {
     "identify-short-buffer": ("admin", _sqe(0x06, nsid=0, sgl=transport_sgl(512), cdw10=1), b"", 0xC01E),
     "identify-ns-invalid": ("admin", _sqe(0x06, nsid=7, sgl=transport_sgl(4096), cdw10=0), b"", 0xC016),
     "identify-ns-list-ffffffff": ("admin", _sqe(0x06, nsid=0xFFFFFFFF, sgl=transport_sgl(4096), cdw10=2), b"", 0xC016),
-    "get-log-bad-lid": ("admin", _sqe(0x02, nsid=0, sgl=transport_sgl(512), cdw10=0x7F | (127 << 16)), b"", 0xC212),
+    "get-log-bad-lid": ("admin", _sqe(0x02, nsid=0, sgl=transport_sgl(512), cdw10=0x7F | (127 << 16)), b"", 0xC004),
     "get-log-odd-lpo": ("admin", _sqe(0x02, nsid=0, sgl=transport_sgl(512), cdw10=0x02 | (127 << 16), cdw12=2), b"", 0xC004),
     "get-log-numd-mismatch": ("admin", _sqe(0x02, nsid=0, sgl=transport_sgl(512), cdw10=0x02 | (63 << 16)), b"", 0xC01E),
     # commands that return no data, sent with a data buffer: they must still complete
@@ -247,7 +247,7 @@ COMMAND_CASES: dict[str, tuple] = {
     "property-get-with-data-buffer": ("admin", prop_sqe(1, True, 0x1C)[:24] + transport_sgl(4096)
                                       + prop_sqe(1, True, 0x1C)[40:], b"", 0xC01E),
     "set-features-unknown": ("admin", _sqe(0x09, nsid=0, cdw10=0x7E), b"", 0xC004),
-    "keep-alive-without-kato": ("admin", _sqe(0x18, nsid=0), b"", 0x8034),
+    "keep-alive-without-kato": ("admin", _sqe(0x18, nsid=0), b"", 0x0034),  # no DNR, as nvmet
     # I/O commands: flags and SGLs
     "io-psdt-00": ("io", _rw(0x02, 0, 1, flags=0x00), b"", 0xC004),
     "io-psdt-10": ("io", _rw(0x02, 0, 1, flags=0x80), b"", 0xC004),

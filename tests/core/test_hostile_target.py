@@ -449,7 +449,7 @@ def test_discovery_log_claiming_countless_entries_is_refused(numrec: int) -> Non
             tracemalloc.start()
             try:
                 if numrec == 2:
-                    entries = await discover("127.0.0.1", target.port, timeout=3)
+                    entries = (await discover("127.0.0.1", target.port, timeout=3)).entries
                     assert [(e.traddr, e.trsvcid) for e in entries] == [("127.0.0.1", "4420")] * 2
                 else:
                     with pytest.raises(ConnectError, match=f"claims {numrec} entries"):

@@ -502,6 +502,26 @@ def test_more_bit_goes_with_an_error_log_entry() -> None:
     run(body)
 
 
+def test_unsupported_log_page_is_invalid_field() -> None:
+    """Get Log Page of a LID the controller does not have: Invalid Field in Command at CDW10 (the
+    LID), as nvmet_execute_get_log_page and nvmet_execute_disc_get_log_page answer and as NVMe
+    Base 2.0's Get Log Page says, not the command-specific Invalid Log Page; on the I/O and on
+    the discovery controller."""
+    def body() -> Target:
+        target, _, admin, _ = admin_and_io()
+        status = complete(admin, build_sqe(0x02, 3, dptr=transport_sgl(512), cdw10=0x7F | (127 << 16)))[0]
+        assert status == to_wire(Status.INVALID_FIELD | MORE) and status >> 1 == 0x6002
+        entry = error_log(admin, 1)[0]
+        assert (entry.status, entry.param_location, entry.cid) == (to_wire(Status.INVALID_FIELD), 40, 3)
+        q, _ = new_queue(target)
+        assert complete(q, connect_sqe(), connect_data(nqn=DISCOVERY_NQN))[0] == 0
+        assert complete(q, prop_sqe(1, False, 0x14, value=0x00460001))[0] == 0
+        status = complete(q, build_sqe(0x02, 4, dptr=transport_sgl(512), cdw10=0x02 | (127 << 16)))[0]
+        assert status == to_wire(Status.INVALID_FIELD | MORE)
+        return target
+    run(body)
+
+
 def test_traffic_based_keep_alive_gives_a_second_period() -> None:
     """With TBKAS any command restarts the keep-alive timer: a period in which commands arrived
     starts another (as nvmet's reset_tbkas), so a host is torn down only after a whole period

@@ -37,7 +37,7 @@ _PRINTABLE = "".join(ch for ch in string.printable if ch not in "\t\n\r\x0b\x0c"
 
 def strategy_for(con: c.Construct) -> st.SearchStrategy[Any]:
     """Values that ``con`` can build and that survive a parse unchanged."""
-    if isinstance(con, c.Renamed):
+    if isinstance(con, (c.Renamed, c.Default)):  # a Default field round-trips as its field
         return strategy_for(con.subcon)
     if isinstance(con, c.FormatField):
         bits = 8 * con.sizeof()
