@@ -52,12 +52,18 @@ class Target(Protocol):
 
 class Namespace(Protocol):
     """``target.subsystem.Namespace``: its C copy (``fast``, a ``FastNamespace`` or None), the
-    backend that copy was made for, and its hold count."""
+    backend that copy was made for, and its hold count; for a replicated namespace's compiled
+    lane (``target/_io_core.pyx`` ``mirror_eligible``) also its size in blocks, block shift,
+    whether a host is registered (reservations), and its I/O counters."""
 
     fast: Any
     backend: Any
     in_flight: int
     removed: bool
+    blocks: int
+    lba_shift: int
+    reserved: bool
+    counters: Any
 
 
 class Controller(Protocol):

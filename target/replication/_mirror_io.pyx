@@ -16,7 +16,7 @@ reference holds *now* with nothing to wait for:
 - this copy is the primary, no region is being copied (resync, verify), and every replica is in
   sync (``min_in_sync`` then holds, no generation is started, nothing is missed);
 - every bit of its regions is on disk already (``WriteIntentBitmap.marked``: bitmap before data);
-- it overlaps no command in flight: it joins the region lists (``ReplicatedBackend._join``, the
+- it overlaps no command in flight: it joins the region lists (``ReplicatedBackend.join``, the
   one implementation) and, if an earlier overlapping command is there, leaves them again
   (``_end``) and declines, so that the reference's ``_begin`` joins it in the same place and
   waits (the ordering of overlapping writes);
@@ -99,12 +99,11 @@ cdef class MirrorLane:
             if link.state != self.in_sync:
                 self.declined += 1
                 return False
-        for bm in m._bitmaps:
-            if not bm.marked(offset, length):
-                self.declined += 1
-                return False
+        if not m.marked(offset, length):
+            self.declined += 1
+            return False
         regions = range(offset >> self.shift, ((offset + length - 1) >> self.shift) + 1)
-        me, earlier = m._join(offset, length, regions)
+        me, earlier = m.join(offset, length, regions)
         if earlier:
             m._end(regions, me)
             self.declined += 1

@@ -291,7 +291,7 @@ class ReplicatedBackend(BackendFilter):
         self._serving()
         if self.copying:
             await self._wait_copies(regions)
-        me, earlier = self._join(offset, length, regions)
+        me, earlier = self.join(offset, length, regions)
         try:
             for other in earlier:
                 if other.over:
@@ -311,7 +311,12 @@ class ReplicatedBackend(BackendFilter):
             raise
         return targets, me
 
-    def _join(self, offset: int, length: int, regions: range) -> tuple[_InFlight, list[_InFlight]]:
+    def marked(self, offset: int, length: int) -> bool:
+        """Whether every peer's write-intent bit of this range is already set on disk: a write
+        there needs no bitmap write first (the compiled lane takes only such writes)."""
+        return all(bm.marked(offset, length) for bm in self._bitmaps)
+
+    def join(self, offset: int, length: int, regions: range) -> tuple[_InFlight, list[_InFlight]]:
         """Join the commands in flight in ``regions`` (undone by :meth:`_end`); the earlier ones
         this one overlaps. The compiled lane joins here too, and takes a write only when the
         list is empty (else it undoes the join and the write comes to :meth:`write`)."""

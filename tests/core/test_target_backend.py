@@ -5,7 +5,7 @@ Driven through the whole target core with the fake transport of ``test_sans_io``
 
 from __future__ import annotations
 
-from protocol.constants import ONCS_DSM, ONCS_WRITE_ZEROES
+from protocol.constants import ONCS_DSM, ONCS_RESERVATIONS, ONCS_WRITE_ZEROES
 from protocol.nvme import build_sqe
 from protocol.status import MORE, Status, to_wire
 from target.backend import MemoryBackend
@@ -66,7 +66,7 @@ def test_filter_forwards_and_counts_flush_and_fua() -> None:
     def body() -> Target:
         counter = CountingFilter(MemoryBackend(BLOCKS * 512))
         target, _, admin, io = admin_and_io(counter)
-        assert oncs_vwc(admin) == (ONCS_DSM | ONCS_WRITE_ZEROES, 1)
+        assert oncs_vwc(admin) == (ONCS_DSM | ONCS_WRITE_ZEROES | ONCS_RESERVATIONS, 1)
         assert complete(io, rw_sqe(0x01, 1, 2, 1, incapsule_sgl(512), cdw12_extra=FUA), b"\7" * 512)[0] == 0
         assert complete(io, rw_sqe(0x01, 2, 3, 1, incapsule_sgl(512)), b"\7" * 512)[0] == 0
         assert complete(io, build_sqe(0x00, 3, nsid=1, dptr=transport_sgl(0)))[0] == 0
@@ -91,7 +91,7 @@ def test_identify_and_commands_follow_what_the_backend_can_do() -> None:
     def body() -> Target:
         counter = CountingFilter(MemoryBackend(BLOCKS * 512))
         target, _, admin, io = admin_and_io(Plain(counter))
-        assert oncs_vwc(admin) == (0, 0)
+        assert oncs_vwc(admin) == (ONCS_RESERVATIONS, 0)  # the core serves reservations on any backend
         assert identify(admin, 0, nsid=1)[33] == 0  # DLFEAT: deallocated blocks read as anything
         counter.inner.data[:512] = b"\xee" * 512
         status, _, _ = complete(io, rw_sqe(0x08, 1, 0, 1, transport_sgl(0)))
