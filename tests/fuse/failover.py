@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -170,10 +171,12 @@ class Pair:
         return f"path tcp://127.0.0.1:{self.port_b} {shown}"
 
     def wait_listed(self, line: str, timeout: float = 20) -> str:
+        """Wait until ``blockctl list`` shows ``line`` (``cntlid *``: any controller ID)."""
+        pattern = re.compile(re.escape(line).replace(r"cntlid\ \*", r"cntlid\ \d+"))
         deadline = time.monotonic() + timeout
-        while line not in (listing := self.s.blockctl("list").stdout) and time.monotonic() < deadline:
+        while not pattern.search(listing := self.s.blockctl("list").stdout) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert line in listing, listing
+        assert pattern.search(listing), listing
         return listing
 
     def fail_over(self, writer: Writer) -> None:
