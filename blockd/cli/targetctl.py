@@ -19,9 +19,12 @@ from blockd.config import ConfigError, parse_size
 from blockd.iostats import interval
 from initiator.control import ControlClient
 from protocol.constants import ANA_STATE_NAMES
-from target.config import MAX_REPLICAS, load
-from target.control import counters_interval, socket_path
-from target.replication.volume import create_md
+
+# _TARGET_IMPORTS_ARE_LAZY: the target's modules (target.config pulls in the backends and the
+# compiled data plane) are imported inside the verbs that use them. blockctl builds its whole
+# parser, this module's included, for every command; in the VM bed (qemu TCG, the userland over
+# 9p) importing them cost ~8 s of the ~16 s each `blockctl` call took, and the guest tests make
+# about seventy such calls. tests/core/test_cli.py keeps the client verbs free of them.
 
 
 def add_parsers(sub: Any) -> None:
@@ -108,6 +111,7 @@ def _size_arg(text: str) -> int:
 
 
 def _call(args: argparse.Namespace, request: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+    from target.control import socket_path  # lazy: _TARGET_IMPORTS_ARE_LAZY
     with ControlClient(socket_path(args.target_socket), timeout=timeout, daemon="target") as client:
         return client.call(request)
 
@@ -252,6 +256,8 @@ def _verify_text(reply: dict[str, Any]) -> str:
 
 def _create_md(args: argparse.Namespace) -> int:
     """``create-md``: offline, from the configuration (no control socket)."""
+    from target.config import MAX_REPLICAS, load  # lazy: _TARGET_IMPORTS_ARE_LAZY
+    from target.replication.volume import create_md
     try:
         config = load(args.config)
     except (OSError, ConfigError) as exc:
@@ -346,6 +352,7 @@ def _host_table(iv: dict[str, Any]) -> str:
 
 
 def _target_interval(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    from target.control import counters_interval  # lazy: _TARGET_IMPORTS_ARE_LAZY
     iv = counters_interval(before, after)
     return {"seconds": iv["seconds"], "namespaces": iv["namespaces"]}
 

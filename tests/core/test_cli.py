@@ -287,3 +287,12 @@ def test_sighup_adds_namespace_and_sigterm_drains(env: Env, tmp_path: Path) -> N
     assert "target stopped" in log and "Traceback" not in log
     assert extra.read_bytes()[3 * 4096:4 * 4096] == b"\x22" * 4096
     assert env.vol.read_bytes()[:65536] == b"\x11" * 65536
+
+
+def test_blockctl_loads_no_target_module_for_client_verbs() -> None:
+    """blockctl's parser (target verbs included) imports nothing of ``target/``: those imports
+    cost seconds per call in the VM bed (blockd/cli/targetctl.py, _TARGET_IMPORTS_ARE_LAZY)."""
+    code = ("import sys, blockd.cli.blockctl as b; b._parser(); "
+            "print(sorted(m for m in sys.modules if m == 'target' or m.startswith('target.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
