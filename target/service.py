@@ -416,8 +416,9 @@ class TargetService:
         return {"group": group, "state": state, "ports": ports, "changed": changed,
                 "chgcnt": self.target.ana.chgcnt}
 
-    async def stop(self) -> None:
-        """Stop accepting, let in-flight commands finish, tear down, flush, close files."""
+    async def stop(self) -> list[str]:
+        """Stop accepting, let in-flight commands finish, tear down, flush, close files; the
+        namespaces whose final flush failed (:meth:`Target.close`)."""
         for pid in list(self.listeners):
             await self._remove_port(pid)
         for ctrl in self.target.controllers.values():
@@ -434,12 +435,13 @@ class TargetService:
                     await ns.backend.stop()
         for nqn, nsid in list(self.standby):  # before the files they export close
             self._remove_standby(nqn, nsid)
-        await self.target.close()
+        failed = await self.target.close()
         if self.metrics is not None:
             await self.metrics.stop()
         if self.control is not None:
             await self.control.stop()
-        log.info("target stopped")
+        log.info("target stopped", flush_failed=len(failed))
+        return failed
 
 
 _ACCESSIBLE = (AnaState.OPTIMIZED, AnaState.NON_OPTIMIZED)

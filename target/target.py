@@ -359,21 +359,31 @@ class Target:
                     self.rejections.add(KEEP_ALIVE_TIMEOUT)
                     ctrl.shutdown("keep-alive timeout")
 
-    async def close(self) -> None:
-        """Tear down every controller, flush and close every namespace."""
+    async def close(self) -> list[str]:
+        """Tear down every controller, flush and close every namespace; the namespaces whose
+        flush failed, one line each (empty when every flush succeeded).
+
+        A failed flush is logged and the others still run: one namespace's EIO at stop must not
+        leave the next namespaces unflushed (it did, the exception ending the loop)."""
         for ctrl in list(self.controllers.values()):
             ctrl.shutdown("target stopping")
         if self._reaper is not None:
             self._reaper.cancel()
+        failed: list[str] = []
         for sub in self.subsystems.values():
             for ns in sub.namespaces.values():
                 try:
                     await ns.backend.flush()
+                except OSError as exc:
+                    log.error("flush at stop failed: writes since the last flush may not be durable",
+                              nqn=sub.nqn, nsid=ns.nsid, error=str(exc))
+                    failed.append(f"{sub.nqn} namespace {ns.nsid}: {exc}")
                 finally:
                     ns.backend.close()
         for ns in self.draining:  # a command that never completed (its connection died) held it
             ns.backend.close()
         self.draining.clear()
+        return failed
 
 
 def _discovery_entry(transport_name: str, family: int, subtype: int, port_id: int, service: str, nqn: str,

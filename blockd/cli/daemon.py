@@ -1,7 +1,7 @@
 """``blockd target --config FILE`` and ``blockd initiator``: the two daemons, in the foreground.
 
-Signals: SIGTERM/SIGINT drain in-flight I/O, flush and exit 0; SIGHUP reloads the target's
-configuration (a bad new file is logged and the old configuration stays).
+Signals: SIGTERM/SIGINT drain in-flight I/O, flush and exit 0 (1 when a namespace's final flush
+failed); SIGHUP reloads the target's configuration (a bad new file is logged and the old configuration stays).
 
 An entry point on top of the layers: only ``blockd/cli/`` may import ``target/`` and
 ``initiator/`` from ``blockd/`` (``tests/test_layers.py``), and nothing imports it.
@@ -98,9 +98,9 @@ async def run_target(config_path: str, log_format: str | None, log_level: str | 
     await stop.wait()
     log.info("stopping: draining in-flight I/O")
     notify.stopping()
-    await service.stop()
+    failed = await service.stop()
     notify.close()
-    return 0
+    return 1 if failed else 0  # systemd shows the unit failed: some data may not be durable
 
 
 async def run_initiator(socket: str | None, config_path: str | None = None) -> int:

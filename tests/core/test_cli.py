@@ -113,6 +113,19 @@ class Env:
         assert res.returncode == 0, (args, res.stderr.decode())
         return res
 
+    def __enter__(self) -> "Env":
+        """Both daemons started (the target first); a failed start stops what did start."""
+        try:
+            self.start_target()
+            self.start_initiator()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         for proc in (self.initiator, self.target):
             if proc is not None and proc.poll() is None:
@@ -126,13 +139,8 @@ class Env:
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[Env]:
-    e = Env(tmp_path)
-    try:
-        e.start_target()
-        e.start_initiator()
+    with Env(tmp_path) as e:
         yield e
-    finally:
-        e.stop()
 
 
 def one_line_error(res: subprocess.CompletedProcess, *needles: str) -> str:

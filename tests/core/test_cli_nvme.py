@@ -66,13 +66,8 @@ class DiscEnv(Env):
 
 @pytest.fixture
 def denv(tmp_path: Path) -> Iterator[DiscEnv]:
-    e = DiscEnv(tmp_path)
-    try:
-        e.start_target()
-        e.start_initiator()
+    with DiscEnv(tmp_path) as e:
         yield e
-    finally:
-        e.stop()
 
 
 def _discover(env: Env, port: int, *extra: str) -> dict[str, Any]:
@@ -242,12 +237,8 @@ def big_env(tmp_path: Path) -> Iterator[Env]:
     """Env with a 16 MiB namespace (a bar shows from PROGRESS_MIN, 8 MiB)."""
     e = Env(tmp_path)
     e.config.write_text(e.config.read_text().replace(f'size = "{SIZE}"', f'size = "{BIG}"', 1))
-    try:
-        e.start_target()
-        e.start_initiator()
+    with e:
         yield e
-    finally:
-        e.stop()
 
 
 BIG = 16 << 20

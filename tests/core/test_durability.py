@@ -124,3 +124,40 @@ def test_host_sets_fua_on_the_wire(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             assert writes == [(2, True), (2, True), (2, False), (2, False)]
 
     run(main())
+
+
+class FailingFlush(BackendFilter):
+    """A backend whose flush fails (fdatasync's EIO), recording what the target asked of it."""
+
+    def __init__(self, inner: Any, fail: bool) -> None:
+        super().__init__(inner)
+        self.fail = fail
+        self.events: list[str] = []
+
+    async def flush(self) -> None:
+        self.events.append("flush")
+        if self.fail:
+            raise OSError(5, "Input/output error")
+        await super().flush()
+
+    def close(self) -> None:
+        self.events.append("close")
+        super().close()
+
+
+def test_a_failed_flush_at_stop_still_flushes_and_closes_the_others(tmp_path: Path) -> None:
+    """The stop's flush of namespace 1 fails: namespace 2 is still flushed and closed, both files
+    are closed, and the failure comes back (the daemon then exits 1)."""
+    async def main() -> None:
+        cfg = config([free_port()], [sub(namespaces=[ns(tmp_path / "a.img", 1, SIZE),
+                                                     ns(tmp_path / "b.img", 2, SIZE)])])
+        service = TargetService(cfg)
+        await service.start()
+        spaces = service.target.subsystems[NQN].namespaces
+        one = spaces[1].backend = FailingFlush(spaces[1].backend, fail=True)
+        two = spaces[2].backend = FailingFlush(spaces[2].backend, fail=False)
+        failed = await service.stop()
+        assert (one.events, two.events) == (["flush", "close"], ["flush", "close"])
+        assert len(failed) == 1 and f"{NQN} namespace 1" in failed[0] and "Input/output error" in failed[0]
+
+    run(main())
