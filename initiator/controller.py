@@ -35,7 +35,7 @@ from initiator.errors import ConnectError, NvmeError, QueueLost
 from initiator.params import ConnectParams
 from initiator.transport import QueueConnection, queue_opener
 from protocol.commands import (
-    describe_command, dsm_command, flush_command, get_log_page_command, read_command, write_command,
+    describe_command, dsm_command, flush_command, get_log_page_command, is_io_command, read_command, write_command,
     write_zeroes_command,
 )
 from protocol.nvme import DSM_ATTR_DEALLOCATE, DSM_RANGE_FAST
@@ -272,7 +272,8 @@ class Controller(Association):
         """Every command's ``on_done``: a status becomes :class:`NvmeError` (here only), the
         freed command id goes to a parked command, then the caller's ``done`` runs."""
         if exc is None and cmd.status:
-            exc = NvmeError(cmd.status, describe_command(cmd.sqe, cmd.admin), cmd.dw0)
+            exc = NvmeError(cmd.status, describe_command(cmd.sqe, cmd.admin), cmd.dw0,
+                            is_io_command(cmd.sqe, cmd.admin))
         if not cmd.admin:
             cmd.count(self.counters, time.monotonic_ns())
             if exc is not None:

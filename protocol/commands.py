@@ -222,6 +222,12 @@ _unpack_head = SQE_FAST.unpack_from
 _unpack_fabrics = fixed_layout(FABRICS_COMMAND).unpack_from
 
 
+def is_io_command(sqe: bytes | bytearray | memoryview, admin: bool) -> bool:
+    """An NVM I/O command: sent on an I/O queue and not a Fabrics command (an I/O queue's
+    Connect is one); its command-specific statuses have their own names (protocol.status)."""
+    return not admin and _unpack_head(sqe)[0] != AdminOpcode.FABRICS
+
+
 def describe_command(sqe: bytes | bytearray | memoryview, admin: bool) -> str:
     """``"read on namespace 1"``, ``"IDENTIFY"``, ``"fabrics CONNECT"``: what a failed command
     was, for the message of the error it raises (``admin``: sent on the admin queue, where

@@ -60,6 +60,13 @@ class Status(IntEnum):
 
 ANA_STATUSES = frozenset({Status.ANA_PERSISTENT_LOSS, Status.ANA_INACCESSIBLE, Status.ANA_TRANSITION})
 
+NVM_COMMAND_SPECIFIC = {0x180: "CONFLICTING_ATTRIBUTES", 0x181: "INVALID_PROTECTION_INFORMATION",
+                        0x182: "WRITE_TO_READ_ONLY_RANGE", 0x183: "ONCS_NOT_SUPPORTED"}
+"""SCT 1 codes 80h-83h answered to an NVM I/O command (Read, Write, Dataset Management, Write
+Zeroes...). The same values answered to a Fabrics Connect are Connect's own (``Status.CONNECT_*``),
+so a status alone cannot be named: :func:`describe` takes the command's kind. Names as the Linux
+host's ``nvme.h``: 0x183 is what nvmet answers a Write Zeroes or Deallocate its backend cannot do."""
+
 
 def to_wire(status: int) -> int:
     """The CQE status word for ``status`` (phase bit 0)."""
@@ -71,17 +78,21 @@ def from_wire(word: int) -> int:
     return word >> 1
 
 
-def describe(status: int) -> str:
-    """Human text for a status, e.g. ``"LBA_RANGE (sct 0 sc 0x80, dnr, more)"``."""
+def describe(status: int, io: bool = False) -> str:
+    """Human text for a status, e.g. ``"LBA_RANGE (sct 0 sc 0x80, dnr, more)"``; ``io``: the status
+    answers an NVM I/O command (not an admin or Fabrics one), see :data:`NVM_COMMAND_SPECIFIC`."""
     more = ", more" if status & MORE else ""
     status &= ~MORE
     try:
-        name = Status(status).name
-    except ValueError:
+        name = NVM_COMMAND_SPECIFIC[status & ~DNR] if io else Status(status).name
+    except (KeyError, ValueError):
         try:
             name = Status(status ^ DNR).name
         except ValueError:
-            name = "UNKNOWN"
+            try:
+                name = Status(status).name
+            except ValueError:
+                name = "UNKNOWN"
     sct = (status >> 8) & 0x7
     sc = status & 0xFF
     dnr = ", dnr" if status & DNR else ""

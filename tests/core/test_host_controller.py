@@ -28,7 +28,7 @@ from protocol.identify import ACTIVE_NS_LIST, IDENTIFY_CONTROLLER, IDENTIFY_NAME
 from protocol.layout import fixed_layout
 from protocol.commands import SET_FEATURES_COMMAND, read_command
 from protocol.nvme import IDENTIFY_COMMAND, RW_FAST, SQE_FAST
-from protocol.status import Status
+from protocol.status import DNR, Status
 
 from .conftest import run
 
@@ -218,6 +218,22 @@ def test_status_becomes_nvme_error_once() -> None:
             target.io.complete(target.io.sent[2], Status.LBA_RANGE)
             await task
         assert err.value.status == Status.LBA_RANGE
+        await ctrl.close()
+
+    run(main())
+
+
+def test_an_io_commands_sct1_0x83_is_oncs_not_supported_not_restart_discovery() -> None:
+    """nvmet answers a Write Zeroes its backend cannot do with SCT 1 SC 0x83; on an I/O command
+    that is ONCS Not Supported (the name Connect Restart Discovery belongs to Connect's answer)."""
+    async def main() -> None:
+        target = FakeTarget("t")
+        ctrl = await connect(target)
+        task = asyncio.ensure_future(ctrl.write_zeroes(NSID, 0, 8))
+        await until(lambda: len(target.io.sent) == 1)
+        target.io.complete(target.io.sent[0], 0x183 | DNR)
+        with pytest.raises(NvmeError, match="ONCS_NOT_SUPPORTED"):
+            await task
         await ctrl.close()
 
     run(main())

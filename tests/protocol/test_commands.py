@@ -14,6 +14,7 @@ import pytest
 
 from protocol import commands
 from protocol.nvme import CQE_SIZE, SQE_SIZE
+from protocol.status import DNR, Status, describe
 
 
 def sqe(opcode: int, *fields: tuple[int, int, int]) -> bytes:
@@ -131,3 +132,15 @@ def test_describe_command() -> None:
     assert commands.describe_command(commands.get_log_page_command(2, 0), admin=True) == "GET_LOG_PAGE"
     assert commands.describe_command(commands.connect_command(0, 31), admin=True) == "fabrics CONNECT"
     assert commands.describe_command(bytearray(b"\xee" + bytes(63)), admin=True) == "0xee"
+
+
+def test_sct1_0x83_is_named_by_the_command_it_answers() -> None:
+    """SCT 1 SC 0x83: ONCS Not Supported on a Write Zeroes (nvmet's answer when its backend cannot
+    zero), Connect Restart Discovery on a Connect -- also an I/O queue's Connect, sent on that queue."""
+    zeroes, connect = commands.write_zeroes_command(1, 0, 8), commands.connect_command(1, 31)
+    assert commands.is_io_command(zeroes, admin=False) and not commands.is_io_command(zeroes, admin=True)
+    assert not commands.is_io_command(connect, admin=False)
+    code = 0x183 | DNR
+    assert describe(code, io=commands.is_io_command(zeroes, admin=False)).startswith("ONCS_NOT_SUPPORTED (sct 1 sc 0x83, dnr")
+    assert describe(0x183, io=commands.is_io_command(connect, admin=False)).startswith("CONNECT_RESTART_DISCOVERY")
+    assert describe(Status.LBA_RANGE, io=True).startswith("LBA_RANGE")  # other codes keep their names
