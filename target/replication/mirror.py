@@ -179,23 +179,24 @@ class ReplicatedBackend(BackendFilter):
         """Read this copy's metadata, or format it on a device that has none (a new primary:
         every replica then gets a full sync, as its slot knows no peer yet; a new secondary:
         blank, no generation, as a primary formats a new replica, so it is never promoted
-        before a first full sync or a forced promotion)."""
+        before a first full sync or a forced promotion). Errors do not name the namespace: the
+        caller (the target service) puts where in front."""
         io = BackendBlockIO(inner)
         try:
             md = await Metadata.open(io)
         except MetadataError as exc:
             if not await _blank_metadata(io):
-                raise ValueError(f"{name}: replication metadata unreadable: {exc}. A volume that already "
+                raise ValueError(f"replication metadata unreadable: {exc}. A volume that already "
                                  "holds data gets its metadata from 'blockctl target create-md --config FILE "
                                  "NQN NSID' (the target stopped; docs/replication.md, Existing volumes)") from None
             md = await Metadata.format(io, region_size, max_peers, blank=not primary)
             log.info("replication metadata formatted", namespace=name, data_size=md.data_size,
                      region_size=region_size, primary=primary)
         if md.region_size != region_size:
-            raise ValueError(f"{name}: the metadata has region_size {md.region_size}, the configuration "
+            raise ValueError(f"the metadata has region_size {md.region_size}, the configuration "
                              f"{region_size} (the region size is fixed when the metadata is formatted)")
         if len(openers) > md.max_peers:
-            raise ValueError(f"{name}: {len(openers)} replicas configured, the metadata has {md.max_peers} slots")
+            raise ValueError(f"{len(openers)} replicas configured, the metadata has {md.max_peers} slots")
         return cls(inner, md, openers, min_in_sync, resync_rate, name, block_size, primary)
 
     def start(self) -> None:

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,7 +24,8 @@ from target.backend import FileBackend
 from target.replication.blockio import BackendBlockIO
 from target.replication.external import ExternalMetadata, external_layout
 from target.replication.metadata import Metadata, create
-from target.replication.mirror import ReplicatedBackend
+from target.config import load
+from target.service import _open_namespace
 
 from .nodes import BIN, NQN, REGION, Node, all_in_sync
 
@@ -75,17 +77,24 @@ def test_create_refuses_an_area_that_is_not_blank_and_keeps_the_data(tmp_path: P
 
 
 def test_a_volume_with_data_but_no_metadata_names_create_md(tmp_path: Path) -> None:
-    path = tmp_path / "vol.img"
-    path.write_bytes(os.urandom(DEVICE))
+    """The start-up error an operator sees: where (subsystem and namespace, once), what, and the
+    command to run."""
+    primary, replica = Node(tmp_path, "primary", DEVICE), Node(tmp_path, "r1", DEVICE)
+    primary.file.write_bytes(os.urandom(DEVICE))
+    primary.cfg.write_text(primary.config(NQN, [replica]))
+    [nc] = load(str(primary.cfg)).subsystems[0].namespaces
 
-    async def run() -> None:
-        backend = FileBackend(str(path))
-        try:
-            with pytest.raises(ValueError, match="no usable replication superblock.*blockctl target create-md"):
-                await ReplicatedBackend.open(backend, [], REGION, 1, 1 << 30, 4, name="vol")
-        finally:
-            backend.close()
-    asyncio.run(run())
+    async def unreachable(*_: object) -> None:
+        raise AssertionError("the replica is not contacted before the metadata reads")
+
+    async def run() -> str:
+        with pytest.raises(RuntimeError) as err:
+            await _open_namespace(SimpleNamespace(nqn=NQN), nc, unreachable, primary=True)
+        return str(err.value)
+    text = asyncio.run(run())
+    assert text.startswith(f"{NQN} namespace 1: replication metadata unreadable: no usable replication superblock")
+    assert text.count("namespace 1") == 1, text
+    assert "blockctl target create-md --config FILE NQN NSID" in text
 
 
 def test_external_metadata_reads_and_writes_both_parts(tmp_path: Path) -> None:
