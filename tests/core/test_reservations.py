@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -474,3 +475,98 @@ def test_an_unreadable_sidecar_is_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "vol.img.resv").write_text("{not json")
     with pytest.raises(ValueError, match=r"namespace 1: reservation state .*vol\.img\.resv unreadable"):
         _file_target(path)
+
+
+class PowerCutModel:
+    """A volatile page cache under the sidecar's writes, as a file system may keep it: a file's
+    bytes reach the disk at an ``fsync`` of that file, a name (create, rename) at an ``fsync`` of
+    its directory, nothing else. Stands in for ``os`` in :mod:`target.reservations`, passing each
+    call on to the real one and recording it; :meth:`sidecar_after` answers what a power cut after
+    the first ``n`` recorded calls leaves at the sidecar's name (None: no file there)."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self.calls: list[tuple[str, Any, ...]] = []
+        self._fds: dict[int, str] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def open(self, path: str, flags: int, mode: int = 0o777) -> int:
+        fd = self._real.open(path, flags, mode)
+        self._fds[fd] = path
+        self.calls.append(("open", path, bool(flags & os.O_TRUNC)))
+        return fd
+
+    def write(self, fd: int, data: bytes) -> int:
+        self.calls.append(("write", self._fds[fd], bytes(data)))
+        return self._real.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        self.calls.append(("fsync", self._fds[fd]))
+        self._real.fsync(fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        self.calls.append(("rename", src, dst))
+        self._real.rename(src, dst)
+
+    def sidecar_after(self, n: int, sidecar: str) -> bytes | None:
+        inode_of: dict[str, int] = {}          # name -> inode, in the cache
+        durable_names: dict[str, int] = {}     # name -> inode, on the disk
+        cached: dict[int, bytes] = {}          # inode -> bytes, in the cache
+        durable: dict[int, bytes] = {}         # inode -> bytes, on the disk
+        directory = os.path.dirname(os.path.abspath(sidecar))
+        for call in self.calls[:n]:
+            if call[0] == "open" and call[1] != directory:
+                if call[1] not in inode_of:
+                    inode_of[call[1]] = len(cached)
+                    cached[len(cached)] = b""
+                if call[2]:
+                    cached[inode_of[call[1]]] = b""
+            elif call[0] == "write":
+                cached[inode_of[call[1]]] += call[2]
+            elif call[0] == "fsync" and call[1] == directory:
+                durable_names = dict(inode_of)
+            elif call[0] == "fsync":
+                durable[inode_of[call[1]]] = cached[inode_of[call[1]]]
+            elif call[0] == "rename":
+                inode_of[call[2]] = inode_of.pop(call[1])
+        if sidecar not in durable_names:
+            return None
+        return durable.get(durable_names[sidecar], b"")
+
+
+def test_ptpl_state_survives_a_power_cut_at_every_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Power cut after every call of the sidecar's saves (the volatile-cache model above): the
+    sidecar is always absent or one whole state, never half of one, and once a Register with
+    PTPL, then a second host's Register, has completed, the disk holds it. A SIGKILL keeps the
+    page cache, so test_blockctl_verbs_and_ptpl_through_sigkill cannot show this. Breaks: without
+    the file's fsync the renamed name points at bytes never written (b""); without the
+    directory's fsync the name is not there after the cut; both fail here."""
+    import target.reservations as reservations
+    model = PowerCutModel(os)
+    monkeypatch.setattr(reservations, "os", model)
+    path = tmp_path / "vol.img"
+    sidecar = str(path) + ".resv"
+    completed: list[tuple[int, set[str]]] = []  # (calls made when the command completed, registrants)
+
+    async def main() -> None:
+        target = _file_target(path)
+        a, b = Host(target, A), Host(target, B)
+        register = reservation_register_command(1, RegisterAction.REGISTER, cptpl=Cptpl.SET)
+        assert await a.io_waiting(register, REGISTER_DATA.build(dict(crkey=0, nrkey=0xA))) == 0
+        completed.append((len(model.calls), {A.hex()}))
+        assert await b.io_waiting(reservation_register_command(1, RegisterAction.REGISTER),
+                                  REGISTER_DATA.build(dict(crkey=0, nrkey=0xB))) == 0
+        completed.append((len(model.calls), {A.hex(), B.hex()}))
+        await target.close()
+    asyncio.run(main())
+
+    assert len(model.calls) >= 10, model.calls  # two saves: open, write, fsync, rename, dir open+fsync
+    for n in range(len(model.calls) + 1):
+        raw = model.sidecar_after(n, sidecar)
+        state = None if raw is None else json.loads(raw)  # a torn file fails here
+        must = set().union(*(regs for at, regs in completed if at <= n))
+        have = {h for h, _ in state["registrants"]} if state else set()
+        assert must <= have, f"a power cut after call {n} ({model.calls[n - 1] if n else 'none'}) loses {must - have}"
+        assert state is None or state["ptpl"]
