@@ -486,7 +486,7 @@ class PowerCutModel:
 
     def __init__(self, real: Any) -> None:
         self._real = real
-        self.calls: list[tuple[str, Any, ...]] = []
+        self.calls: list[tuple[Any, ...]] = []
         self._fds: dict[int, str] = {}
 
     def __getattr__(self, name: str) -> Any:
