@@ -297,12 +297,17 @@ class TargetService:
             self.target.update_access(sub, after.allow_any_host, set(after.hosts))
         old_ns = {n.nsid: n for n in before.namespaces}
         new_ns = {n.nsid: n for n in after.namespaces}
+        removed: dict[int, Namespace] = {}
         for nsid, nc in old_ns.items():
             if not _kept(nc, new_ns.get(nsid)):
                 self._remove_standby(sub.nqn, nsid)
+                removed[nsid] = sub.namespaces[nsid]
                 self.target.remove_namespace(sub, nsid)
                 log.info("namespace removed", nqn=sub.nqn, nsid=nsid)
         for nsid, nc in new_ns.items():
+            if nsid in removed and not await self.target.until_closed(removed[nsid], DRAIN_TIMEOUT):
+                log.warning("opening a namespace again while its old copy still has a command in flight",
+                            nqn=sub.nqn, nsid=nsid, waited_s=DRAIN_TIMEOUT)
             if old_ns.get(nsid) is None or not _kept(old_ns[nsid], nc):
                 self.target.add_namespace(sub, await self._open(sub, after, nc, config))
                 self._add_standby(after, nc, sub.namespaces[nsid])

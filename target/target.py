@@ -89,6 +89,8 @@ class Target:
         self.draining: list[Namespace] = []
         """Removed namespaces whose backend still serves commands in flight (closed by
         :meth:`namespace_released` after the last, or at :meth:`close`)."""
+        self._close_waiters: dict[int, asyncio.Future[None]] = {}
+        """id(namespace) -> what :meth:`until_closed` waits on, for a namespace in ``draining``."""
 
     # -- configuration ----------------------------------------------------------------------------
 
@@ -184,6 +186,27 @@ class Target:
         if not ns.in_flight:
             self.draining.remove(ns)
             ns.backend.close()
+            self._closed_now(ns)
+
+    async def until_closed(self, ns: Namespace, timeout: float) -> bool:
+        """Wait until removed ``ns`` has let go of its storage (its last command done, its
+        backend closed); False if that took longer than ``timeout``. A reload that opens the same
+        storage again waits here: a replicated namespace's new copy must read the write-intent
+        bits after the old copy's last write set them, or a region the replica missed would
+        never be resynced."""
+        if ns not in self.draining:
+            return True
+        waiter = self._close_waiters.setdefault(id(ns), asyncio.get_running_loop().create_future())
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def _closed_now(self, ns: Namespace) -> None:
+        waiter = self._close_waiters.pop(id(ns), None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def update_access(self, sub: Subsystem, allow_any_host: bool, hosts: set[str]) -> None:
         """Change who may connect; controllers of hosts no longer allowed are torn down."""
@@ -382,6 +405,7 @@ class Target:
                     ns.backend.close()
         for ns in self.draining:  # a command that never completed (its connection died) held it
             ns.backend.close()
+            self._closed_now(ns)
         self.draining.clear()
         return failed
 

@@ -159,6 +159,42 @@ def test_remove_namespace_with_writes_in_flight(tmp_path: Path) -> None:
     assert_written(path, b"\x5a")
 
 
+def test_a_namespace_opened_again_waits_for_its_old_copys_last_command(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reload that re-opens namespace 1 on the same file (here: made read-only) opens the new
+    backend only after the old one's held writes finished and it closed: a replicated namespace's
+    new copy reads its write-intent bits from that file, and must see every bit the old copy's
+    last writes set. Break: no wait in TargetService._update_subsystem -> "open" before "close"."""
+    import target.service as service_module
+    port = free_port()
+    path = tmp_path / "vol.img"
+    fill_file(path, SIZE)
+    before = config([port], [sub(namespaces=[ns(path, 1, SIZE)])])
+    after = config([port], [sub(namespaces=[ns(path, 1, SIZE, read_only=True)])])
+    events: list[str] = []
+    real_open = service_module.open_backend
+    monkeypatch.setattr(service_module, "open_backend", lambda nc: (events.append("open"), real_open(nc))[1])
+
+    async def main() -> None:
+        async with serving(before) as service, gated_host(service, port) as (host, gated, changed):
+            tasks = await writes_held(host, gated, b"\x3c")
+            events.clear()  # the start's open
+            reload = asyncio.create_task(service.reload(after))
+            await until(lambda: bool(service.target.draining))  # the old one removed, its writes held
+            await asyncio.sleep(0.2)  # the reload has had its chance to open the file again
+            assert events == [] and not reload.done()
+            real_close = gated.close
+            gated.close = lambda: (events.append("close"), real_close())[1]  # type: ignore[method-assign]
+            gated.gate.set()
+            await asyncio.gather(*tasks)
+            await asyncio.wait_for(reload, 10)
+            assert events == ["close", "open"]
+            assert service.target.subsystems[NQN].namespaces[1].read_only
+
+    run(main(), timeout=30)
+    assert_written(path, b"\x3c")
+
+
 def test_resize_namespace_with_writes_in_flight(tmp_path: Path) -> None:
     port = free_port()
     path = tmp_path / "vol.img"
