@@ -233,3 +233,34 @@ def test_an_authenticated_host_outlives_the_auth_timeout(tmp_path):
             finally:
                 await ctrl.close()
     run(main())
+
+
+def test_a_failed_reauthentication_stops_the_queue_serving(tmp_path):
+    """Re-authentication of a live I/O queue (a Negotiate restarts the transaction) with a wrong
+    secret: the host's attempt fails, and from then on the queue answers I/O with Authentication
+    Required; the admin queue, authenticated before, goes on (test audit: only a successful
+    re-authentication was tested)."""
+    port = free_port()
+    cfg = auth_config(tmp_path, port)
+
+    async def main() -> None:
+        async with serving(cfg):
+            ctrl = await connect(port, dhchap_secret=HOST_KEY, nr_io_queues=1)
+            try:
+                await write_read(ctrl)
+                # the host library re-authenticates no live queue itself (the kernel host does, on
+                # its reauth work): its set-up path sends the transaction on the I/O queue
+                ctrl._secret = generate_secret(HOSTNQN, 1)  # another key, same host
+                ctrl._establishing.add(ctrl.io[0])
+                try:
+                    with pytest.raises(ConnectError, match="authentication .* failed"):
+                        await ctrl._authenticate(ctrl.io[0])
+                finally:
+                    ctrl._establishing.discard(ctrl.io[0])
+                with pytest.raises(NvmeError) as err:
+                    await write_read(ctrl)
+                assert err.value.status == Status.AUTH_REQUIRED
+                await ctrl.identify_controller()  # the admin queue still serves
+            finally:
+                await ctrl.close()
+    run(main())
