@@ -35,7 +35,7 @@ client are this tree's). The machine is shared and noisy: compare within a run. 
 benchmark lock:
 
     flock /tmp/blockd-bench.lock .venv/bin/python tests/bench/bench_replication.py [--seconds 2] \\
-        [--rounds 5] [--before /work/main/.venv/bin] [--no-resync]
+        [--rounds 5] [--before /work/main/.venv/bin] [--no-resync] [--cases a,b1,c1]
 """
 
 from __future__ import annotations
@@ -261,24 +261,23 @@ def med(runs: list[float]) -> float:
 
 
 def floor_table(trees: list[Tree], got: dict[str, list[dict[str, Any]]]) -> None:
-    print("Floor model, QD1 mean latency µs (medians over the rounds): (a) unreplicated, (b1)/(b2) the "
-          "primary's link to its 1/2 replicas alone, t_pwrite, floor = (a) + (b) - t_pwrite, (c) replicated; "
-          "the ratios are medians of each round's ratio\n")
-    print("| tree | (a) | (b1) | (b2) | t_pwrite | floor 1 | (c1) | (c1)/(a) | (c1)/floor | floor 2 | (c2) "
-          "| (c2)/(a) | (c2)/floor |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("Floor model, QD1 mean latency µs (medians over the rounds): (a) unreplicated, (b) the primary's "
+          "link to its replicas alone, t_pwrite, floor = (a) + (b) - t_pwrite, (c) replicated; the ratios are "
+          "medians of each round's ratio\n")
+    print("| tree | replicas | (a) | (b) | t_pwrite | floor | (c) | (c)/(a) | (c)/floor | floor/(a) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for tree in trees:
         rounds = got[tree.name]
-        a = [g["a"]["mean"] for g in rounds]
-        f1 = [g["a"]["mean"] + g["b1"]["mean"] - g["pwrite"] for g in rounds]
-        f2 = [g["a"]["mean"] + g["b2"]["mean"] - g["pwrite"] for g in rounds]
-        c1 = [g["c1"]["mean"] for g in rounds]
-        c2 = [g["c2"]["mean"] for g in rounds]
-        print(f"| {tree.name} | {med(a):.0f} | {med([g['b1']['mean'] for g in rounds]):.0f} | "
-              f"{med([g['b2']['mean'] for g in rounds]):.0f} | {med([g['pwrite'] for g in rounds]):.1f} | "
-              f"{med(f1):.0f} | {med(c1):.0f} | {med([c / x for c, x in zip(c1, a)]):.2f}x | "
-              f"{med([c / f for c, f in zip(c1, f1)]):.2f}x | {med(f2):.0f} | {med(c2):.0f} | "
-              f"{med([c / x for c, x in zip(c2, a)]):.2f}x | {med([c / f for c, f in zip(c2, f2)]):.2f}x |")
+        for n in (1, 2):
+            if not all(k in rounds[0] for k in ("a", f"b{n}", f"c{n}")):
+                continue  # (--cases left a part out)
+            a = [g["a"]["mean"] for g in rounds]
+            f = [g["a"]["mean"] + g[f"b{n}"]["mean"] - g["pwrite"] for g in rounds]
+            c = [g[f"c{n}"]["mean"] for g in rounds]
+            print(f"| {tree.name} | {n} | {med(a):.0f} | {med([g[f'b{n}']['mean'] for g in rounds]):.0f} | "
+                  f"{med([g['pwrite'] for g in rounds]):.1f} | {med(f):.0f} | {med(c):.0f} | "
+                  f"{med([x / y for x, y in zip(c, a)]):.2f}x | {med([x / y for x, y in zip(c, f)]):.2f}x | "
+                  f"{med([x / y for x, y in zip(f, a)]):.2f}x |")
 
 
 def cases_table(trees: list[Tree], got: dict[str, list[dict[str, Any]]]) -> None:
@@ -290,6 +289,8 @@ def cases_table(trees: list[Tree], got: dict[str, list[dict[str, Any]]]) -> None
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for tree in trees:
         for name, kind, n, depth in CASES:
+            if name not in got[tree.name][0]:
+                continue
             m = {k: med([g[name][k] for g in got[tree.name]]) for k in got[tree.name][0][name]}
             what = "host -> primary" if kind == "host" else "link -> replicas"
             print(f"| {tree.name} | {name}: {what} | {n} | {depth} | {m['iops']:,.0f} | {m['mean']:,.0f} | "
@@ -332,7 +333,10 @@ def main() -> None:
     parser.add_argument("--before", help="directory of another tree's blockd (e.g. main's .venv/bin), "
                                          "measured in the same rounds, the order alternating")
     parser.add_argument("--no-resync", action="store_true", help="skip the resync rate")
+    parser.add_argument("--cases", default=",".join(c[0] for c in CASES),
+                        help="the cases to run, of " + ", ".join(c[0] for c in CASES) + " (default: all)")
     args = parser.parse_args()
+    cases = [c for c in CASES if c[0] in args.cases.split(",")]
     with tempfile.TemporaryDirectory(prefix="blockd-bench-repl-") as tmp:
         base = Path(tmp)
         trees = [Tree(base, "this tree", nodes.BIN)] + ([Tree(base, "before", Path(args.before))] if args.before else [])
@@ -344,12 +348,12 @@ def main() -> None:
             for rnd in range(args.rounds):
                 for tree in (trees if rnd % 2 == 0 else trees[::-1]):
                     g: dict[str, Any] = {"pwrite": probe.mean_us()}
-                    for name, kind, n, depth in CASES:
+                    for name, kind, n, depth in cases:
                         g[name] = tree.case(kind, n, depth, args.seconds)
                     got[tree.name].append(g)
-                    print(f"round {rnd + 1}, {tree.name}: " + ", ".join(f"{name} {g[name]['mean']:.0f}" for name, *_ in CASES[:5])
-                          + f" µs, pwrite {g['pwrite']:.1f} µs; QD32 IOPS " + " / ".join(f"{g[q]['iops']:,.0f}" for q in ("q0", "q1", "q2")),
-                          flush=True)
+                    print(f"round {rnd + 1}, {tree.name}: " + ", ".join(
+                        f"{name} {g[name]['mean']:,.0f} µs" if depth == 1 else f"{name} {g[name]['iops']:,.0f} IOPS"
+                        for name, _, _, depth in cases) + f", pwrite {g['pwrite']:.1f} µs", flush=True)
         finally:
             probe.close()
             for tree in trees:
