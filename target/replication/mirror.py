@@ -256,12 +256,14 @@ class ReplicatedBackend(BackendFilter):
                                    f"{sent - len(failed) + 1} copies, min_in_sync is {self.min_in_sync}")
 
     def fast_write_failed(self, failed: list[tuple[ReplicaLink, BaseException]], sent: int, regions: range,
-                          me: _InFlight, finish: Callable[[BaseException | None], None]) -> None:
+                          me: _InFlight, finish: Callable[[BaseException | None], None],
+                          local_error: OSError | None = None) -> None:
         """The end of a write the compiled lane sent, that a replica did not take: what
         :meth:`write` does then (in a task: it writes metadata), then ``finish`` with None (the
-        host's write succeeded) or the error the host gets."""
+        host's write succeeded), ``local_error`` (this copy's ``pwrite`` failed too), or the
+        error that replaces it, as in :meth:`write`'s ``finally``."""
         async def end() -> None:
-            error: BaseException | None = None
+            error: BaseException | None = local_error
             try:
                 await self._replicas_failed(failed, sent)
             except OSError as exc:

@@ -20,11 +20,21 @@ Each rule broken on purpose, one edit at a time in ``_mirror_io.pyx`` (2026-12-0
 - the host answered before the replicas (``done`` called at send): the steady-write test, the
   cross-path wait, both failing-replica cases and the differential fail;
 - a replica's failure taken as success: both failing-replica cases fail.
+
+The local ``pwrite`` after the sends (2026-12-07, second pass), each break rebuilt and run:
+
+- the ``pwrite`` moved back before the sends: the send-order test fails (the replicas were
+  handed the write when the local copy already held it);
+- ``_local_failed`` not called when the ``pwrite`` fails after the sends: the local-failure
+  test without a failing replica fails (the replica stays in sync, missing nothing);
+- the ``pwrite``'s error dropped (the write answered as a success): the same test fails (the
+  host got None).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import random
 from pathlib import Path
@@ -202,6 +212,80 @@ def test_a_replica_failing_a_lane_write_is_left_behind_as_the_reference_leaves_i
             assert isinstance(exc, ReplicationError) and exc.status == Status.WRITE_FAULT
         assert state != IN_SYNC and missed and current != generation and not joined
         assert m.lane.served == 0
+        await m.stop()
+    run(main())
+
+
+def test_the_lane_sends_to_the_replicas_before_it_writes_the_local_copy(tmp_path: Path) -> None:
+    """The reference's order (``ReplicatedBackend.write``: the replicas first, then the local
+    write): the local ``pwrite`` runs while the replicas' writes travel, so a QD1 write costs
+    the longer of the two rather than their sum. Seen from the replicas: when each was handed
+    the write, the local copy did not hold it yet; when the lane returned, it did."""
+    async def main() -> None:
+        bed, m, local = await _bed(tmp_path, n=2)
+        offset = 6 * REGION + BLOCK
+        old, data = _local(local, offset, BLOCK), os.urandom(BLOCK)
+        seen: list[bytes] = []
+        for r in (bed.opened[0][-1], bed.opened[1][-1]):
+            orig = r.submit_write
+
+            def spy(off: int, buf: Any, fua: bool, done: Any, orig: Any = orig) -> None:
+                seen.append(_local(local, offset, BLOCK))
+                orig(off, buf, fua, done)
+            r.submit_write = spy  # type: ignore[method-assign]
+        replies = Replies()
+        assert m.lane.write(offset, data, replies(1))
+        assert seen == [old, old]  # both sent before this copy was written
+        assert _local(local, offset, BLOCK) == data
+        await until(lambda: bool(replies.got))
+        assert replies.got == [(1, None)] and m.lane.served == 1 and not m.inflight
+        await m.stop()
+    run(main())
+
+
+@pytest.mark.parametrize("replica_fails", [False, True])
+def test_a_local_write_failing_after_the_sends_ends_as_the_references(tmp_path: Path, replica_fails: bool) -> None:
+    """This copy's ``pwrite`` fails after the replicas were sent the write (they cannot be
+    called back): as ``ReplicatedBackend.write`` when ``_write_local`` raises, every replica
+    misses the write's regions (an in-sync one resyncs them from this copy), the region lists
+    are left once every copy answered, and the host gets the device's error (its errno, which
+    ``Controller.write_error`` makes Write Fault or, for ENOSPC, Capacity Exceeded), or Write
+    Fault when a replica failed too and too few copies took it."""
+    async def main() -> None:
+        bed, m, local = await _bed(tmp_path, n=1, min_in_sync=2 if replica_fails else 1)
+        replica = bed.opened[0][-1]
+        if replica_fails:
+            replica.fail_with = OSError(5, "replica says no")
+        offset, data = 9 * REGION, os.urandom(BLOCK)
+        region = offset // REGION
+        sent: list[int] = []
+        orig = replica.submit_write
+
+        def spy(off: int, buf: Any, fua: bool, done: Any) -> None:
+            sent.append(off)
+            orig(off, buf, fua, done)
+        replica.submit_write = spy  # type: ignore[method-assign]
+        read_only = os.open(local.path, os.O_RDONLY)  # the lane's pwrite fails (EBADF), the reference's would not
+        m.lane.file.fd = read_only
+        got: list[tuple[BaseException | None, str, bool, bool]] = []
+        link = m.links[0]
+
+        def reply(exc: BaseException | None) -> None:  # what the host's answer follows
+            got.append((exc, link.state, region in link.missing, bool(m.inflight)))
+        try:
+            assert m.lane.write(offset, data, reply)  # taken: the replicas had it before the pwrite failed
+            await until(lambda: bool(got))
+        finally:
+            m.lane.file.fd = local.fd
+            os.close(read_only)
+        ((exc, state, missed, joined),) = got
+        assert state != IN_SYNC and missed and not joined
+        if replica_fails:
+            assert isinstance(exc, ReplicationError) and exc.status == Status.WRITE_FAULT
+        else:
+            assert isinstance(exc, OSError) and not isinstance(exc, ReplicationError) and exc.errno == errno.EBADF
+        assert sent == [offset]  # sent before the local write failed (a resync may overwrite it since)
+        assert m.lane.served == 0 and m.lane.declined == 0
         await m.stop()
     run(main())
 
