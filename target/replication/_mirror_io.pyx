@@ -33,7 +33,7 @@ which decides: FUA (to every copy), a bit to set, a replica away or resyncing, a
 closed local copy. A replica that fails a write this lane sent ends in
 :meth:`ReplicatedBackend.fast_write_failed` (the reference's ``_lost``, the new generation,
 ``min_in_sync``); a local ``pwrite`` that fails, the replicas having the write already, is
-the reference's ``_local_failed`` (every replica misses the regions and resyncs them from this
+the reference's ``local_failed`` (every replica misses the regions and resyncs them from this
 copy) and the host gets the device's error (``OSError``, its errno: Capacity Exceeded for
 ENOSPC, else Write Fault, ``Controller.write_error``) once the replicas answered; either goes
 to the host through the Python queue. ``tests/replication/test_mirror_fast.py`` holds the two
@@ -150,7 +150,7 @@ cdef class MirrorLane:
                 err = c_errno.errno or c_errno.EIO  # (a pwrite that wrote nothing and set no errno: EIO)
         if done != length:  # ReplicatedBackend._write_local's end: the replicas resync these regions
             w.local_error = OSError(err, os.strerror(err))
-            m._local_failed(regions)
+            m.local_failed(regions)
         w._one_done()
         return True
 

@@ -381,18 +381,18 @@ class ReplicatedBackend(BackendFilter):
         try:  # not through _local: a coroutine less on every host write
             await self.inner.write(offset, data, fua)
         except OSError:
-            self._local_failed(regions)
+            self.local_failed(regions)
             raise
 
     async def _local(self, op: Awaitable[None], regions: range) -> None:
-        """This copy's part of a command that changes ``regions`` (see :meth:`_local_failed`)."""
+        """This copy's part of a command that changes ``regions`` (see :meth:`local_failed`)."""
         try:
             await op
         except OSError:
-            self._local_failed(regions)
+            self.local_failed(regions)
             raise
 
-    def _local_failed(self, regions: range) -> None:
+    def local_failed(self, regions: range) -> None:
         """This copy's device refused a change of ``regions`` (full, EIO). The host gets the
         error, but the replicas may have taken the change: every replica misses these regions,
         and one in sync resyncs them from this copy, so that the copies agree again (on this

@@ -25,7 +25,7 @@ The local ``pwrite`` after the sends (2026-12-07, second pass), each break rebui
 
 - the ``pwrite`` moved back before the sends: the send-order test fails (the replicas were
   handed the write when the local copy already held it);
-- ``_local_failed`` not called when the ``pwrite`` fails after the sends: the local-failure
+- ``local_failed`` not called when the ``pwrite`` fails after the sends: the local-failure
   test without a failing replica fails (the replica stays in sync, missing nothing);
 - the ``pwrite``'s error dropped (the write answered as a success): the same test fails (the
   host got None).
