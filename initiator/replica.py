@@ -67,6 +67,11 @@ class RemoteNamespace:
     async def read(self, offset: int, length: int) -> bytes:
         return bytes(await self.ctrl.read_bytes(self.nsid, offset, length))
 
+    async def read_into(self, offset: int, buf: memoryview) -> None:
+        """Read ``len(buf)`` bytes at ``offset`` into ``buf`` (commands of ``max_transfer``
+        bytes, all sent at once over the association's queues)."""
+        await self.ctrl.read_bytes_into(self.nsid, offset, buf)
+
     async def write(self, offset: int, data: bytes | memoryview, fua: bool = False) -> None:
         await self.ctrl.write_bytes(self.nsid, offset, data, fua)
 

@@ -58,11 +58,11 @@ _HOLE_ALIGN = 4096
 """Holes are trimmed to whole 4 KiB blocks, so a Write Zeroes is whole blocks of any replica."""
 
 
-def unit_regions(region_size: int, rate: int) -> int:
-    """Regions per unit: :data:`UNIT` bytes, but at most an eighth of a second's worth of
+def unit_regions(region_size: int, rate: int, most: int = UNIT) -> int:
+    """Regions per unit: ``most`` bytes, but at most an eighth of a second's worth of
     ``rate``, so that a low rate is kept as a steady trickle rather than bursts (one region at
     least)."""
-    return max(1, min(UNIT, rate // 8) // region_size)
+    return max(1, min(most, rate // 8) // region_size)
 
 
 def units(regions: list[int], most: int) -> Iterator[tuple[int, int]]:
