@@ -672,12 +672,6 @@ class ReplicatedBackend(BackendFilter):
         offset = first * self.region_size
         return offset, min(count * self.region_size, self.data_size - offset)
 
-    async def read_local(self, offset: int, length: int) -> bytearray:
-        """This copy's bytes at ``offset`` (a resync's read): see :meth:`read_local_into`."""
-        buf = bytearray(length)
-        await self.read_local_into(offset, memoryview(buf))
-        return buf
-
     async def read_local_into(self, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` with this copy's bytes at ``offset`` (a resync's or a verify's read): a
         failure is :class:`LocalCopyError`, naming the region, since the replica is not to blame."""

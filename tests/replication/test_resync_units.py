@@ -303,3 +303,31 @@ def test_a_blockd_replica_over_a_file_takes_write_zeroes_with_deac(tmp_path: Pat
         run(main())
     finally:
         node.stop()
+
+
+def test_units_finishing_out_of_order_never_share_a_buffer() -> None:
+    """A full sync of 32 units through a replica whose writes take uneven times, so that units
+    finish out of order and hand their buffers on in any order: the replica ends equal to this
+    copy (two units in one buffer would send one's data to the other's place)."""
+    device = 32 << 20
+    local, store = MemoryBackend(device), MemoryBackend(device)
+    local.data[:] = os.urandom(device)
+    local.data[-(1 << 20):] = bytes(1 << 20)  # blank metadata: formatted at open
+    bed = Bed(1, local=local, stores=[store])
+    delays = iter([0.004, 0.0, 0.001, 0.003] * 64)
+
+    class Uneven(FakeReplica):
+        async def write(self, offset: int, data: Any, fua: bool = False) -> None:
+            await asyncio.sleep(next(delays, 0.0))
+            await super().write(offset, bytes(data), fua)  # the bytes as they are when the write lands
+
+    async def open_() -> Uneven:
+        return Uneven(store, "r0")
+    bed.opener = lambda i: open_  # type: ignore[method-assign]
+
+    async def main() -> None:
+        m = await bed.primary(rate=1 << 40)
+        await until(lambda: m.links[0].state == IN_SYNC, timeout=30)
+        assert data_hash(store, m.size) == data_hash(local, m.size)
+        await m.stop()
+    run(main())
