@@ -41,8 +41,10 @@ log = structlog.get_logger("blockd.target.replication")
 UNIT = 8 << 20
 """Most bytes compared as one unit (the resync's :data:`~target.replication.resync.UNIT` is
 smaller: there, deeper queues of large writes slowed the replica down; reads do not)."""
-DEPTH = 2
-"""Units compared at once."""
+DEPTH = 4
+"""Units compared at once (so a verify holds up to 64 MiB of buffers while it runs). Measured
+on loopback, 256 MiB against a blockd replica, alternated, 2 runs each twice: 4 at once
+389-516 MB/s, 2 at once 271-407 MB/s."""
 
 Buffers = list[tuple[bytearray, bytearray]]
 """Pairs of buffers (this copy's, the replica's) of finished units, for the next ones."""
