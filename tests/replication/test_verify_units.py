@@ -5,8 +5,10 @@ unit (its first byte, its middle, its last), in a unit whose buffers were used b
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +19,8 @@ from target.replication.link import IN_SYNC
 from target.replication.mirror import ReplicatedBackend
 from target.replication.verify import verify
 
+from .nodes import NQN, Node, all_in_sync
+from .nodes import REGION as NODE_REGION
 from .test_mirror import REGION, Bed, FakeReplica, run, until
 
 UNITS = 4
@@ -113,3 +117,36 @@ def test_verify_keeps_the_rate_limit_with_large_units() -> None:
         assert max(n for o, n in opened[-1].reads if o < m.size) == (16 << 20) // 8
         await m.stop()
     run(main())
+
+
+def test_verify_through_a_blockd_replica_finds_a_unit_s_last_byte_and_a_reused_unit_s_middle(tmp_path: Path) -> None:
+    """The same over loopback: a `blockd target` primary and replica, the replica's part read
+    by the compiled host lane (8 MiB units cut into commands of the replica's MDTS, into buffers
+    that earlier units used): a byte flipped in the replica's file at the first unit's last
+    byte and in the middle of the fifth unit (which reuses a buffer: four units run at once)."""
+    unit = verify_mod.UNIT
+    device = 6 * unit
+    primary, replica = Node(tmp_path, "p", device), Node(tmp_path, "r", device)
+    with open(primary.file, "wb") as f:  # data before replication: a new replica gets it all
+        f.write(os.urandom(primary.data))
+        f.truncate(device)
+    flips = [unit - 1, 4 * unit + unit // 2]
+    replica.start()
+    primary.start([replica], nqn=NQN, resync_rate="64GiB")
+    try:
+        primary.wait_states(all_in_sync(), timeout=120)
+        fd = os.open(replica.file, os.O_RDWR)
+        try:
+            for at in flips:
+                os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x10]), at)
+        finally:
+            os.close(fd)
+        res = primary.ctl("verify", NQN, "1", "--json")
+        assert res.returncode == 1, res.stdout + res.stderr  # differences found
+        [found] = [r["mismatched"] for r in json.loads(res.stdout)["replicas"]]
+        assert [m["region"] for m in found] == [at // NODE_REGION for at in flips]
+        primary.wait_states(all_in_sync(), timeout=120)
+        assert primary.data_hash() == replica.data_hash()
+    finally:
+        primary.stop()
+        replica.stop()
