@@ -23,9 +23,9 @@ from .nodes import NQN, Node, all_in_sync
 from .nodes import REGION as NODE_REGION
 from .test_mirror import REGION, Bed, FakeReplica, run, until
 
-UNITS = 4
-"""The data area holds a little more than this many of verify's units: with two in flight, the
-third and fourth take the buffers the first two used."""
+UNITS = 2 * verify_mod.DEPTH
+"""The data area holds a little more than this many of verify's units: with DEPTH in flight,
+the later ones take the buffers the first ones used."""
 DEVICE = UNITS * verify_mod.UNIT + (1 << 20)
 
 
@@ -71,17 +71,19 @@ async def in_sync_pair(rate: int = 1 << 40) -> tuple[ReplicatedBackend, MemoryBa
 
 @pytest.mark.parametrize("where", ["first byte", "middle", "last byte"])
 def test_verify_finds_one_byte_anywhere_in_a_large_unit(where: str) -> None:
-    """The byte differs in the fourth unit (whose buffers the second unit filled before) and in
-    the first; a compare of a unit's head only, of a shorter range, or of stale buffers misses one."""
+    """The byte differs in the first unit and in the last whole one (whose buffers an earlier
+    unit filled before); a compare of a unit's head only, of a shorter range, or of stale
+    buffers misses one."""
     unit = verify_mod.UNIT
     at = {"first byte": 0, "middle": unit // 2 + 3, "last byte": unit - 1}[where]
 
     async def main() -> None:
         m, store, _ = await in_sync_pair()
-        for byte in (at, 3 * unit + at):
+        last = (UNITS - 1) * unit + at
+        for byte in (at, last):
             store.data[byte] ^= 0x01
         report = await verify(m, m.links[0])
-        assert [x["region"] for x in report["mismatched"]] == [at // REGION, (3 * unit + at) // REGION]
+        assert [x["region"] for x in report["mismatched"]] == [at // REGION, last // REGION]
         await until(lambda: m.links[0].state == IN_SYNC and not m.links[0].missing)
         assert (await verify(m, m.links[0]))["mismatched"] == []  # mended by the resync
         await m.stop()
