@@ -418,8 +418,13 @@ class Controller(Association):
     async def read_bytes(self, nsid: int, offset: int, length: int) -> bytearray:
         """Read a block-aligned byte range of any size."""
         buf = bytearray(length)
-        await self._wait(functools.partial(self.transfer, False, nsid, offset, memoryview(buf)))
+        await self.read_bytes_into(nsid, offset, memoryview(buf))
         return buf
+
+    async def read_bytes_into(self, nsid: int, offset: int, buf: memoryview) -> None:
+        """Read a block-aligned byte range of any size into ``buf``: a caller that reads much
+        (a replica's verify) reuses its buffers instead of zero-filling new ones."""
+        await self._wait(functools.partial(self.transfer, False, nsid, offset, buf))
 
     async def write_bytes(self, nsid: int, offset: int, data: bytes | memoryview, fua: bool = False) -> None:
         await self._wait(functools.partial(self.transfer, True, nsid, offset, memoryview(data), fua=fua))

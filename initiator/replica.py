@@ -18,6 +18,9 @@ from __future__ import annotations
 from initiator.controller import Controller, IoDone
 from initiator.errors import NvmeError
 from initiator.params import ConnectParams
+from protocol.commands import identify_command
+from protocol.constants import DLFEAT_DEAC, DLFEAT_READ_MASK, DLFEAT_READS_ZEROES, ONCS_WRITE_ZEROES, Cns
+from protocol.identify import IDENTIFY_NAMESPACE, IDENTIFY_SIZE
 
 REPLICA_QUEUES = 2
 """I/O queues per replica association: the controller packs commands onto the first queue
@@ -35,14 +38,20 @@ STALE_MARGIN = 1.0
 class RemoteNamespace:
     """Namespace ``nsid`` of a live :class:`Controller`, addressed in bytes."""
 
-    def __init__(self, ctrl: Controller, nsid: int) -> None:
+    def __init__(self, ctrl: Controller, nsid: int, dlfeat: int = 0) -> None:
+        """``dlfeat``: the namespace's Identify DLFEAT (what :meth:`write_zeroes` may ask)."""
         self.ctrl = ctrl
         self.nsid = nsid
         self.size = ctrl.namespace(nsid).size
         """Bytes of the whole namespace (the replica's metadata included)."""
         self.name = f"{ctrl.params.transport}://{ctrl.params.traddr}:{ctrl.params.trsvcid}/{ctrl.params.subnqn}/{nsid}"
-        self.zeroes_supported = True
-        """Write Zeroes works on this replica (see :meth:`write_zeroes`)."""
+        self.zeroes_supported = bool(ctrl.identity.oncs & ONCS_WRITE_ZEROES)
+        """Write Zeroes works on this replica (Identify ONCS bit 3, until it refuses one: see
+        :meth:`write_zeroes`)."""
+        self.deallocate = dlfeat & DLFEAT_READ_MASK == DLFEAT_READS_ZEROES and bool(dlfeat & DLFEAT_DEAC)
+        """Write Zeroes goes with DEAC: the replica may deallocate the range (a thin replica
+        can stay thin) and it still reads as zeroes (DLFEAT 001b, bit 3), as the Linux host
+        decides for REQ_OP_WRITE_ZEROES (``nvme_update_ns_info_block``)."""
         self.stale_for = 2 * ctrl.params.keep_alive_tmo + STALE_MARGIN
         """How long a command this side gave up on may still run at the replica: a target tears
         an association down between one and two KATO after the last command it received (nvmet's
@@ -67,6 +76,11 @@ class RemoteNamespace:
     async def read(self, offset: int, length: int) -> bytes:
         return bytes(await self.ctrl.read_bytes(self.nsid, offset, length))
 
+    async def read_into(self, offset: int, buf: memoryview) -> None:
+        """Read ``len(buf)`` bytes at ``offset`` into ``buf`` (commands of ``max_transfer``
+        bytes, all sent at once over the association's queues)."""
+        await self.ctrl.read_bytes_into(self.nsid, offset, buf)
+
     async def write(self, offset: int, data: bytes | memoryview, fua: bool = False) -> None:
         await self.ctrl.write_bytes(self.nsid, offset, data, fua)
 
@@ -74,16 +88,21 @@ class RemoteNamespace:
         await self.ctrl.flush(self.nsid)
 
     async def write_zeroes(self, offset: int, length: int) -> None:
-        """Zero a block-aligned range (one Write Zeroes per 65536 blocks, the field's limit). A
-        replica that refuses Write Zeroes gets writes of zeroes instead, from then on: nvmet
-        answers ONCS Not Supported (SCT 1, SC 0x83) when its file system cannot zero a range
-        (a file on tmpfs: no ``FALLOC_FL_ZERO_RANGE``)."""
+        """Zero a block-aligned range (a resync's hole): one Write Zeroes per 65536 blocks (the
+        field's limit), with DEAC where the replica says a deallocated block reads as zeroes
+        (:attr:`deallocate`); writes of zeroes where it has no Write Zeroes, or refuses one,
+        from then on: nvmet answers ONCS Not Supported (SCT 1, SC 0x83) when its file system
+        cannot zero a range (a file on tmpfs: no ``FALLOC_FL_ZERO_RANGE``).
+
+        Never a Dataset Management deallocate, even with DLFEAT 001b: that command is advisory
+        (the controller may deallocate the ranges, or do nothing and keep the old data), while
+        after a Write Zeroes, DEAC or not, the range reads as zeroes."""
         bs = self.block_size
         slba, blocks = offset // bs, length // bs
         while blocks and self.zeroes_supported:
             n = min(blocks, 1 << 16)
             try:
-                await self.ctrl.write_zeroes(self.nsid, slba, n)
+                await self.ctrl.write_zeroes(self.nsid, slba, n, self.deallocate)
             except NvmeError:  # it answered, and refused: not a lost connection
                 self.zeroes_supported = False
                 break
@@ -113,5 +132,11 @@ async def open_remote(transport: str, address: str, port: int, nqn: str, nsid: i
     if nsid not in ctrl.namespaces:
         await ctrl.close()
         raise ValueError(f"{nqn} at {address}:{port} has no namespace {nsid}")
-    return RemoteNamespace(ctrl, nsid)
+    identify = bytearray(IDENTIFY_SIZE)
+    try:
+        await ctrl.admin_command(identify_command(Cns.NAMESPACE, nsid), data_in=memoryview(identify))
+    except BaseException:
+        await ctrl.close()
+        raise
+    return RemoteNamespace(ctrl, nsid, IDENTIFY_NAMESPACE.parse(identify).dlfeat)
 

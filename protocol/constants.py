@@ -203,6 +203,11 @@ CSTS_SHST_COMPLETE = 2 << 2
 FLBAS_FORMAT_MASK = 0x0F
 """FLBAS bits 3:0: the index of the LBA format in use."""
 NSATTR_WRITE_PROTECTED = 1 << 0
+DLFEAT_READ_MASK = 0x07
+"""DLFEAT bits 2:0: what a deallocated block reads as (001b: all zeroes)."""
+DLFEAT_READS_ZEROES = 0x01
+DLFEAT_DEAC = 1 << 3
+"""DLFEAT bit 3: the namespace honours Write Zeroes' Deallocate bit (DEAC)."""
 
 AEN_DW0_MASK = 0x00FFFF07
 """The bits of an Asynchronous Event Request completion's DW0 that say what happened: event

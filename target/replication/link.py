@@ -68,6 +68,9 @@ class ReplicaIO(BlockIO, Protocol):
 
     async def write_zeroes(self, offset: int, length: int) -> None: ...
 
+    async def read_into(self, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with the bytes at ``offset`` (a verify reuses its buffers)."""
+
     async def close(self) -> None: ...
 
 

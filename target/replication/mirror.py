@@ -675,16 +675,14 @@ class ReplicatedBackend(BackendFilter):
         offset = first * self.region_size
         return offset, min(count * self.region_size, self.data_size - offset)
 
-    async def read_local(self, offset: int, length: int) -> bytearray:
-        """This copy's bytes at ``offset`` (a resync's or a verify's read): a failure is
-        :class:`LocalCopyError`, naming the region, since the replica is not to blame."""
-        buf = bytearray(length)
+    async def read_local_into(self, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with this copy's bytes at ``offset`` (a resync's or a verify's read): a
+        failure is :class:`LocalCopyError`, naming the region, since the replica is not to blame."""
         try:
-            await self.inner.read_into(offset, memoryview(buf))
+            await self.inner.read_into(offset, buf)
         except OSError as exc:
             raise LocalCopyError(exc.errno, f"this copy's device cannot read region {offset >> self._shift} "
-                                            f"(offset {offset}, {length} bytes): {exc.strerror or exc}") from exc
-        return buf
+                                            f"(offset {offset}, {len(buf)} bytes): {exc.strerror or exc}") from exc
 
     def resync_done(self, link: ReplicaLink) -> None:
         """Called by the resync once ``link`` misses nothing and holds this copy's generation."""

@@ -14,7 +14,10 @@ On loopback, a primary `blockd target` and one replica `blockd target` (tests/re
   replica back; MB/s of the dirty bytes, against ``cp`` MB/s of the full run;
 * **verify**: ``blockctl target verify`` of the in-sync pair, MB/s of the data area (its time from
   the primary's log: ``verify done ... seconds``), against
-  reading both files one after the other (``cat a b > /dev/null``; the same bytes a verify reads).
+  reading both files one after the other (``cat a b > /dev/null``; the same bytes a verify reads),
+  and against reading them the way a verify must, right after it: the primary's file with ``cat``,
+  then the replica's data area over NVMe/TCP with this tree's host library, 8 MiB at a time, two
+  at once (:func:`fabric_read`; the transport's share of the verify's time, with no compare).
 
 Each round runs the blockd figures and the tools' on fresh files; with ``--before DIR`` (another
 tree's ``.venv/bin``, e.g. main's) that tree's blockd is measured in the same rounds too, the order
@@ -41,8 +44,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from blockd.config import parse_size  # noqa: E402
+from initiator.replica import open_remote  # noqa: E402
 from tests.replication import nodes  # noqa: E402
-from tests.replication.nodes import NQN, Node, all_in_sync, connect  # noqa: E402
+from tests.replication.nodes import NQN, RNQN, Node, all_in_sync, connect  # noqa: E402
 
 CHUNK = 1 << 20
 
@@ -103,6 +107,26 @@ async def dirty(primary: Node, every: int) -> int:
     return n
 
 
+async def fabric_read(node: Node, length: int) -> float:
+    """Seconds to read ``length`` bytes of ``node``'s namespace over NVMe/TCP with the host
+    library, in 8 MiB reads two at once (as a verify reads a replica)."""
+    ns = await open_remote("tcp", "127.0.0.1", node.port, RNQN, 1, None, 30.0)
+    unit = 8 << 20
+    free: asyncio.Queue[bytearray] = asyncio.Queue()
+    for _ in range(2):
+        free.put_nowait(bytearray(unit))
+
+    async def one(off: int, buf: bytearray) -> None:
+        await ns.read_into(off, memoryview(buf)[:min(unit, length - off)])
+        free.put_nowait(buf)
+    t = time.perf_counter()
+    reads = [asyncio.ensure_future(one(off, await free.get())) for off in range(0, length, unit)]
+    await asyncio.gather(*reads)
+    seconds = time.perf_counter() - t
+    await ns.close()
+    return seconds
+
+
 def ratio_line(name: str, runs: list[float], peers: list[float], peer: str) -> str:
     ratios = [r / p for r, p in zip(runs, peers)]
     return (f"| {name} | {' / '.join(f'{r:.0f}' for r in runs)} | {peer} {' / '.join(f'{p:.0f}' for p in peers)} | "
@@ -130,6 +154,8 @@ def replicated(base: Path, size: int) -> dict[str, float]:
         res = primary.ctl("verify", NQN, "1")
         assert res.returncode == 0, res.stdout + res.stderr
         out["verify"] = primary.data / 1e6 / logged_seconds(primary, seen)
+        out["fabric read both"] = primary.data / 1e6 / (timed(f"cat {primary.file} > /dev/null")
+                                                        + asyncio.run(fabric_read(replica, primary.data)))
     finally:
         primary.stop()
         replica.stop()
@@ -168,6 +194,8 @@ def peers(base: Path, size: int) -> dict[str, float]:
 ROWS = (("full sync", "full", "cp+sync", "cp"), ("full sync", "full", "dd", "dd"),
         ("sparse full sync", "sparse", "cp+sync", "cp sparse"), ("bitmap resync", "bitmap", "cp+sync", "cp"),
         ("verify", "verify", "reading both", "read both"))
+OWN_PEERS = (("verify", "verify", "cat + replica over NVMe/TCP", "fabric read both"),)
+"""Rows whose peer is measured in the tree's own pass (right after its verify), not the tools'."""
 
 
 def main() -> None:
@@ -203,6 +231,9 @@ def main() -> None:
     for name in trees:
         for label, key, peer_label, peer_key in ROWS:
             print(f"| {name} " + ratio_line(label, [r[key] for r in got[name]], [t[peer_key] for t in tools], peer_label))
+        for label, key, peer_label, peer_key in OWN_PEERS:
+            print(f"| {name} " + ratio_line(label, [r[key] for r in got[name]], [r[peer_key] for r in got[name]],
+                                            peer_label))
 
 
 if __name__ == "__main__":

@@ -66,6 +66,10 @@ class FakeReplica:
         await self.store.read_into(offset, memoryview(buf))
         return bytes(buf)
 
+    async def read_into(self, offset: int, buf: memoryview) -> None:
+        self._check()
+        await self.store.read_into(offset, buf)
+
     async def write(self, offset: int, data: Any, fua: bool = False) -> None:
         self._check()
         await asyncio.sleep(0)

@@ -8,11 +8,16 @@ import asyncio
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from blockd.iostats import KINDS
 from initiator.controller import ConnectParams
 from initiator.errors import NvmeError
-from initiator.replica import RemoteNamespace
+from initiator.replica import RemoteNamespace, open_remote
+from protocol.constants import ONCS_DSM, ONCS_WRITE_ZEROES
 from protocol.replication import layout
 from target.backend import FileBackend, MemoryBackend
 from target.replication import resync
@@ -198,11 +203,12 @@ def test_a_replica_that_refuses_write_zeroes_gets_zeroes_written() -> None:
             self.zeroes: list[tuple[int, int]] = []
             self.writes: list[tuple[int, int]] = []
             self.store = bytearray(b"\x55" * (8 << 20))
+            self.identity = SimpleNamespace(oncs=ONCS_WRITE_ZEROES)
 
         def namespace(self, nsid: int) -> Any:
             return type("Ns", (), {"size": len(self.store), "block_size": 4096})()
 
-        async def write_zeroes(self, nsid: int, slba: int, nblocks: int) -> None:
+        async def write_zeroes(self, nsid: int, slba: int, nblocks: int, deallocate: bool = False) -> None:
             self.zeroes.append((slba, nblocks))
             raise NvmeError(0x183 | 0x4000, "write_zeroes on namespace 1")
 
@@ -219,4 +225,109 @@ def test_a_replica_that_refuses_write_zeroes_gets_zeroes_written() -> None:
         assert sum(n for _, n in ctrl.writes) == (3 << 20) - 4096 + 8192
         assert ctrl.store[4096:3 << 20] == bytes((3 << 20) - 4096) and ctrl.store[:4096] == b"\x55" * 4096
         assert ctrl.store[5 << 20:(5 << 20) + 8192] == bytes(8192)
+    run(main())
+
+
+class ZeroingCtrl:
+    """A replica controller's side of a hole: Identify ONCS as given, and every command that
+    changes data recorded (Write Zeroes with its DEAC, writes, Dataset Management)."""
+
+    def __init__(self, oncs: int) -> None:
+        self.params = ConnectParams(traddr="127.0.0.1", subnqn="nqn.2026-11.io.blockd:c")
+        self.identity = SimpleNamespace(oncs=oncs)
+        self.sent: list[tuple[str, int, int, bool]] = []
+        self.store = bytearray(b"\x55" * (4 << 20))
+
+    def namespace(self, nsid: int) -> Any:
+        return SimpleNamespace(size=len(self.store), block_size=4096)
+
+    async def write_zeroes(self, nsid: int, slba: int, nblocks: int, deallocate: bool = False) -> None:
+        self.sent.append(("write zeroes", slba, nblocks, deallocate))
+        self.store[slba * 4096:(slba + nblocks) * 4096] = bytes(nblocks * 4096)
+
+    async def deallocate(self, nsid: int, ranges: list[tuple[int, int]]) -> None:
+        self.sent.append(("deallocate", ranges[0][0], ranges[0][1], True))
+
+    async def write_bytes(self, nsid: int, offset: int, data: Any, fua: bool = False) -> None:
+        self.sent.append(("write", offset // 4096, len(data) // 4096, False))
+        self.store[offset:offset + len(data)] = data
+
+
+@pytest.mark.parametrize("oncs, dlfeat, sent", [
+    # deallocated blocks read as zeroes and DEAC honoured: Write Zeroes with DEAC (a thin replica stays thin)
+    (ONCS_WRITE_ZEROES | ONCS_DSM, 0x09, "write zeroes+deac"),
+    # reads as zeroes but DEAC not honoured (bit 3 clear), or deallocated blocks read as FFh: no DEAC
+    (ONCS_WRITE_ZEROES | ONCS_DSM, 0x01, "write zeroes"),
+    (ONCS_WRITE_ZEROES | ONCS_DSM, 0x0A, "write zeroes"),
+    # nvmet's file namespace: ONCS DSM and Write Zeroes, DLFEAT 0
+    (ONCS_WRITE_ZEROES | ONCS_DSM, 0x00, "write zeroes"),
+    # no Write Zeroes: writes of zeroes, never the advisory Dataset Management (it may do nothing)
+    (ONCS_DSM, 0x09, "write"),
+    (0, 0x00, "write"),
+])
+def test_a_hole_is_zeroed_as_the_replica_says_it_can(oncs: int, dlfeat: int, sent: str) -> None:
+    async def main() -> None:
+        ctrl = ZeroingCtrl(oncs)
+        ns = RemoteNamespace(ctrl, 1, dlfeat)  # type: ignore[arg-type]
+        await ns.write_zeroes(1 << 20, 2 << 20)
+        kinds = {kind + ("+deac" if deac and kind == "write zeroes" else "") for kind, *_, deac in ctrl.sent}
+        assert kinds == {sent}, ctrl.sent
+        assert sum(n for _, _, n, _ in ctrl.sent) == (2 << 20) // 4096  # the hole, once
+        assert ctrl.store[1 << 20:3 << 20] == bytes(2 << 20)
+        assert ctrl.store[:1 << 20] == ctrl.store[3 << 20:] == b"\x55" * (1 << 20)
+    run(main())
+
+
+def test_a_blockd_replica_over_a_file_takes_write_zeroes_with_deac(tmp_path: Path) -> None:
+    """blockd's target reports DLFEAT 0x09 for a file (its deallocate punches a hole, which
+    reads as zeroes): the replica connection reads that from Identify Namespace and zeroes a
+    hole with DEAC, and the range reads back as zeroes."""
+    from .nodes import RNQN, Node
+    node = Node(tmp_path, "r", 8 << 20)
+    with open(node.file, "wb") as f:
+        f.write(b"\x77" * (8 << 20))
+    node.start()
+
+    async def main() -> None:
+        ns = await open_remote("tcp", "127.0.0.1", node.port, RNQN, 1, None, 5.0)
+        try:
+            assert ns.zeroes_supported and ns.deallocate
+            await ns.write_zeroes(1 << 20, 1 << 20)
+            counted = ns.ctrl.counters
+            assert counted.ops[KINDS.index("other")] == 1 and counted.ops[KINDS.index("write")] == 0  # no data sent
+            assert await ns.read(1 << 20, 1 << 20) == bytes(1 << 20)
+            assert await ns.read((1 << 20) - 4096, 4096) == b"\x77" * 4096
+        finally:
+            await ns.close()
+    try:
+        run(main())
+    finally:
+        node.stop()
+
+
+def test_units_finishing_out_of_order_never_share_a_buffer() -> None:
+    """A full sync of 32 units through a replica whose writes take uneven times, so that units
+    finish out of order and hand their buffers on in any order: the replica ends equal to this
+    copy (two units in one buffer would send one's data to the other's place)."""
+    device = 32 << 20
+    local, store = MemoryBackend(device), MemoryBackend(device)
+    local.data[:] = os.urandom(device)
+    local.data[-(1 << 20):] = bytes(1 << 20)  # blank metadata: formatted at open
+    bed = Bed(1, local=local, stores=[store])
+    delays = iter([0.004, 0.0, 0.001, 0.003] * 64)
+
+    class Uneven(FakeReplica):
+        async def write(self, offset: int, data: Any, fua: bool = False) -> None:
+            await asyncio.sleep(next(delays, 0.0))
+            await super().write(offset, bytes(data), fua)  # the bytes as they are when the write lands
+
+    async def open_() -> Uneven:
+        return Uneven(store, "r0")
+    bed.opener = lambda i: open_  # type: ignore[method-assign]
+
+    async def main() -> None:
+        m = await bed.primary(rate=1 << 40)
+        await until(lambda: m.links[0].state == IN_SYNC, timeout=30)
+        assert data_hash(store, m.size) == data_hash(local, m.size)
+        await m.stop()
     run(main())

@@ -120,6 +120,9 @@ class TickedReplica:
     async def read(self, offset: int, length: int) -> bytes:
         return await self._call(self.inner.read, offset, length)
 
+    async def read_into(self, offset: int, buf: memoryview) -> None:
+        await self._call(self.inner.read_into, offset, buf)
+
     async def write(self, offset: int, data: Any, fua: bool = False) -> None:
         await self._call(self.inner.write, offset, data, fua)
 
