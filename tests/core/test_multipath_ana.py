@@ -152,6 +152,43 @@ def test_commands_in_flight_at_a_change_make_one_retry(tmp_path: Path) -> None:
     run(main())
 
 
+class HeldOnA:
+    """A and B both optimized (numa: commands go to A); A's commands then held on the host
+    (``sent``: each one's ``done``, for the test to answer) and A's ANA log reads held until
+    ``release`` (``reading`` set when one starts): to time the answers against the read."""
+
+    def __init__(self, pair: Pair, mp: MultipathController) -> None:
+        self.pair, self.mp, self.a = pair, mp, mp.paths[0]
+        self.sent: list[Any] = []
+        self.reading = asyncio.Event()
+        self.release = asyncio.Event()
+        self.reads = 0
+        """A's log reads before the hold."""
+        self._real = self.a.submit_io, self.a.get_log_page
+
+    async def start(self, writes: int) -> list[asyncio.Task[None]]:
+        """Hold A, then send ``writes`` writes (blocks 0..writes-1), all held on A."""
+        await self.pair.b.op_ana_set("optimized")
+        await until(lambda: self.mp.describe_paths()[1]["ana"] == {"1": "optimized"})
+        self.reads = self.mp.ana_reads[self.a]
+        self.a.submit_io, self.a.get_log_page = self._held_submit, self._slow_log  # type: ignore[method-assign]
+        tasks = [asyncio.create_task(self.mp.write(1, i, bytes([i]) * BS)) for i in range(writes)]
+        await until(lambda: len(self.sent) == writes)
+        return tasks
+
+    def _held_submit(self, sqe: Any, data_out: Any, data_in: Any, done: Any) -> None:
+        self.sent.append(done)
+
+    async def _slow_log(self, *args: Any, **kw: Any) -> bytes:
+        self.reading.set()
+        await self.release.wait()
+        return await self._real[1](*args, **kw)
+
+    def restore(self) -> None:
+        self.a.submit_io, self.a.get_log_page = self._real  # type: ignore[method-assign]
+        self.release.set()
+
+
 def test_statuses_that_come_back_while_the_events_read_is_under_way_stay_off_the_path(tmp_path: Path) -> None:
     """Eight writes sent on A (held on the host) are in flight when A's group turns inaccessible;
     A's event comes first and its log read is under way (held) when they come back 0x302. Not
@@ -163,40 +200,21 @@ def test_statuses_that_come_back_while_the_events_read_is_under_way_stay_off_the
     async def main() -> None:
         await pair.start()
         mp = await pair.connect()
-        a = mp.paths[0]
-        sent: list[Any] = []
-        reading = asyncio.Event()
-        release = asyncio.Event()
-        real_submit, real_log = a.submit_io, a.get_log_page
-
-        def held_submit(sqe: Any, data_out: Any, data_in: Any, done: Any) -> None:
-            sent.append(done)
-
-        async def slow_log(*args: Any, **kw: Any) -> bytes:
-            reading.set()
-            await release.wait()
-            return await real_log(*args, **kw)
-
+        held = HeldOnA(pair, mp)
         try:
-            await pair.b.op_ana_set("optimized")
-            await until(lambda: mp.describe_paths()[1]["ana"] == {"1": "optimized"})
-            reads = mp.ana_reads[a]
-            a.submit_io, a.get_log_page = held_submit, slow_log  # type: ignore[method-assign]
-            writes = [asyncio.create_task(mp.write(1, i, bytes([i]) * BS)) for i in range(8)]
-            await until(lambda: len(sent) == 8)
+            writes = await held.start(8)
             await pair.a.op_ana_set("inaccessible")  # its event starts the read
-            await asyncio.wait_for(reading.wait(), 5)
-            for done in sent[:8]:
+            await asyncio.wait_for(held.reading.wait(), 5)
+            for done in held.sent[:8]:
                 done(NvmeError(Status.ANA_INACCESSIBLE, "write"))
-            await until(lambda: pair.writes(pair.b) == 8 or len(sent) > 8)
-            assert len(sent) == 8, f"{len(sent) - 8} command(s) sent to A again while its log was read"
-            release.set()
+            await until(lambda: pair.writes(pair.b) == 8 or len(held.sent) > 8)
+            assert len(held.sent) == 8, f"{len(held.sent) - 8} command(s) sent to A again while its log was read"
+            held.release.set()
             await asyncio.wait_for(asyncio.gather(*writes), 10)
             await until(lambda: mp.describe_paths()[0]["ana"] == {"1": "inaccessible"})
-            assert (mp.ana_reads[a], mp.ana_retries, mp.ana_requeued) == (reads + 1, 0, 8)
+            assert (mp.ana_reads[held.a], mp.ana_retries, mp.ana_requeued) == (held.reads + 1, 0, 8)
         finally:
-            a.submit_io, a.get_log_page = real_submit, real_log  # type: ignore[method-assign]
-            release.set()
+            held.restore()
             await mp.close()
             await pair.stop()
     run(main())
@@ -212,38 +230,19 @@ def test_statuses_that_come_back_during_the_read_ask_for_none(tmp_path: Path) ->
     async def main() -> None:
         await pair.start()
         mp = await pair.connect()
-        a = mp.paths[0]
-        sent: list[Any] = []
-        reading = asyncio.Event()
-        release = asyncio.Event()
-        real_submit, real_log = a.submit_io, a.get_log_page
-
-        def held_submit(sqe: Any, data_out: Any, data_in: Any, done: Any) -> None:
-            sent.append(done)
-
-        async def slow_log(*args: Any, **kw: Any) -> bytes:
-            reading.set()
-            await release.wait()
-            return await real_log(*args, **kw)
-
+        held = HeldOnA(pair, mp)
         try:
-            await pair.b.op_ana_set("optimized")
-            await until(lambda: mp.describe_paths()[1]["ana"] == {"1": "optimized"})
-            reads = mp.ana_reads[a]
-            a.submit_io, a.get_log_page = held_submit, slow_log  # type: ignore[method-assign]
-            writes = [asyncio.create_task(mp.write(1, i, bytes([i]) * BS)) for i in range(8)]
-            await until(lambda: len(sent) == 8)
-            sent[0](NvmeError(Status.ANA_INACCESSIBLE, "write"))
-            await asyncio.wait_for(reading.wait(), 5)  # the read is under way
-            for done in sent[1:]:
+            writes = await held.start(8)
+            held.sent[0](NvmeError(Status.ANA_INACCESSIBLE, "write"))
+            await asyncio.wait_for(held.reading.wait(), 5)  # the read is under way
+            for done in held.sent[1:]:
                 done(NvmeError(Status.ANA_INACCESSIBLE, "write"))
-            release.set()
+            held.release.set()
             await asyncio.wait_for(asyncio.gather(*writes), 10)
-            assert (mp.ana_reads[a], mp.ana_retries, mp.ana_requeued) == (reads + 1, 1, 7)
-            assert pair.writes(pair.b) == 8 and len(sent) == 8
+            assert (mp.ana_reads[held.a], mp.ana_retries, mp.ana_requeued) == (held.reads + 1, 1, 7)
+            assert pair.writes(pair.b) == 8 and len(held.sent) == 8
         finally:
-            a.submit_io, a.get_log_page = real_submit, real_log  # type: ignore[method-assign]
-            release.set()
+            held.restore()
             await mp.close()
             await pair.stop()
     run(main())

@@ -23,9 +23,10 @@ SIZE = 16 << 20
 
 
 def target_config(dir: Path, name: str, port: int, backing: Path, state: str, cntlids: tuple[int, int],
-                  peer_port: int | None = None) -> Path:
-    """One target of the pair; with ``peer_port`` its namespace is replicated, the peer's
-    standby subsystem (at that port) its replica, and its own is :data:`STANDBY`."""
+                  peer_port: int | None = None, nqn: str = NQN, size: int = SIZE) -> Path:
+    """One target of the pair (subsystem ``nqn``, namespace 1 of ``size`` bytes on
+    ``backing``); with ``peer_port`` its namespace is replicated, the peer's standby subsystem
+    (at that port) its replica, and its own is :data:`STANDBY`."""
     cfg = dir / f"{name}.toml"
     replicated = "" if peer_port is None else f"""standby_nqn = "{STANDBY}"
 resync_rate = "1GiB"
@@ -49,7 +50,7 @@ port = {port}
 state = "{state}"
 
 [[subsystem]]
-nqn = "{NQN}"
+nqn = "{nqn}"
 serial = "BLOCKDFAILOVER01"
 cntlid_min = {cntlids[0]}
 cntlid_max = {cntlids[1]}
@@ -57,7 +58,7 @@ cntlid_max = {cntlids[1]}
 [[subsystem.namespace]]
 nsid = 1
 path = "{backing}"
-size = {SIZE}
+size = {size}
 {replicated}""")
     return cfg
 
