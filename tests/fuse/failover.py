@@ -13,8 +13,11 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from blockd_stack import NQN, REPO, Stack, free_port, tool, wait_tcp
+
+from initiator.control import ControlClient
 
 STANDBY = "nqn.2026-11.io.blockd:fuse-standby"
 """The standby subsystem of a replicated pair (the same NQN on both targets)."""
@@ -140,10 +143,10 @@ class Pair:
     100-199) on one file, or (``replicated``) each on its own file, a replicated pair; B is
     started by :meth:`start_b`."""
 
-    def __init__(self, tmp_path: Path, replicated: bool = False) -> None:
+    def __init__(self, tmp_path: Path, replicated: bool = False, start_timeout: float = 20.0) -> None:
         self.dir = tmp_path
         self.replicated = replicated
-        self.s = Stack(tmp_path, size=SIZE, ctrl_loss_tmo=30)
+        self.s = Stack(tmp_path, size=SIZE, ctrl_loss_tmo=30, start_timeout=start_timeout)
         self.backing = tmp_path / "vol.img"
         self.backing_b = tmp_path / "b.img" if replicated else self.backing
         """B's file: the same as A's (shared storage), or its own copy."""
@@ -162,7 +165,7 @@ class Pair:
         with open(self.dir / "b.log", "ab") as log:
             self.b = subprocess.Popen([tool("blockd"), "target", "--config", str(self.cfg_b)],
                                       stdout=log, stderr=log, cwd=REPO)
-        wait_tcp(self.port_b, self.b)
+        wait_tcp(self.port_b, self.b, self.s.start_timeout)
 
     def connect(self) -> None:
         self.s.blockctl("connect", "-n", NQN, "--name", "vol", "-l", "30", "-i", "2",
@@ -205,6 +208,21 @@ class Pair:
             for offset, data in writer.acked.items():
                 f.seek(offset)
                 assert f.read(BLOCK) == data
+
+    def replica_ns(self, sock: str) -> dict[str, Any]:
+        """The replicated namespace as A's (``target.sock``) or B's (``b.sock``) target shows it:
+        its role, its replica's state (``blockctl target replicas --json``, asked over the socket:
+        a blockctl process takes seconds to start in the VM bed)."""
+        with ControlClient(str(self.dir / sock), timeout=30, daemon="target") as client:
+            return client.call({"op": "replicas"})["namespaces"][0]
+
+    def wait_replica(self, sock: str, state: str, timeout: float = 60) -> dict[str, Any]:
+        """Wait until the replica of ``sock``'s target (the primary) is in ``state``."""
+        deadline = time.monotonic() + timeout
+        while (ns := self.replica_ns(sock))["replicas"][0]["state"] != state:
+            assert time.monotonic() < deadline, ns
+            time.sleep(0.2)
+        return ns
 
     def target_ctl(self, sock: str, *args: str) -> subprocess.CompletedProcess:
         """``blockctl target`` on A's (``target.sock``) or B's (``b.sock``) control socket."""
