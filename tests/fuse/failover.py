@@ -143,10 +143,11 @@ class Pair:
     100-199) on one file, or (``replicated``) each on its own file, a replicated pair; B is
     started by :meth:`start_b`."""
 
-    def __init__(self, tmp_path: Path, replicated: bool = False, start_timeout: float = 20.0) -> None:
+    def __init__(self, tmp_path: Path, replicated: bool = False, start_timeout: float = 20.0,
+                 ctrl_loss_tmo: float = 30) -> None:
         self.dir = tmp_path
         self.replicated = replicated
-        self.s = Stack(tmp_path, size=SIZE, ctrl_loss_tmo=30, start_timeout=start_timeout)
+        self.s = Stack(tmp_path, size=SIZE, ctrl_loss_tmo=ctrl_loss_tmo, start_timeout=start_timeout)
         self.backing = tmp_path / "vol.img"
         self.backing_b = tmp_path / "b.img" if replicated else self.backing
         """B's file: the same as A's (shared storage), or its own copy."""
@@ -168,7 +169,7 @@ class Pair:
         wait_tcp(self.port_b, self.b, self.s.start_timeout)
 
     def connect(self) -> None:
-        self.s.blockctl("connect", "-n", NQN, "--name", "vol", "-l", "30", "-i", "2",
+        self.s.blockctl("connect", "-n", NQN, "--name", "vol", "-l", str(self.s.ctrl_loss_tmo), "-i", "2",
                         "--path", f"127.0.0.1:{self.s.port}", "--path", f"127.0.0.1:{self.port_b}")
 
     def path_b(self, shown: str) -> str:
@@ -209,12 +210,21 @@ class Pair:
                 f.seek(offset)
                 assert f.read(BLOCK) == data
 
+    def target_call(self, sock: str, request: dict[str, Any]) -> dict[str, Any]:
+        """A request to A's (``target.sock``) or B's (``b.sock``) control socket, as ``blockctl
+        target`` sends it, without its process (which takes seconds to start in the VM bed)."""
+        with ControlClient(str(self.dir / sock), timeout=60, daemon="target") as client:
+            return client.call(request)
+
     def replica_ns(self, sock: str) -> dict[str, Any]:
-        """The replicated namespace as A's (``target.sock``) or B's (``b.sock``) target shows it:
-        its role, its replica's state (``blockctl target replicas --json``, asked over the socket:
-        a blockctl process takes seconds to start in the VM bed)."""
-        with ControlClient(str(self.dir / sock), timeout=30, daemon="target") as client:
-            return client.call({"op": "replicas"})["namespaces"][0]
+        """The replicated namespace as ``sock``'s target shows it: its role, its replica's state
+        (``blockctl target replicas --json``)."""
+        return self.target_call(sock, {"op": "replicas"})["namespaces"][0]
+
+    def ana_set(self, sock: str, state: str) -> None:
+        """Group 1's ANA state on every port of ``sock``'s target, as ``blockctl target ana
+        promote`` (optimized) and ``demote`` (inaccessible) set it."""
+        self.target_call(sock, {"op": "ana-set", "state": state, "group": 1, "port": None, "force": False})
 
     def wait_replica(self, sock: str, state: str, timeout: float = 60) -> dict[str, Any]:
         """Wait until the replica of ``sock``'s target (the primary) is in ``state``."""
