@@ -308,6 +308,41 @@ def test_planned_switch_over_and_back_under_load(tmp_path: Path) -> None:
     run(main())
 
 
+def test_each_demotion_costs_at_most_one_retry_per_path(tmp_path: Path) -> None:
+    """16 writers while A and B swap the primary role eight times (demote the old, promote the
+    new), the old one's event masked on every other swap (the statuses then come first): no
+    write fails; per path, namespace 1's ANA-status retries are at most its demotions (4
+    each), never more than its log reads since the connect; every ANA status answered is a
+    retry or a command requeued with one; every acknowledged write reads back."""
+    pair = Pair(tmp_path)
+
+    async def main() -> None:
+        await pair.start()
+        mp = await pair.connect()
+        try:
+            reads = dict(mp.ana_reads)
+            load = Writers(mp, 16)
+            await load.more(50)
+            for i in range(8):
+                old, new = (pair.a, pair.b) if i % 2 == 0 else (pair.b, pair.a)
+                if i % 4 >= 2:
+                    next(iter(old.target.controllers.values())).ana_event_masked = True
+                await old.op_ana_set("inaccessible")  # demote
+                await new.op_ana_set("optimized")     # promote
+                on_new = pair.writes(new)
+                await until(lambda: pair.writes(new) >= on_new + 50, 20)
+            await load.finish()
+            for path in mp.paths:
+                retries = mp.ana_retries_on[path][1]
+                assert retries <= min(4, mp.ana_reads[path] - reads[path]), (retries, mp.describe())
+            assert mp.ana_retries + mp.ana_requeued == ana_errors(pair.a) + ana_errors(pair.b), mp.describe()
+            await load.verify()
+        finally:
+            await mp.close()
+            await pair.stop()
+    run(main())
+
+
 def test_list_and_metrics_show_each_paths_real_state(tmp_path: Path) -> None:
     """The daemon's list and its metrics: the policy, each path's ANA state, log reads and, per
     namespace, its ANA-status retries and requeued commands; a path that went down shows

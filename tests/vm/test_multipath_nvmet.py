@@ -12,6 +12,13 @@ the host lists and the writes that went through after it, fio stopped when the s
 Each case checks fio's end (no error, no bad block), at most one ANA-status retry per path per
 change, and that every ANA status was a retry or a command requeued with one; the counts are
 printed here.
+
+Measured (2026-12-07, qemu TCG, machine shared with other work): group wall 234.8 s (was
+315.2 s with the nvmet case alone, fio 6,144 writes at 40 IOPS); nvmet case 87.4 s, pair case
+91.1 s. nvmet: fio err=0; ANA statuses 2 (0x303, both at port 1's optimized -> change), 1
+retry on port 1 and 1 command requeued with it, 0 on port 2, 0 path-loss retries. Pair: fio
+err=0; no ANA status reached the host (each change's event came first), 4 path-loss retries
+(the commands in flight at the kill -9), A resynced 8 MiB on its return.
 """
 
 import pytest
