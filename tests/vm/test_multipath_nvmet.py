@@ -19,6 +19,10 @@ Measured (2026-12-07, qemu TCG, machine shared with other work): group wall 234.
 retry on port 1 and 1 command requeued with it, 0 on port 2, 0 path-loss retries. Pair: fio
 err=0; no ANA status reached the host (each change's event came first), 4 path-loss retries
 (the commands in flight at the kill -9), A resynced 8 MiB on its return.
+Break shown for the pair case (the guest test run on loopback outside the VM, BLOCKD_VM=1):
+with a path's states kept and not read again across its reconnect (initiator/multipath.py
+_live_changed), it failed: A listed ('reconnecting', 'optimized') after its kill -9, never
+'unknown'.
 """
 
 import pytest
