@@ -65,10 +65,15 @@ class InitiatorCollector:
 
 
 def _multipath_families(conns: list[tuple[list[str], dict[str, Any]]]) -> Iterator[Metric]:
-    """Per multipath connection its retries, per path its ANA log reads and the ANA state of
-    each namespace there (what ``blockctl list`` shows, ``MultipathController.describe``)."""
-    ana_retries = CounterMetricFamily(f"{PREFIX}_connection_ana_retries", "Commands sent again on another path "
-                                      "after an ANA status (0x301-0x303)", labels=_CONNECTION)
+    """Per multipath connection its path-loss retries, per path its ANA log reads, and per
+    namespace there its ANA state, ANA-status retries and requeued commands (what ``blockctl
+    list`` shows, ``MultipathController.describe``)."""
+    ana_retries = CounterMetricFamily(f"{PREFIX}_path_ana_retries", "ANA-status retries of the namespace on the "
+                                      "path: at most one per ANA transition (0x301-0x303)",
+                                      labels=[*_CONNECTION, "path", "nsid"])
+    ana_requeued = CounterMetricFamily(f"{PREFIX}_path_ana_requeued", "Commands of the namespace requeued after "
+                                       "an ANA status from the path in a transition already retried",
+                                       labels=[*_CONNECTION, "path", "nsid"])
     path_retries = CounterMetricFamily(f"{PREFIX}_connection_path_retries", "Commands sent again on another "
                                        "path after theirs went down or timed out", labels=_CONNECTION)
     reads = CounterMetricFamily(f"{PREFIX}_path_ana_log_reads", "ANA log pages read from the path",
@@ -77,14 +82,15 @@ def _multipath_families(conns: list[tuple[list[str], dict[str, Any]]]) -> Iterat
                               "(unknown: not read since the path connected)",
                               labels=[*_CONNECTION, "path", "nsid", "state"])
     for labels, mp in conns:
-        ana_retries.add_metric(labels, mp["ana_retries"])
         path_retries.add_metric(labels, mp["path_retries"])
         for p in mp["paths"]:
             where = f"{p['traddr']}:{p['trsvcid']}"
             reads.add_metric([*labels, where], p["ana_reads"])
             for nsid, name in p["ana"].items():
                 state.add_metric([*labels, where, nsid, name], 1)
-    yield from (ana_retries, path_retries, reads, state)
+                ana_retries.add_metric([*labels, where, nsid], p["ana_retries"].get(nsid, 0))
+                ana_requeued.add_metric([*labels, where, nsid], p["ana_requeued"].get(nsid, 0))
+    yield from (ana_retries, ana_requeued, path_retries, reads, state)
 
 
 def initiator_metrics_server(daemon: InitiatorDaemon, address: str, port: int) -> MetricsServer:

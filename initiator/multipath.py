@@ -19,11 +19,19 @@ stays the one per-path primitive. As the Linux host's native multipath
   next path, nvme_round_robin_path) and ``queue-depth`` (the path with the fewest commands in
   flight, nvme_queue_depth_path);
 - a command that fails with an ANA status (0x301-0x303) or because its path went down is sent
-  again on another path instead of failing. An ANA status makes the host read that path's log
-  again, once: statuses of commands sent before a read started ask for none (their news is
-  being read), and reads asked for while one is under way make one more after it, as the
-  kernel's ana_work. A command with no usable path waits for one, for at most
-  ``ctrl_loss_tmo`` from its first failure;
+  again on another path instead of failing. ANA statuses are bounded as the kernel's
+  nvme_failover_req bounds them: the first status from a path for a namespace whose state
+  there the host holds as usable is that (namespace, path) transition's one *retry*: the
+  namespace is taken off the path (not used there until its log is read) and one read of the
+  path's log is asked for. Every other command of that namespace that comes back from that
+  path with an ANA status in the same transition -- the path already taken off, or a read
+  started since the command was sent -- is *requeued*: sent on the current route, asking for no
+  read and counting no retry; one sent before a read that is still under way takes the
+  namespace off the path until that read answers, so none goes back to the path it came from
+  on the state the read is replacing. Reads asked for while one is under way make one more
+  after it, as the kernel's ana_work. The retries and the requeued commands are counted per
+  (namespace, path) (:meth:`MultipathController.describe_paths`, the metrics). A command with
+  no usable path waits for one, for at most ``ctrl_loss_tmo`` from its first failure;
 - the ANA change event makes the host read that path's log again;
 - a log that shows a group in the "change" state starts the path's ANATT timer (twice the
   controller's ANATT, as the kernel's nvme_read_ana_log); a path still in transition when it
@@ -129,8 +137,12 @@ class MultipathController:
         self._epoch = {p: 0 for p in paths}
         """Per path, how often it went down or came back (a read across one is not used)."""
         self._anatt: dict[Controller, asyncio.TimerHandle] = {}
-        self.ana_retries = 0
-        """Commands sent again after an ANA status (0x301-0x303)."""
+        self.ana_retries_on: dict[Controller, collections.Counter[int]] = {
+            p: collections.Counter() for p in paths}
+        """Per path, nsid -> ANA-status retries: at most one per transition (module docstring)."""
+        self.ana_requeued_on: dict[Controller, collections.Counter[int]] = {
+            p: collections.Counter() for p in paths}
+        """Per path, nsid -> commands requeued after an ANA status in a transition already retried."""
         self.path_retries = 0
         """Commands sent again after their path went down or timed out."""
         self._waiting: collections.deque[_Attempt] = collections.deque()
@@ -382,22 +394,42 @@ class MultipathController:
         now = time.monotonic()
         if not attempt.deadline:
             attempt.deadline = now + self.ctrl_loss_tmo
-            log.warning("path failed; retrying on another", subnqn=self.params.subnqn, path=_name(path),
-                        nsid=attempt.nsid, error=str(exc))
+            if not ana:  # an ANA status is logged once per transition (_ana_status)
+                log.warning("path failed; retrying on another", subnqn=self.params.subnqn, path=_name(path),
+                            nsid=attempt.nsid, error=str(exc))
         elif now > attempt.deadline:
             return False
         attempt.error = exc
         if ana:
-            self.ana_retries += 1
-            if attempt.seen == self.ana_reads[path]:  # news: no read started since it was sent
-                self._states[path][attempt.nsid] = _UNKNOWN  # not used until its log is read
-                self._tiers.pop(attempt.nsid, None)
-                self._refresh(path)
+            self._ana_status(attempt, path, exc)
         else:  # a path that went down is read again when it is back (_live_changed)
             self.path_retries += 1
             self._tiers.pop(attempt.nsid, None)
         self._dispatch(attempt)
         return True
+
+    def _ana_status(self, attempt: _Attempt, path: Controller, exc: BaseException) -> None:
+        """``attempt`` came back from ``path`` with an ANA status: the (namespace, path)
+        transition's one retry when it is the first news of it, else requeued with it (see the
+        module docstring). Either way ``attempt`` is then sent on the route this leaves."""
+        nsid = attempt.nsid
+        states = self._states[path]
+        read_since = attempt.seen != self.ana_reads[path]  # a read started after it was sent: its news is in it
+        if states.get(nsid) is not _UNKNOWN and not read_since:
+            self.ana_retries_on[path][nsid] += 1
+            log.warning("ANA status; reading the path's log, the namespace's commands go elsewhere",
+                        subnqn=self.params.subnqn, path=_name(path), nsid=nsid, error=str(exc))
+            self._take_off(path, nsid)
+            self._refresh(path)
+            return
+        self.ana_requeued_on[path][nsid] += 1
+        if read_since and path in self._refreshing:  # that read is under way: wait for its answer
+            self._take_off(path, nsid)
+
+    def _take_off(self, path: Controller, nsid: int) -> None:
+        """``nsid`` is not sent on ``path`` until the path's log is read (its state unknown)."""
+        self._states[path][nsid] = _UNKNOWN
+        self._tiers.pop(nsid, None)
 
     def _hold_back(self, attempt: _Attempt) -> None:
         """No usable path for ``attempt`` now: it waits for one (see :meth:`_changed`), or
@@ -501,13 +533,24 @@ class MultipathController:
                  **({"error": self._refused[p]} if p in self._refused else {}),
                  "ana": {str(n): s.name.lower().replace("_", "-") if s is not None else "unknown"
                          for n, s in sorted(self._states[p].items())},
-                 "ana_reads": self.ana_reads[p], "inflight": self._inflight[p]}
+                 "ana_reads": self.ana_reads[p], "inflight": self._inflight[p],
+                 "ana_retries": _by_nsid(self.ana_retries_on[p]), "ana_requeued": _by_nsid(self.ana_requeued_on[p])}
                 for p in self.paths]
+
+    @property
+    def ana_retries(self) -> int:
+        """ANA-status retries, all namespaces and paths (at most one per transition of each)."""
+        return sum(sum(c.values()) for c in self.ana_retries_on.values())
+
+    @property
+    def ana_requeued(self) -> int:
+        """Commands requeued with an ANA-status retry, all namespaces and paths."""
+        return sum(sum(c.values()) for c in self.ana_requeued_on.values())
 
     def describe(self) -> dict[str, Any]:
         """What ``blockctl list`` and the metrics show of the connection beside its paths."""
-        return {"iopolicy": self.iopolicy, "ana_retries": self.ana_retries, "path_retries": self.path_retries,
-                "paths": self.describe_paths()}
+        return {"iopolicy": self.iopolicy, "ana_retries": self.ana_retries, "ana_requeued": self.ana_requeued,
+                "path_retries": self.path_retries, "paths": self.describe_paths()}
 
     async def identify_controller(self) -> Any:
         return await self._any_live().identify_controller()
@@ -573,6 +616,11 @@ def _check_cntlid(subnqn: str, path: Controller, others: list[Controller]) -> No
                         "cntlid_min..cntlid_max (the Linux host refuses the second path)",
                         subnqn=subnqn, cntlid=path.cntlid, paths=[_name(other), _name(path)])
             return
+
+
+def _by_nsid(counts: collections.Counter[int]) -> dict[str, int]:
+    """A per-namespace count as the daemon shows it (JSON keys: nsid as text, in order)."""
+    return {str(n): counts[n] for n in sorted(counts)}
 
 
 def _name(path: Controller) -> str:

@@ -300,8 +300,9 @@ def cmd_list(args: argparse.Namespace) -> int:
             ro = " read-only" if ns["read_only"] else ""
             print(f"  nsid {ns['nsid']}: {ns['size']} bytes, {ns['block_size']}-byte blocks{ro}")
         if c.get("paths"):
-            print(f"  iopolicy {c['iopolicy']}, {c['ana_retries']} command(s) retried after an ANA status, "
-                  f"{c['path_retries']} after a path loss")
+            print(f"  iopolicy {c['iopolicy']}, {c['ana_retries']} ANA-status retry(ies) (at most one per "
+                  f"namespace per path per transition) with {c['ana_requeued']} more command(s) requeued, "
+                  f"{c['path_retries']} command(s) retried after a path loss")
         for p in c.get("paths", []):
             ana = ", ".join(f"nsid {n} {state}" for n, state in p["ana"].items()) or "no ANA state"
             print(f"  path {p['transport']}://{p['traddr']}:{p['trsvcid']} cntlid {p['cntlid']} {p['state']}: {ana}"

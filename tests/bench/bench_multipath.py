@@ -40,6 +40,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "fuse")]
 
 from blockd_stack import free_port, tool, wait_tcp  # noqa: E402
 from docs_section import write_section  # noqa: E402
+from failover import target_config  # noqa: E402
 
 from blockd.dataplane import DATA_PLANE  # noqa: E402
 from initiator.controller import Controller  # noqa: E402
@@ -52,34 +53,6 @@ BS = 4096
 CASES = ("one-path", *IOPOLICIES)
 BEGIN = "<!-- BEGIN bench_multipath.py -->"
 END = "<!-- END bench_multipath.py -->"
-
-
-def target_config(dir: Path, name: str, port: int, backing: Path, cntlids: tuple[int, int]) -> Path:
-    cfg = dir / f"{name}.toml"
-    cfg.write_text(f"""
-[control]
-socket = "{dir / (name + '.sock')}"
-
-[[port]]
-transport = "tcp"
-address = "127.0.0.1"
-port = {port}
-
-[[ana]]
-state = "optimized"
-
-[[subsystem]]
-nqn = "{NQN}"
-serial = "BLOCKDBENCHMP001"
-cntlid_min = {cntlids[0]}
-cntlid_max = {cntlids[1]}
-
-[[subsystem.namespace]]
-nsid = 1
-path = "{backing}"
-size = {SIZE}
-""")
-    return cfg
 
 
 def cpu_of(pid: int) -> float:
@@ -142,7 +115,7 @@ async def main() -> int:
         ports = free_port(), free_port()
         procs = []
         for name, port, cntlids in (("a", ports[0], (1, 99)), ("b", ports[1], (100, 199))):
-            cfg = target_config(d, name, port, backing, cntlids)
+            cfg = target_config(d, name, port, backing, "optimized", cntlids, nqn=NQN, size=SIZE)
             log = open(d / f"{name}.log", "wb")
             procs.append(subprocess.Popen([tool("blockd"), "target", "--config", str(cfg)], stdout=log, stderr=log,
                                           cwd=REPO))

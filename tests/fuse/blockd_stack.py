@@ -42,7 +42,8 @@ class Stack:
     def __init__(self, workdir: str | Path, size: int = 256 << 20, block_size: int = 512,
                  nr_io_queues: int = 4, queue_size: int = 128, ctrl_loss_tmo: float = 20.0,
                  log_level: str = "info", backing: str | Path | None = None,
-                 attr_ttl: float | None = None, metrics: bool = False, pure: bool = False) -> None:
+                 attr_ttl: float | None = None, metrics: bool = False, pure: bool = False,
+                 start_timeout: float = 20.0) -> None:
         self.dir = Path(workdir)
         self.size = size
         self.block_size = block_size
@@ -53,6 +54,8 @@ class Stack:
         self.attr_ttl = attr_ttl
         """Seconds the kernel caches the mount's attributes (None: the daemon's default)."""
         self.pure = pure
+        self.start_timeout = start_timeout
+        """Seconds a daemon may take to listen (the VM bed's TCG guest wants more)."""
         """Both daemons run the pure-Python data plane (BLOCKD_PURE=1), for a side-by-side benchmark."""
         self.port = free_port()
         self.backing = Path(backing) if backing else self.dir / "vol.img"
@@ -112,7 +115,7 @@ block_size = {self.block_size}
         log = open(self.dir / "target.log", "ab")
         self.target = subprocess.Popen([tool("blockd"), "target", "--config", str(cfg)],
                                        stdout=log, stderr=log, cwd=REPO, env=self._env())
-        wait_tcp(self.port, self.target)
+        wait_tcp(self.port, self.target, self.start_timeout)
 
     def stop_target(self, sig: int = signal.SIGKILL) -> None:
         if self.target is not None and self.target.poll() is None:
@@ -132,7 +135,7 @@ block_size = {self.block_size}
             argv += ["--config", str(cfg)]
         self.initiator = subprocess.Popen(argv,
                                           stdout=log, stderr=log, cwd=REPO, env=env)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + self.start_timeout
         while not self.socket.exists():
             if self.initiator.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"initiator did not start:\n{self.log('initiator')}")

@@ -13,8 +13,11 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from blockd_stack import NQN, REPO, Stack, free_port, tool, wait_tcp
+
+from initiator.control import ControlClient
 
 STANDBY = "nqn.2026-11.io.blockd:fuse-standby"
 """The standby subsystem of a replicated pair (the same NQN on both targets)."""
@@ -23,9 +26,10 @@ SIZE = 16 << 20
 
 
 def target_config(dir: Path, name: str, port: int, backing: Path, state: str, cntlids: tuple[int, int],
-                  peer_port: int | None = None) -> Path:
-    """One target of the pair; with ``peer_port`` its namespace is replicated, the peer's
-    standby subsystem (at that port) its replica, and its own is :data:`STANDBY`."""
+                  peer_port: int | None = None, nqn: str = NQN, size: int = SIZE) -> Path:
+    """One target of the pair (subsystem ``nqn``, namespace 1 of ``size`` bytes on
+    ``backing``); with ``peer_port`` its namespace is replicated, the peer's standby subsystem
+    (at that port) its replica, and its own is :data:`STANDBY`."""
     cfg = dir / f"{name}.toml"
     replicated = "" if peer_port is None else f"""standby_nqn = "{STANDBY}"
 resync_rate = "1GiB"
@@ -49,7 +53,7 @@ port = {port}
 state = "{state}"
 
 [[subsystem]]
-nqn = "{NQN}"
+nqn = "{nqn}"
 serial = "BLOCKDFAILOVER01"
 cntlid_min = {cntlids[0]}
 cntlid_max = {cntlids[1]}
@@ -57,7 +61,7 @@ cntlid_max = {cntlids[1]}
 [[subsystem.namespace]]
 nsid = 1
 path = "{backing}"
-size = {SIZE}
+size = {size}
 {replicated}""")
     return cfg
 
@@ -139,10 +143,11 @@ class Pair:
     100-199) on one file, or (``replicated``) each on its own file, a replicated pair; B is
     started by :meth:`start_b`."""
 
-    def __init__(self, tmp_path: Path, replicated: bool = False) -> None:
+    def __init__(self, tmp_path: Path, replicated: bool = False, start_timeout: float = 20.0,
+                 ctrl_loss_tmo: float = 30) -> None:
         self.dir = tmp_path
         self.replicated = replicated
-        self.s = Stack(tmp_path, size=SIZE, ctrl_loss_tmo=30)
+        self.s = Stack(tmp_path, size=SIZE, ctrl_loss_tmo=ctrl_loss_tmo, start_timeout=start_timeout)
         self.backing = tmp_path / "vol.img"
         self.backing_b = tmp_path / "b.img" if replicated else self.backing
         """B's file: the same as A's (shared storage), or its own copy."""
@@ -161,10 +166,10 @@ class Pair:
         with open(self.dir / "b.log", "ab") as log:
             self.b = subprocess.Popen([tool("blockd"), "target", "--config", str(self.cfg_b)],
                                       stdout=log, stderr=log, cwd=REPO)
-        wait_tcp(self.port_b, self.b)
+        wait_tcp(self.port_b, self.b, self.s.start_timeout)
 
     def connect(self) -> None:
-        self.s.blockctl("connect", "-n", NQN, "--name", "vol", "-l", "30", "-i", "2",
+        self.s.blockctl("connect", "-n", NQN, "--name", "vol", "-l", str(self.s.ctrl_loss_tmo), "-i", "2",
                         "--path", f"127.0.0.1:{self.s.port}", "--path", f"127.0.0.1:{self.port_b}")
 
     def path_b(self, shown: str) -> str:
@@ -204,6 +209,30 @@ class Pair:
             for offset, data in writer.acked.items():
                 f.seek(offset)
                 assert f.read(BLOCK) == data
+
+    def target_call(self, sock: str, request: dict[str, Any]) -> dict[str, Any]:
+        """A request to A's (``target.sock``) or B's (``b.sock``) control socket, as ``blockctl
+        target`` sends it, without its process (which takes seconds to start in the VM bed)."""
+        with ControlClient(str(self.dir / sock), timeout=60, daemon="target") as client:
+            return client.call(request)
+
+    def replica_ns(self, sock: str) -> dict[str, Any]:
+        """The replicated namespace as ``sock``'s target shows it: its role, its replica's state
+        (``blockctl target replicas --json``)."""
+        return self.target_call(sock, {"op": "replicas"})["namespaces"][0]
+
+    def ana_set(self, sock: str, state: str) -> None:
+        """Group 1's ANA state on every port of ``sock``'s target, as ``blockctl target ana
+        promote`` (optimized) and ``demote`` (inaccessible) set it."""
+        self.target_call(sock, {"op": "ana-set", "state": state, "group": 1, "port": None, "force": False})
+
+    def wait_replica(self, sock: str, state: str, timeout: float = 60) -> dict[str, Any]:
+        """Wait until the replica of ``sock``'s target (the primary) is in ``state``."""
+        deadline = time.monotonic() + timeout
+        while (ns := self.replica_ns(sock))["replicas"][0]["state"] != state:
+            assert time.monotonic() < deadline, ns
+            time.sleep(0.2)
+        return ns
 
     def target_ctl(self, sock: str, *args: str) -> subprocess.CompletedProcess:
         """``blockctl target`` on A's (``target.sock``) or B's (``b.sock``) control socket."""
