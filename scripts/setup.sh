@@ -18,6 +18,7 @@ APT_PACKAGES=(
   systemd dmsetup
   # the single-node Ceph test bed and the rbd backend (tests/ceph, docs/ceph.md)
   ceph-mon ceph-mgr ceph-osd ceph-common python3-rbd python3-rados
+  rbd-nbd  # tests/bench/bench_rbd_vm.py (krbd is in ceph-common)
 )
 
 missing=()

@@ -2,7 +2,7 @@
 
 ``path`` is ``pool/image`` (as ``rbd map`` writes it); ``[subsystem.namespace.options]`` holds
 ``conf`` (the ceph.conf, default /etc/ceph/ceph.conf), ``client_id`` (default ``admin``),
-``keyring`` and ``failover`` (docs/ceph.md). The namespace's NGUID/UUID/EUI-64 derive from the
+``keyring``, ``failover`` and ``op_timeout`` (docs/ceph.md). The namespace's NGUID/UUID/EUI-64 derive from the
 image's id unless configured, so every gateway exporting the image presents the same ids.
 
 I/O is librbd's ``aio_*`` calls; each completion (on a librbd thread) is handed to the target's
@@ -20,10 +20,13 @@ a plain file has) leaves every command on an RBD namespace to the Python queue. 
 ``bytes``/``bytearray``, so a write from a view is copied once too.
 
 Errors map to NVMe statuses by what they mean for the host: a client the cluster blocklisted
-(``ESHUTDOWN``: another gateway broke our lock) and a write refused because another gateway holds
-the image's exclusive lock (``EROFS``) get ANA Inaccessible (0x302, path-related, no DNR): the
-Linux host retries on another path and reads the ANA log, rather than failing the I/O as a
-medium error. ``ENOSPC`` is Capacity Exceeded and anything else the controller's Write Fault /
+(``ESHUTDOWN``: another gateway broke our lock), a write refused because another gateway holds
+the image's exclusive lock (``EROFS``) and an operation the cluster did not answer within
+``op_timeout`` (``ETIMEDOUT``: this gateway is cut from the cluster, or the cluster is stuck) get
+ANA Inaccessible (0x302, path-related, no DNR): the Linux host retries on another path and reads
+the ANA log, rather than failing the I/O as a medium error. Without the op timeout (librados'
+default) an operation to an unreachable OSD waits for ever, and the host only learns of it when
+its own I/O timeout fires and it resets the whole controller. ``ENOSPC`` is Capacity Exceeded and anything else the controller's Write Fault /
 Unrecovered Read Error, as for a file.
 """
 
@@ -50,9 +53,10 @@ log = structlog.get_logger("blockd.target.rbd")
 
 CONNECT_TIMEOUT = 10
 """Seconds to reach the monitors when a namespace opens."""
-PATH_ERRNOS = frozenset({errno.ESHUTDOWN, errno.EROFS})
-"""librbd errors that say this gateway may no longer write the image (fenced, or another
-gateway holds the lock): the host must go to another path."""
+OP_TIMEOUT = 20
+"""Whole seconds librados gives an OSD or monitor operation before it fails with ``ETIMEDOUT``
+(``rados_osd_op_timeout``, ``rados_mon_op_timeout``): below the Linux host's 30 s I/O timeout,
+so that the host gets a path status and retries elsewhere before it resets the controller."""
 _ID_NAMESPACE = uuid.UUID("5d0f6a52-3c8e-4b7e-9e0a-8f1b2c3d4e5f")
 """The UUIDv5 namespace the image-derived ids are made in."""
 _CLIENT_CONF = {"rbd_cache": "false", "rbd_skip_partial_discard": "false"}
@@ -84,6 +88,9 @@ class RbdOptions:
     owner) before a standby gateway takes it."""
     poll: float = 0.5
     """Seconds between the gateway's looks at the lock and the watchers."""
+    op_timeout: int = OP_TIMEOUT
+    """Whole seconds (librados takes no fraction) before an operation the cluster does not answer
+    fails (0: wait for ever, librados' own default)."""
 
     @classmethod
     def from_config(cls, nc: NamespaceConfig) -> RbdOptions:
@@ -92,12 +99,15 @@ class RbdOptions:
             raise ValueError(f"an rbd namespace's path is pool/image, not {nc.path!r}")
         opts = dict(nc.options)
         types = {"conf": str, "client_id": str, "keyring": str, "failover": bool,
-                 "takeover_after": (int, float), "poll": (int, float)}
+                 "takeover_after": (int, float), "poll": (int, float),
+                 "op_timeout": int}
         for key, value in opts.items():
             if key not in types:
                 raise ValueError(f"unknown rbd option {key!r} (known: {', '.join(types)})")
             if not isinstance(value, types[key]) or (types[key] != bool and isinstance(value, bool)):
                 raise ValueError(f"rbd option {key} has the wrong type: {value!r}")
+        if opts.get("op_timeout", 0) < 0:
+            raise ValueError(f"rbd option op_timeout must be >= 0 seconds, not {opts['op_timeout']!r}")
         return cls(pool, image, **opts)
 
 
@@ -123,7 +133,8 @@ class RbdBackend:
         conf = {"keyring": opts.keyring} if opts.keyring else {}
         self.cluster = rados.Rados(conffile=opts.conf, rados_id=opts.client_id, conf=conf)
         try:
-            for key, value in _CLIENT_CONF.items():
+            for key, value in {**_CLIENT_CONF, "rados_osd_op_timeout": str(opts.op_timeout),
+                               "rados_mon_op_timeout": str(opts.op_timeout)}.items():
                 self.cluster.conf_set(key, value)
             self.cluster.connect(timeout=CONNECT_TIMEOUT)
             self.ioctx = self.cluster.open_ioctx(opts.pool)
@@ -177,6 +188,8 @@ class RbdBackend:
             return RbdPathError(code, f"{where}: this gateway was fenced (blocklisted)")
         if code == errno.EROFS:
             return RbdPathError(code, f"{where}: another gateway holds the image's exclusive lock")
+        if code == errno.ETIMEDOUT:
+            return RbdPathError(code, f"{where}: the cluster did not answer within {self.opts.op_timeout} s")
         return OSError(code, f"{where}: {errno.errorcode.get(code, code)}")
 
     async def read_into(self, offset: int, buf: memoryview) -> None:

@@ -5,8 +5,11 @@ with a path status the host retries elsewhere."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -161,11 +164,61 @@ def test_a_blocklisted_gateway_answers_with_a_path_status(ceph: Cluster, image: 
     assert wrote == read == Status.ANA_INACCESSIBLE and fenced
 
 
+OP_TIMEOUT = 2
+SLACK = 6.0
+"""Seconds past the op timeout a host command may take to come back (loop hops, librados'
+timer tick, a loaded machine)."""
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (/proc/PID/stat: R, S, T for stopped, ...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_gateway_cut_from_the_cluster_answers_with_a_path_status_in_bounded_time(ceph: Cluster, image: str) -> None:
+    """The OSD stopped (SIGSTOP: the cluster unreachable, the host's link fine): a write and a read
+    each come back within the op timeout + slack with ANA Inaccessible, not a media error, and
+    the target lives on; the OSD resumed, I/O works again."""
+    port = free_port()
+    cfg = config([port], [sub(NQN, [rbd_ns(ceph, image, op_timeout=OP_TIMEOUT)])])
+    osd = ceph.procs["osd"].pid
+
+    async def timed(op: Any) -> tuple[int, float]:
+        t0 = time.monotonic()
+        with pytest.raises(NvmeError) as failed:
+            await asyncio.wait_for(op, OP_TIMEOUT + SLACK)  # without the timeout it would hang
+        return failed.value.status, time.monotonic() - t0
+
+    async def main() -> tuple[list[tuple[int, float]], bytes]:
+        async with serving(cfg):
+            host = await connect(port, nr_io_queues=1)
+            try:
+                await host.write_bytes(1, 0, b"a" * 4096)  # librbd takes the exclusive lock for it
+                os.kill(osd, signal.SIGSTOP)
+                try:
+                    await until(lambda: _state(osd) == "T", timeout=5)  # every thread of it stopped
+                    cut = [await timed(host.write_bytes(1, 4096, b"b" * 4096)),
+                           await timed(host.read_bytes(1, 0, 4096))]
+                finally:
+                    os.kill(osd, signal.SIGCONT)
+                await host.write_bytes(1, 8192, b"c" * 4096)
+                return cut, bytes(await host.read_bytes(1, 0, 12288))
+            finally:
+                await host.close()
+
+    cut, back = run(main())
+    assert [status for status, _ in cut] == [Status.ANA_INACCESSIBLE] * 2, cut
+    assert all(OP_TIMEOUT * 0.9 < took < OP_TIMEOUT + SLACK for _, took in cut), cut
+    assert back[:4096] == b"a" * 4096 and back[8192:] == b"c" * 4096
+
+
 @pytest.mark.parametrize("path, options, error", [
     ("rbd", {}, "pool/image"),
     ("rbd/a/b", {}, "pool/image"),
     ("rbd/x", {"cache": True}, "unknown rbd option 'cache'"),
     ("rbd/x", {"failover": "yes"}, "failover has the wrong type"),
+    ("rbd/x", {"op_timeout": 2.5}, "op_timeout has the wrong type"),
+    ("rbd/x", {"op_timeout": -1}, "op_timeout must be >= 0"),
 ])
 def test_bad_options_get_one_line(path: str, options: dict[str, Any], error: str) -> None:
     nc = NamespaceConfig(1, path, None, backend="rbd", options=tuple(sorted(options.items())))

@@ -26,3 +26,8 @@ def test_khost_rbd_fio_verify_through_kill_9(guest_case):
 def test_khost_rbd_fio_verify_through_sigstop(guest_case):
     """A back as the standby; fio with verify; SIGSTOP of B, A takes over, SIGCONT of B (a zombie):
     fio ends clean, B finds itself fenced and goes inaccessible."""
+
+
+def test_khost_rbd_ext4_tree_fsck_sha256(guest_case):
+    """ext4 on the pair's namespace through the kernel host: a copied tree, e2fsck -fn clean,
+    sha256 equal after a remount."""

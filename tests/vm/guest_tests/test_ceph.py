@@ -9,7 +9,6 @@ fencing it (docs/ceph.md)."""
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import signal
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from .util import ADDR0, REPO, RESULTS, Daemon, sh, start_target
+from .util import ADDR0, REPO, RESULTS, Daemon, nvme_path_attr, sh, start_target
 
 sys.path.insert(0, str(REPO))
 
@@ -68,17 +67,8 @@ def _start(name: str, state: str, cluster: Cluster) -> Daemon:
     return start_target(f"rbd-{name}", _config(name, state, cluster), port=PORTS[name])
 
 
-def _ctrl_of(port: int) -> str:
-    for c in glob.glob("/sys/class/nvme-fabrics/ctl/nvme*"):
-        if Path(c, "subsysnqn").read_text().strip() == NQN and f"trsvcid={port}" in Path(c, "address").read_text():
-            return os.path.basename(c)
-    raise AssertionError(f"no controller of {NQN} on port {port}")
-
-
 def _ana_state(port: int) -> str:
-    paths = glob.glob(f"/sys/class/nvme/{_ctrl_of(port)}/nvme*c*n1/ana_state")
-    assert paths, "no path device (native multipath off?)"
-    return Path(paths[0]).read_text().strip()
+    return nvme_path_attr(NQN, port, "ana_state")
 
 
 def _wait(cond, what: str, timeout: float = 120) -> None:
@@ -197,3 +187,23 @@ def test_khost_rbd_fio_verify_through_sigstop(gateways):
         if b.proc.poll() is None:
             os.kill(b.proc.pid, signal.SIGCONT)
         _fio_done(fio, log)
+
+
+@pytest.mark.timeout(600)
+def test_khost_rbd_ext4_tree_fsck_sha256(gateways):
+    """ext4 through the kernel host on the pair's namespace (A serving, after both failovers): a
+    copied tree, e2fsck -fn clean after unmount, the same sha256 sums after a remount with the
+    guest's caches dropped (so the sums are of what the image gives back)."""
+    dev, mnt = gateways["dev"], "/mnt/rbd-ext4"
+    sums = RESULTS / "rbd-ext4.sha256"
+    sh(f"cd {REPO} && find blockd -type f -not -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum >{sums}")
+    assert len(sums.read_text().splitlines()) > 20, sums.read_text()
+    sh(f"mkfs.ext4 -q -F -E nodiscard,lazy_itable_init=0,lazy_journal_init=0 {dev} && mkdir -p {mnt} "
+       f"&& mount {dev} {mnt} && cp -a {REPO}/blockd {mnt}/ && umount {mnt}", timeout=400)
+    sh(f"e2fsck -fn {dev}", timeout=120)
+    sh(f"""echo 3 >/proc/sys/vm/drop_caches
+mount {dev} {mnt}
+rc=0
+(cd {mnt} && sha256sum --quiet -c {sums}) || rc=$?
+umount {mnt}
+exit $rc""", timeout=120)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import shlex
 import signal
@@ -126,3 +127,20 @@ def start_target(name: str, config: Path, port: int = 4420) -> Daemon:
         d.stop()
         raise AssertionError(f"{e}\n--- blockd target log\n{d.log_tail()}") from None
     return d
+
+
+def nvme_ctrl_of(nqn: str, port: int) -> str:
+    """The kernel host's controller (nvmeX) of subsystem ``nqn`` connected to port ``port``."""
+    for c in glob.glob("/sys/class/nvme-fabrics/ctl/nvme*"):
+        if Path(c, "subsysnqn").read_text().strip() == nqn and f"trsvcid={port}" in Path(c, "address").read_text():
+            return os.path.basename(c)
+    raise AssertionError(f"no controller of {nqn} on port {port}")
+
+
+def nvme_path_attr(nqn: str, port: int, name: str, nsid: int = 1) -> str:
+    """An attribute (ana_state, ana_grpid) of the multipath path device of namespace ``nsid`` on the
+    controller of ``nqn`` at ``port``."""
+    ctrl = nvme_ctrl_of(nqn, port)
+    paths = glob.glob(f"/sys/class/nvme/{ctrl}/nvme*c*n{nsid}/{name}")
+    assert paths, f"{ctrl} has no path device (native multipath off?)"
+    return Path(paths[0]).read_text().strip()
