@@ -35,7 +35,7 @@ the thread handles anything else or hands back: one chain at a time, on the thre
 ring (``IORING_SETUP_SINGLE_ISSUER``)."""
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from libc.errno cimport EINTR, ETIME
+from libc.errno cimport EINTR, EOPNOTSUPP, ETIME, errno
 from libc.string cimport memcpy, memset
 from posix.types cimport off_t
 
@@ -62,6 +62,9 @@ cdef extern from "<sys/uio.h>" nogil:
     struct iovec:
         void* iov_base
         size_t iov_len
+    Py_ssize_t preadv2(int fd, const iovec* iov, int iovcnt, off_t offset, int flags)
+    Py_ssize_t pwritev2(int fd, const iovec* iov, int iovcnt, off_t offset, int flags)
+    int RWF_NOWAIT
 
 cdef extern from "<sys/socket.h>" nogil:
     struct msghdr:
@@ -109,6 +112,13 @@ cdef enum:
     _TAG_RECV = 3
 
 cdef enum:
+    # what a file is known to take without blocking (RWF_NOWAIT), per descriptor: _nowait
+    _READ_KNOWN = 1
+    _READ_NOWAIT = 2
+    _WRITE_KNOWN = 4
+    _WRITE_NOWAIT = 8
+
+cdef enum:
     # what _chain ended with
     _DONE = 0  # every step succeeded (and the recv brought bytes, when there was one)
     _ENDED = 1  # the socket ended or failed: the thread leaves
@@ -149,6 +159,9 @@ cdef class TcpUringPath(TcpFastPath):
     cdef list _ring_ns
     cdef list _ring_data
     cdef list _resubmit
+    cdef dict _nowait
+    cdef int _last_fd
+    cdef int _last_nowait
     cdef unsigned char _sqes[_MAX_OPS][64]
     cdef int _kind[_MAX_OPS]
     cdef unsigned int _len[_MAX_OPS]
@@ -165,6 +178,10 @@ cdef class TcpUringPath(TcpFastPath):
     # Commands of failed chains, handed to the loop.
     cdef readonly str ring_reason
     # Why this queue's thread runs without a ring ("" while it has one, or before it starts).
+    cdef public bint all_file_steps
+    # Every Read and Write the ring may take goes on it, whether or not its file takes it without
+    # blocking (:meth:`_takes_nowait`; io-wq then does the step): for the tests, which must drive
+    # the ring's reads and writes on whatever file system holds their files, and for measuring.
 
     def __init__(self, conn, Py_ssize_t max_transfer):
         TcpFastPath.__init__(self, conn, max_transfer)
@@ -172,6 +189,8 @@ cdef class TcpUringPath(TcpFastPath):
         self._ring_ns = []
         self._ring_data = []
         self._resubmit = []
+        self._nowait = {}
+        self._last_fd = -1
         self.ring_reason = ""
 
     def __dealloc__(self):
@@ -280,16 +299,20 @@ cdef class TcpUringPath(TcpFastPath):
         if entry is None or self.transport.is_closing():
             return 0
         cdef FastNamespace ns = <FastNamespace><object>c.ns
-        # what the ring holds is bounded as TcpServe bounds what it gathers (flush_at)
-        if (self._ops == _MAX_OPS or self._ring_bytes > self.flush_at) and self._chain(self._tfd, False) != _DONE:
-            return 2
-        if self._replies:  # TcpServe's replies of this receive go first, with its own send
-            self._send_replies()
+        cdef off_t offset = <off_t>(c.slba << ns.lba_shift)
         cdef int fd = self._hold_namespace(entry, ns)
         if fd < 0:
             return 0  # withdrawn meanwhile: TcpServe declines it too
+        if not (self.all_file_steps or self._takes_nowait(fd, c.opcode == _WRITE, data, length, offset)):
+            self._release_namespace(entry)
+            return 0
+        # what the ring holds is bounded as TcpServe bounds what it gathers (flush_at)
+        if (self._ops == _MAX_OPS or self._ring_bytes > self.flush_at) and self._chain(self._tfd, False) != _DONE:
+            self._release_namespace(entry)
+            return 2
+        if self._replies:  # TcpServe's replies of this receive go first, with its own send
+            self._send_replies()
         cdef int i = self._ops
-        cdef off_t offset = <off_t>(c.slba << ns.lba_shift)
         cdef io_uring_sqe* sqe = io_uring_get_sqe(&self.ring)  # never NULL: _ENTRIES > a chain
         cdef bytes reply, copy = None
         cdef long long elapsed
@@ -328,6 +351,44 @@ cdef class TcpUringPath(TcpFastPath):
         self.thread_served += 1
         self.ring_served += 1
         return 1
+
+    cdef bint _takes_nowait(self, int fd, bint write, const unsigned char* data, Py_ssize_t length,
+                            off_t offset) except -1:
+        """Whether ``fd`` takes a read (a write) without blocking (``RWF_NOWAIT``): only then does
+        the ring do it within its submission. A file that cannot (tmpfs for both; ext4 for
+        buffered writes: measured, 6.18) makes io_uring hand the step to an io-wq worker thread,
+        two more context switches per I/O than the thread's own ``pread``/``pwrite``, so its
+        commands are ``TcpServe``'s. Learned once per descriptor: a read by a one-byte
+        ``preadv2(RWF_NOWAIT)``; a write by the command's own write with ``RWF_NOWAIT`` (which
+        ``TcpServe`` then writes again, the same bytes at the same place). A descriptor number
+        reused by a later namespace keeps what was learned: a wrong answer costs speed only."""
+        cdef int known
+        cdef unsigned char byte
+        cdef iovec v
+        cdef Py_ssize_t n
+        if fd != self._last_fd:
+            self._last_fd = fd
+            self._last_nowait = self._nowait.get(fd, 0)
+        known = self._last_nowait
+        if write and known & _WRITE_KNOWN:
+            return known & _WRITE_NOWAIT
+        if not write and known & _READ_KNOWN:
+            return known & _READ_NOWAIT
+        if write:
+            v.iov_base = <void*>data
+            v.iov_len = length
+            with nogil:
+                n = pwritev2(fd, &v, 1, offset, RWF_NOWAIT)
+            known |= _WRITE_KNOWN | (0 if n < 0 and errno == EOPNOTSUPP else _WRITE_NOWAIT)
+        else:
+            v.iov_base = &byte
+            v.iov_len = 1
+            with nogil:
+                n = preadv2(fd, &v, 1, 0, RWF_NOWAIT)
+            known |= _READ_KNOWN | (0 if n < 0 and errno == EOPNOTSUPP else _READ_NOWAIT)
+        self._last_nowait = known
+        self._nowait[fd] = known
+        return False  # this one is TcpServe's
 
     cdef int _chain(self, int fd, bint receive) except -1:
         """Submit what the ring holds (the file steps, then one ``sendmsg`` of their replies and of

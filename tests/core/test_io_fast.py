@@ -184,6 +184,8 @@ def _run(tmp: Path, chunks: list[list[tuple[bytes, bytes]]], cattr: int, dgst: i
             assert resp is not None and resp.ptype == PduType.CAPSULE_RESP
             assert CQE_FAST.unpack_from(resp.header, 8)[_CQE_STATUS] == 0
             cutter = None if split is None else random.Random(split)
+            if ring:  # every Read and Write it may take on the ring, whatever file system /tmp is
+                service.target.controllers[cntlid].queues[1].transport.fast.all_file_steps = True
             out["wire"] = [await _answers(io, chunk, dgst != 0, cutter) for chunk in chunks]
             ctrl = service.target.controllers[cntlid]
             queue = ctrl.queues[1]

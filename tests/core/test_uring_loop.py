@@ -13,6 +13,7 @@ import contextlib
 import os
 import random
 import struct
+import tempfile
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -104,9 +105,11 @@ async def _answers(io: RawConn, count: int) -> dict[int, tuple[int, int, bytes]]
 
 
 @contextlib.asynccontextmanager
-async def _queue(tmp: Path, mode: str) -> AsyncIterator[tuple[Any, RawConn, Any, Path]]:
+async def _queue(tmp: Path, mode: str, nowait_only: bool = False) -> AsyncIterator[tuple[Any, RawConn, Any, Path]]:
     """A target in ``mode`` with one I/O queue, on its thread unless the mode is the loop's:
-    (service, host, fast path, the namespace's file)."""
+    (service, host, fast path, the namespace's file). The ring takes every Read and Write it may
+    (``all_file_steps``: the tests' files are on whatever file system ``tmp`` is) unless
+    ``nowait_only``."""
     tmp.mkdir()
     path = tmp / "vol.img"
     fill_file(path, SIZE)
@@ -118,6 +121,8 @@ async def _queue(tmp: Path, mode: str) -> AsyncIterator[tuple[Any, RawConn, Any,
         await io.connect_io(cntlid, 1)
         fast = service.target.controllers[cntlid].queues[1].transport.fast
         assert (type(fast) is TcpUringPath) == (mode == "ring")
+        if mode == "ring":
+            fast.all_file_steps = not nowait_only
         io.send(capsule(_read(1, 0, 8)))  # answered on the loop: the queue goes to its thread after
         assert (await _answers(io, 1))[1][0] == 0
         for _ in range(200):
@@ -133,11 +138,11 @@ async def _queue(tmp: Path, mode: str) -> AsyncIterator[tuple[Any, RawConn, Any,
 
 
 async def _run(tmp: Path, mode: str, work: list[tuple[bytes, bytes]], depth: int,
-               truncate: int = 0) -> dict[str, Any]:
+               truncate: int = 0, nowait_only: bool = False) -> dict[str, Any]:
     """``work`` on a target in ``mode``, ``depth`` capsules sent together at a time (each group
     answered before the next); ``truncate``: the namespace's file cut to that many bytes first (the
     namespace keeps its size, so reads past the cut come short)."""
-    async with _queue(tmp, mode) as (service, io, fast, path):
+    async with _queue(tmp, mode, nowait_only) as (service, io, fast, path):
         if truncate:
             os.truncate(path, truncate)
         names = [k for k in ("served", "thread_served", "ring_served", "ring_enters", "ring_chains", "ring_undone")
@@ -220,3 +225,23 @@ def test_a_failed_read_undoes_its_chain(tmp_path: Path) -> None:
     _same(ring, loop)
     assert all(ring["answers"][11 + i][0] != 0 for i in range(0, 48, 4))
     assert ring["stats"]["ring_undone"] >= 12, ring["stats"]
+
+
+SHM = Path("/dev/shm")
+
+
+@pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm (tmpfs)")
+def test_a_file_that_would_block_stays_off_the_ring(tmp_path: Path) -> None:
+    """tmpfs takes neither reads nor writes with ``RWF_NOWAIT`` (io_uring would hand each to an
+    io-wq thread): on a namespace there, the ring only sends and receives, TcpServe reads and
+    writes, and each I/O still costs one ``io_uring_enter``; the answers are the thread's."""
+    rng = random.Random(11)
+    work = [(_read(10 + i, rng.randrange(0, SIZE // 4096) * 8, 8), b"") if i % 2 else
+            (_write(10 + i, rng.randrange(0, SIZE // 4096) * 8, 4096), rng.randbytes(4096)) for i in range(100)]
+    with tempfile.TemporaryDirectory(dir=SHM) as shm:
+        ring = run(_run(Path(shm) / "ring", "ring", work, 1, nowait_only=True), timeout=60)
+        thread = run(_run(Path(shm) / "thread", "thread", work, 1), timeout=60)
+    _same(ring, thread)
+    stats = ring["stats"]
+    assert stats["ring_served"] == 0 and stats["thread_served"] == 100, stats
+    assert stats["ring_enters"] <= 100 + 1, stats

@@ -42,7 +42,8 @@ class Stack:
     def __init__(self, workdir: str | Path, size: int = 256 << 20, block_size: int = 512,
                  nr_io_queues: int = 4, queue_size: int = 128, ctrl_loss_tmo: float = 20.0,
                  log_level: str = "info", backing: str | Path | None = None,
-                 attr_ttl: float | None = None, metrics: bool = False, pure: bool = False) -> None:
+                 attr_ttl: float | None = None, metrics: bool = False, pure: bool = False,
+                 target_settings: dict[str, bool] | None = None) -> None:
         self.dir = Path(workdir)
         self.size = size
         self.block_size = block_size
@@ -53,6 +54,8 @@ class Stack:
         self.attr_ttl = attr_ttl
         """Seconds the kernel caches the mount's attributes (None: the daemon's default)."""
         self.pure = pure
+        self.target_settings = target_settings or {}
+        """The target's ``[target]`` settings (e.g. ``io_uring_queues``), for a benchmark."""
         """Both daemons run the pure-Python data plane (BLOCKD_PURE=1), for a side-by-side benchmark."""
         self.port = free_port()
         self.backing = Path(backing) if backing else self.dir / "vol.img"
@@ -83,6 +86,8 @@ class Stack:
 [logging]
 level = "{self.log_level}"
 
+[target]
+{"".join(f"{k} = {str(v).lower()}{chr(10)}" for k, v in self.target_settings.items())}
 [control]
 socket = "{self.target_socket}"
 
