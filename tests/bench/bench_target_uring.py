@@ -5,7 +5,7 @@ mount on loopback, in one run, alternated (issue 42).
 Run (root; fio and strace installed)::
 
     .venv/bin/python tests/bench/bench_target_uring.py [--rounds 2] [--runtime 5] [--no-pin]
-        [--ios 4000] [--workloads randread-1,randwrite-1,randread-32,randwrite-32]
+        [--ios 4000] [--workloads randread-1,randwrite-1,randread-32,randwrite-32] [--dir /var/tmp]
 
 Each round starts one stack per loop (the order alternates between rounds) and runs every
 workload on it: fio 4 KiB random reads or writes, ``-1`` one job with psync (queue depth 1),
@@ -15,7 +15,8 @@ migrations per I/O (``/proc/PID/stat``, ``/proc/PID/task/*/sched``), then, in a 
 ``--ios`` I/Os under ``strace -c -f`` on the target (strace slows every call: its counts mean
 something, its speed does not), the target's system calls per I/O, total and by call. Single-job
 runs pin fio and every thread of both daemons to one CPU unless ``--no-pin``. Not collected by
-pytest (no test_ prefix).
+pytest (no test_ prefix). ``--dir``: where the volumes live (default /dev/shm, tmpfs; the file
+system decides which file steps the ring takes: ``TcpUringPath._takes_nowait``).
 """
 
 from __future__ import annotations
@@ -76,11 +77,12 @@ def main() -> int:
     ap.add_argument("--ios", type=int, default=4000)
     ap.add_argument("--no-pin", action="store_true")
     ap.add_argument("--workloads", default="randread-1,randwrite-1,randread-32,randwrite-32")
+    ap.add_argument("--dir", default="/dev/shm")
     args = ap.parse_args()
     for tool in ("fio", "strace"):
         if shutil.which(tool) is None:
             sys.exit(f"{tool} is not installed")
-    work = Path(tempfile.mkdtemp(prefix="blockd-uringq.", dir="/dev/shm"))
+    work = Path(tempfile.mkdtemp(prefix="blockd-uringq.", dir=args.dir))
     rows = []
     try:
         for r in range(args.rounds):
@@ -105,7 +107,7 @@ def main() -> int:
                     stack.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\npinned: {'no' if args.no_pin else 'single-job runs, CPU ' + str(sorted(PIN_CPU))}\n"
+    print(f"\nvolumes in {args.dir}; pinned: {'no' if args.no_pin else 'single-job runs, CPU ' + str(sorted(PIN_CPU))}\n"
           "| round | workload | target loop | IOPS | target CPU µs/I/O (user + sys) | context switches/I/O "
           "| migrations/1000 I/Os | target syscalls/I/O (strace) |\n|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))

@@ -14,6 +14,7 @@ import os
 import random
 import struct
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -245,3 +246,40 @@ def test_a_file_that_would_block_stays_off_the_ring(tmp_path: Path) -> None:
     stats = ring["stats"]
     assert stats["ring_served"] == 0 and stats["thread_served"] == 100, stats
     assert stats["ring_enters"] <= 100 + 1, stats
+
+
+def _open_files() -> list[str]:
+    """What this process's descriptors name (one listing's own descriptor is gone by its read)."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return names
+
+
+def _queue_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("blockd-tcp-q")]
+
+
+@pytest.mark.parametrize("end", ["host closes", "target stops"])
+def test_every_end_closes_the_ring(tmp_path: Path, end: str) -> None:
+    """The thread that made the ring closes it when it leaves: after the host's close, or the
+    target's stop with the queue idle on its thread (a ``recv`` pending in the ring), no queue
+    thread and no descriptor (ring, socket, file) is left."""
+    async def main() -> None:
+        fds = len(os.listdir("/proc/self/fd"))
+        async with _queue(tmp_path / "q", "ring") as (_service, io, fast, _path):
+            for cid in range(10, 20):
+                io.send(capsule(_write(cid, cid * 8, 4096), bytes([cid]) * 4096))
+                assert (await _answers(io, 1))[cid][0] == 0
+            assert fast.ring_served >= 10 and fast.threaded
+            assert "anon_inode:[io_uring]" in _open_files()
+            if end == "host closes":
+                await io.close()
+                deadline = asyncio.get_running_loop().time() + 10
+                while _queue_threads() and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.01)
+                assert _queue_threads() == []
+        assert _queue_threads() == []
+        assert len(os.listdir("/proc/self/fd")) == fds
+    run(main(), timeout=60)
