@@ -41,6 +41,12 @@ from posix.types cimport off_t
 
 from blockd._iostats cimport now_ns
 from blockd._le cimport le32, le64
+from blockd._liburing cimport (
+    IORING_SETUP_COOP_TASKRUN, IORING_SETUP_DEFER_TASKRUN, IORING_SETUP_SINGLE_ISSUER, IOSQE_CQE_SKIP_SUCCESS,
+    IOSQE_IO_LINK, io_uring, io_uring_cqe, io_uring_cqe_seen, io_uring_get_sqe, io_uring_peek_cqe, io_uring_prep_read,
+    io_uring_prep_recv, io_uring_prep_sendmsg, io_uring_prep_write, io_uring_queue_exit, io_uring_queue_init,
+    io_uring_sqe, io_uring_submit_and_wait, io_uring_wait_cqe,
+)
 from blockd._pdu_reader cimport PduReader
 from target._file_io cimport FastNamespace
 from target._io_core cimport (
@@ -72,34 +78,6 @@ cdef extern from "<sys/socket.h>" nogil:
         size_t msg_iovlen
     int MSG_NOSIGNAL
     int MSG_WAITALL
-
-cdef extern from "liburing.h" nogil:
-    # liburing (Debian liburing-dev): only what this loop uses
-    struct io_uring_sqe:
-        unsigned char flags
-        unsigned long long user_data
-    struct io_uring_cqe:
-        unsigned long long user_data
-        int res
-    struct io_uring:
-        int ring_fd
-    int io_uring_queue_init(unsigned entries, io_uring* ring, unsigned flags)
-    void io_uring_queue_exit(io_uring* ring)
-    io_uring_sqe* io_uring_get_sqe(io_uring* ring)
-    int io_uring_submit_and_wait(io_uring* ring, unsigned wait_nr)
-    int io_uring_wait_cqe(io_uring* ring, io_uring_cqe** cqe)
-    int io_uring_peek_cqe(io_uring* ring, io_uring_cqe** cqe)
-    void io_uring_cqe_seen(io_uring* ring, io_uring_cqe* cqe)
-    void io_uring_prep_read(io_uring_sqe* sqe, int fd, void* buf, unsigned nbytes, unsigned long long offset)
-    void io_uring_prep_write(io_uring_sqe* sqe, int fd, const void* buf, unsigned nbytes, unsigned long long offset)
-    void io_uring_prep_sendmsg(io_uring_sqe* sqe, int fd, const msghdr* msg, unsigned flags)
-    void io_uring_prep_recv(io_uring_sqe* sqe, int sockfd, void* buf, size_t len, int flags)
-    enum:
-        IOSQE_IO_LINK
-        IOSQE_CQE_SKIP_SUCCESS
-        IORING_SETUP_SINGLE_ISSUER
-        IORING_SETUP_COOP_TASKRUN
-        IORING_SETUP_DEFER_TASKRUN
 
 log = structlog.get_logger("blockd.target.tcp")
 
