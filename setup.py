@@ -15,6 +15,8 @@ from setuptools.command.build_ext import build_ext
 FALLBACK = {
     "initiator.fuse._loop": "FUSE mounts will run the Python request loop over /dev/fuse, without "
                             "io_uring (install liburing-dev, e.g. with scripts/setup.sh, then reinstall)",
+    "target._uring_loop": "NVMe/TCP queue threads will make their own system calls, without io_uring "
+                          "(install liburing-dev, e.g. with scripts/setup.sh, then reinstall)",
     "blockd.rdma._fast_verbs": "RDMA will run its ctypes path (blockd/rdma/_fast.py; install "
                                "libibverbs-dev, e.g. with scripts/setup.sh, then reinstall)",
 }
@@ -53,6 +55,8 @@ EXTENSIONS = [
     # skipped with the warning above and the Python one serves /dev/fuse
     Extension("initiator.fuse._loop", ["initiator/fuse/_loop.pyx"], extra_compile_args=["-O2"],
               libraries=["uring"]),
+    # needs <liburing.h> too: the target's queue threads on io_uring (target/_uring_loop.pyx)
+    Extension("target._uring_loop", ["target/_uring_loop.pyx"], extra_compile_args=["-O2"], libraries=["uring"]),
     # needs <infiniband/verbs.h> (libibverbs-dev); without it this one is skipped with the
     # warning above and blockd.rdma.verbs runs the ctypes path (blockd/rdma/_fast.py)
     Extension("blockd.rdma._fast_verbs", ["blockd/rdma/_fast_verbs.pyx"], extra_compile_args=["-O2"],

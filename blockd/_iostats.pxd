@@ -44,3 +44,16 @@ cdef class IoCounters:
         self._bytes[kind] += length
         self._latency_ns += elapsed_ns
         self._buckets[bucket] += 1
+
+    cdef inline void _uncount(self, unsigned int kind, uint64_t length, uint64_t elapsed_ns) noexcept:
+        """Take back one :meth:`_count` of the same arguments: a command the target's io_uring
+        loop counted when it made the reply, then gave to the Python queue (its chain failed
+        before the reply went out; ``target/_uring_loop.pyx``)."""
+        cdef uint64_t scaled = elapsed_ns >> 10
+        cdef unsigned int bucket = 64 - _clzll(scaled) if scaled else 0
+        if bucket >= N_BUCKETS:
+            bucket = N_BUCKETS - 1
+        self._ops[kind] -= 1
+        self._bytes[kind] -= length
+        self._latency_ns -= elapsed_ns
+        self._buckets[bucket] -= 1

@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 # pip still installs blockd, with a warning, and it runs its pure-Python data plane.
 # libibverbs-dev: <infiniband/verbs.h> for the compiled RDMA data path (blockd/rdma/_fast_verbs.pyx);
 # without it that one extension is skipped and RDMA runs its ctypes path.
-# liburing-dev: <liburing.h> for FUSE over io_uring in the compiled FUSE loop (initiator/fuse/_loop.pyx).
+# liburing-dev: <liburing.h> for FUSE over io_uring in the compiled FUSE loop (initiator/fuse/_loop.pyx)
+# and for the target's NVMe/TCP queue threads on io_uring (target/_uring_loop.pyx).
 APT_PACKAGES=(
   python3 python3-venv python3-dev python3-pyverbs build-essential libibverbs-dev liburing-dev
   rdma-core ibverbs-utils perftest librdmacm1

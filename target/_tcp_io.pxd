@@ -110,6 +110,7 @@ cdef class TcpServe:
     cdef bint _bind(self) except -1
     cdef bint _serve(self, const unsigned char* header, Py_ssize_t hlen, const unsigned char* data, Py_ssize_t dlen, long long start) except -1
     cdef bint _flush(self, unsigned int nsid, unsigned int cid, long long start) except -1
+    cdef int _read_headers(self, unsigned char* p, unsigned int cid, unsigned int length) except -1
     cdef bint _read(self, nsobj, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid, long long start) except -1
     cdef bint _by_reference(self, unsigned int length) except -1
     cdef bint _read_by_reference(self, nsobj, FastNamespace ns, int fd, off_t offset, unsigned int length, unsigned int cid, long long start) except -1

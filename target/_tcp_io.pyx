@@ -531,11 +531,7 @@ cdef class TcpServe:
             self._release_namespace(nsobj)
         if got != length:
             return False  # the Python path reads again and reports the error
-        if self.shape.sqhd_disabled:
-            _c2h_header(p, cid, length, _LAST_SUCCESS)  # the data PDU completes the command
-        else:
-            _c2h_header(p, cid, length, _LAST)
-            _capsule_resp(p + _DATA_HLEN + length, self._next_sqhd(), self.shape.qid, cid)
+        self._read_headers(p, cid, length)
         self.ctrl.traffic_seen = True
         self._complete(ns, _KIND_READ, length, start)
         self.served += 1
@@ -550,6 +546,17 @@ cdef class TcpServe:
         else:
             conn.batched = batched
         return True
+
+    cdef int _read_headers(self, unsigned char* p, unsigned int cid, unsigned int length) except -1:
+        """The C2HData header of a Read's reply at ``p`` (its ``length`` data bytes after it) and,
+        unless the host disabled SQ flow control, the CapsuleResp after the data (SQHD advanced):
+        written once the data is known to come (``TargetQueue._complete``'s point)."""
+        if self.shape.sqhd_disabled:
+            _c2h_header(p, cid, length, _LAST_SUCCESS)  # the data PDU completes the command
+        else:
+            _c2h_header(p, cid, length, _LAST)
+            _capsule_resp(p + _DATA_HLEN + length, self._next_sqhd(), self.shape.qid, cid)
+        return 0
 
     # -- reads by reference (target/file_send.py: why, and the Python twin of each step) ------------
 

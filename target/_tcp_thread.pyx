@@ -231,10 +231,9 @@ cdef class TcpFastPath(TcpServe):
 
     cdef int _serve_received(self, int fd) except -1:
         cdef PduReader reader = self.reader
-        cdef Py_ssize_t plen, pending, room, n
-        cdef int taken
+        cdef Py_ssize_t plen, pending
+        cdef int taken, n
         cdef const unsigned char* h
-        cdef unsigned char* p
         conn = self.conn
         transport = self.transport
         while True:
@@ -266,25 +265,37 @@ cdef class TcpFastPath(TcpServe):
                     if not self._awaited(h, pending, reader._size):
                         return 0
                 break
-            # every whole capsule received is served: their replies go in one sendmsg, as the
-            # loop sends one batch per receive (one send per reply cost the VM bed's QD32 a
-            # quarter of its IOPS in system time, 221 -> 348 us per I/O)
-            self._send_replies()
-            if self._broken:
-                return 1
-            reader.get_buffer(-1)  # room for the rest (moves the PDU begun to the front if need be)
-            p = reader._p + reader._end
-            room = reader._size - reader._end
-            if room <= 0:
-                return 0
-            with nogil:
+            n = self._fill(fd)
+            if n != 2:
+                return n
+
+    cdef int _fill(self, int fd) except -2:
+        """Send what this receive served and receive more into the reader: 2 (go on), 1 (the
+        socket ended or failed), 0 (staging is full: the loop's). The step
+        ``target/_uring_loop.pyx`` replaces with one io_uring submission."""
+        cdef PduReader reader = self.reader
+        cdef Py_ssize_t room, n
+        cdef unsigned char* p
+        # every whole capsule received is served: their replies go in one sendmsg, as the
+        # loop sends one batch per receive (one send per reply cost the VM bed's QD32 a
+        # quarter of its IOPS in system time, 221 -> 348 us per I/O)
+        self._send_replies()
+        if self._broken:
+            return 1
+        reader.get_buffer(-1)  # room for the rest (moves the PDU begun to the front if need be)
+        p = reader._p + reader._end
+        room = reader._size - reader._end
+        if room <= 0:
+            return 0
+        with nogil:
+            n = recv(fd, p, room, 0)
+            while n < 0 and errno == EINTR:
                 n = recv(fd, p, room, 0)
-                while n < 0 and errno == EINTR:
-                    n = recv(fd, p, room, 0)
-            if n <= 0:
-                self._eof = n == 0  # else an error: the loop's read meets it too
-                return 1
-            reader.advance(n)
+        if n <= 0:
+            self._eof = n == 0  # else an error: the loop's read meets it too
+            return 1
+        reader.advance(n)
+        return 2
 
     cdef int _h2c_on_thread(self, PduReader reader, int fd) except -2:
         """The H2CData at the reader's position (its header in staging) for an R2T write that

@@ -95,6 +95,9 @@ class Queue(Protocol):
     def adopt_write(self, sqe: bytes, start_ns: int, ns: Namespace, data: Any, ctx: Any) -> Any: ...
     def data_ready(self, req: Any) -> None: ...
     def write_failed(self, req: Any, exc: BaseException) -> None: ...
+    def submit(self, sqe: Any, incapsule: Any = None) -> None: ...
+    """(A command of a failed io_uring chain, given back as a capsule the compiled path declined:
+    ``target/_uring_loop.pyx``.)"""
 
 
 class Request(Protocol):
@@ -207,6 +210,7 @@ _CORE = {"queue": Queue, "ctrl": Controller, "entry": Namespace, "nsobj": Namesp
 RECEIVERS: dict[str, dict[str, type]] = {
     "target/_tcp_io.pyx": {**_CORE, "conn": TcpConnection, "pipe": ReplyPipe, "req": Request},
     "target/_tcp_thread.pyx": {**_CORE, "conn": TcpConnection, "pipe": ReplyPipe, "req": Request},
+    "target/_uring_loop.pyx": {**_CORE, "conn": TcpConnection},
     "target/_io_core.pyx": _CORE,
     "target/_file_io.pyx": _CORE,
     "target/_rdma_fast.pyx": {**_CORE, "conn": RdmaConnection, "cmd": RdmaCommand, "rdma": RdmaModule},

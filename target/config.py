@@ -19,6 +19,7 @@ Example::
     rdma_recv_total = "256MiB"
     auth_timeout = 120.0
     threaded_queues = true    # steady NVMe/TCP I/O queues served by a thread each; false: all on the loop (docs/dataplane.md)
+    io_uring_queues = false   # those threads receive, read/write and send through an io_uring each (docs/dataplane.md)
 
     [control]
     socket = "/run/blockd/target.sock"   # root-only; "" turns the control socket off
@@ -327,6 +328,11 @@ class TargetConfig:
     """Steady NVMe/TCP I/O queues served by a thread each (compiled plane only; docs/dataplane.md,
     "The target's threaded queue": less target CPU per I/O, and why it is now on by default);
     False keeps every queue on the event loop."""
+    io_uring_queues: bool = False
+    """Those threads run their Reads and Writes through an io_uring each, one ``io_uring_enter``
+    per receive (``target/_uring_loop.pyx``; docs/dataplane.md, "The target's io_uring queue
+    loop"); where the kernel refuses a ring the threads make their own system calls, said at
+    start."""
 
 
 def load(path: str) -> TargetConfig:
@@ -382,12 +388,13 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
     if log_format not in ("console", "json"):
         raise ConfigError(f"{source} [logging]: format must be 'console' or 'json'")
     target_t = take(raw, "target", dict, source, {})
-    unknown(target_t, {"max_io_queues", "threaded_queues", *_LIMIT_KINDS}, f"{source} [target]")
+    unknown(target_t, {"max_io_queues", "threaded_queues", "io_uring_queues", *_LIMIT_KINDS}, f"{source} [target]")
     max_io_queues = take(target_t, "max_io_queues", int, f"{source} [target]", 16)
     if not 1 <= max_io_queues <= 1024:
         raise ConfigError(f"{source} [target]: max_io_queues must be 1..1024")
     limits = _limits(target_t, f"{source} [target]")
     threaded_queues = take(target_t, "threaded_queues", bool, f"{source} [target]", True)
+    io_uring_queues = take(target_t, "io_uring_queues", bool, f"{source} [target]", False)
     control_t = take(raw, "control", dict, source, {})
     unknown(control_t, {"socket"}, f"{source} [control]")
     control_socket = take(control_t, "socket", str, f"{source} [control]", DEFAULT_CONTROL_SOCKET)
@@ -452,7 +459,8 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
                           "its state is not configurable")
     return TargetConfig(tuple(ports), tuple(subsystems), log_format,
                         take(logging_t, "level", str, f"{source} [logging]", "info"), max_io_queues,
-                        limits, control_socket, metrics, ana, threaded_queues=threaded_queues)
+                        limits, control_socket, metrics, ana, threaded_queues=threaded_queues,
+                        io_uring_queues=io_uring_queues)
 
 
 def _referral(r: Any, where: str) -> ReferralConfig:

@@ -15,13 +15,28 @@ from blockd.dataplane import twin
 if TYPE_CHECKING:
     from target.subsystem import Namespace
 
-__all__ = ["FastFile", "FastNamespace", "RdmaFastPath", "TcpFastPath", "fast_namespace"]
+__all__ = ["FastFile", "FastNamespace", "RdmaFastPath", "TcpFastPath", "TcpUringPath", "fast_namespace",
+           "uring_queues"]
 
 _file = twin("target._file_io")
 FastFile = getattr(_file, "FastFile", None)
 FastNamespace = getattr(_file, "FastNamespace", None)
 TcpFastPath = getattr(twin("target._tcp_thread"), "TcpFastPath", None)
 RdmaFastPath = getattr(twin("target._rdma_fast"), "RdmaFastPath", None)
+_uring = twin("target._uring_loop", hint="liburing-dev")
+TcpUringPath = getattr(_uring, "TcpUringPath", None)
+
+
+def uring_queues(wanted: bool) -> tuple[bool, str]:
+    """Whether the NVMe/TCP queue threads run on io_uring (``target/_uring_loop.pyx``), and why
+    not when they do not: not wanted (``io_uring_queues`` or ``threaded_queues`` off), the
+    compiled loop missing, or this kernel refusing a ring (asked once, by making one)."""
+    if not wanted:
+        return False, "io_uring_queues or threaded_queues is off"
+    if TcpUringPath is None:
+        return False, "the compiled io_uring loop (target._uring_loop) is not running on this plane"
+    reason = _uring.probe()
+    return not reason, reason
 
 
 def fast_namespace(ns: Namespace) -> object | None:

@@ -102,7 +102,11 @@ class TargetService:
         self.config = config
         self.open_replica = open_replica
         self.target = Target(max_io_queues=config.max_io_queues, limits=config.limits,
-                             threaded_queues=config.threaded_queues)
+                             threaded_queues=config.threaded_queues, io_uring_queues=config.io_uring_queues)
+        if self.target.io_uring_queues:
+            log.info("NVMe/TCP queue threads on io_uring")
+        elif self.target.threaded_queues:
+            log.info("NVMe/TCP queue threads on system calls", reason=self.target.queue_loop_reason)
         self.listeners: dict[int, Listener] = {}
         self.standby: dict[tuple[str, int], str] = {}
         """(subsystem NQN, nsid) of each failover pair's namespace -> its standby subsystem's NQN."""

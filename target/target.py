@@ -18,6 +18,7 @@ from protocol.logpage import DISCOVERY_ENTRY, DISCOVERY_HEADER
 from protocol.status import Status
 from target.ana import AnaStates
 from target.controller import MQES, Controller
+from target.io_fast import uring_queues
 from target.limits import ConnectionCount, DataBudget, UnsentTotal
 from target.queue import TargetQueue
 from target.rejections import KEEP_ALIVE_TIMEOUT, Rejections
@@ -58,7 +59,8 @@ def _family(address: str) -> int:
 class Target:
     """Everything the transports share; transports call into it, never the reverse."""
 
-    def __init__(self, max_io_queues: int = 16, limits: Limits = Limits(), threaded_queues: bool = True) -> None:
+    def __init__(self, max_io_queues: int = 16, limits: Limits = Limits(), threaded_queues: bool = True,
+                 io_uring_queues: bool = False) -> None:
         self.subsystems: dict[str, Subsystem] = {DISCOVERY_NQN: Subsystem(DISCOVERY_NQN, serial="discovery", model="blockd discovery")}
         self.controllers: dict[int, Controller] = {}
         self.ports: dict[int, PortInfo] = {}
@@ -67,6 +69,10 @@ class Target:
         self.threaded_queues = threaded_queues
         """NVMe/TCP I/O queues in the steady state are served by a thread of their own (the
         compiled plane only; docs/dataplane.md, "The target's threaded queue")."""
+        self.io_uring_queues, self.queue_loop_reason = uring_queues(io_uring_queues and threaded_queues)
+        """Those threads receive, read or write and send through an io_uring each (asked for,
+        and this kernel and plane can; docs/dataplane.md, "The target's io_uring queue loop");
+        else why not."""
         self.rejections = Rejections()
         """Hostile or over-limit input refused, by reason (a metric)."""
         self.connections = ConnectionCount(limits.max_connections, limits.max_connections_per_host,

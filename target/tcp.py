@@ -29,7 +29,7 @@ from protocol.tcp import (
 from target import file_send
 from target.backend import FileBackend
 from target.file_send import PipedRead, ReplyPipe
-from target.io_fast import TcpFastPath
+from target.io_fast import TcpFastPath, TcpUringPath
 from target.queue import TargetQueue
 from target.rejections import FRAMING, HELLO_TIMEOUT, INCAPSULE_TOO_LARGE, PDU_TIMEOUT, R2T_BUDGET_WAIT
 from target.request import Request
@@ -129,9 +129,11 @@ class TcpTargetConnection(PduProtocol):
         self.transport: asyncio.Transport | None = None
         self.out: OutputBatcher | _Discard | None = None
         self.queue: TargetQueue | None = None
-        self.fast = TcpFastPath(self, INFO.max_transfer) if TcpFastPath is not None else None
+        fast_path = TcpUringPath if target.io_uring_queues else TcpFastPath
+        self.fast = fast_path(self, INFO.max_transfer) if fast_path is not None else None
         """The compiled Read/Write path (:mod:`target.io_fast`): it answers the capsules it can,
-        the queue takes the rest; None in pure mode."""
+        the queue takes the rest; None in pure mode. Its queue thread on io_uring when the
+        target says so (``Target.io_uring_queues``)."""
         if self.fast is not None:
             # the event loop calls the compiled receive loop itself (these shadow PduProtocol's):
             # no Python frame, generator or Pdu per served command (docs/dataplane.md)

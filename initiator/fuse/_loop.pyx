@@ -32,41 +32,16 @@ from posix.unistd cimport read
 
 from libc.stdlib cimport free, malloc
 
+from blockd._liburing cimport (
+    IORING_OP_URING_CMD, IORING_SETUP_SINGLE_ISSUER, IORING_SETUP_SQE128, io_uring, io_uring_cq_advance, io_uring_cqe,
+    io_uring_get_sqe, io_uring_peek_batch_cqe, io_uring_queue_exit, io_uring_queue_init, io_uring_sqe, io_uring_submit,
+)
 from initiator._inline cimport inline_data
 from initiator._lane cimport IoLane
 from initiator.fuse._rangelock cimport RangeLocks
 
 import os
 import struct
-
-
-cdef extern from "liburing.h" nogil:
-    # liburing (Debian liburing-dev): only the fields and calls used here. The SQE's fields sit
-    # in anonymous unions in C, so they are named as C code names them.
-    struct io_uring_sqe:
-        uint8_t opcode
-        int32_t fd
-        uint64_t addr
-        uint32_t len
-        uint64_t user_data
-        uint32_t cmd_op
-        uint8_t cmd[80]
-    struct io_uring_cqe:
-        uint64_t user_data
-        int32_t res
-    struct io_uring:
-        int ring_fd
-    int io_uring_queue_init(unsigned entries, io_uring* ring, unsigned flags)
-    void io_uring_queue_exit(io_uring* ring)
-    io_uring_sqe* io_uring_get_sqe(io_uring* ring)
-    int io_uring_submit(io_uring* ring)
-    unsigned io_uring_peek_batch_cqe(io_uring* ring, io_uring_cqe** cqes, unsigned count)
-    void io_uring_cq_advance(io_uring* ring, unsigned nr)
-    enum:
-        IORING_SETUP_SQE128
-        IORING_SETUP_COOP_TASKRUN
-        IORING_SETUP_SINGLE_ISSUER
-        IORING_OP_URING_CMD
 
 from initiator.fuse.abi import (
     FUSE_IO_URING_CMD_COMMIT_AND_FETCH, FUSE_IO_URING_CMD_REGISTER, IN_HEADER, OUT_HEADER, RW_IN, URING_CMD_REQ,

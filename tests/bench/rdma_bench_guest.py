@@ -1,7 +1,7 @@
 """The VM benchmark's work inside the guest (started by tests/bench/run_rdma_bench.py).
 
 ``rdma_bench_guest.py OUT.json [--transport tcp|rdma|both] [--size-mib N] [--runtime S] [--no-fuse]
-[--profile] [--jobs KEY,...] [--loop-queues]``.
+[--profile] [--jobs KEY,...] [--loop-queues] [--uring-queues]``.
 One boot: the kernel's nvmet target and ``blockd target`` (from a TOML config with a port per
 transport) each export an equal pre-filled file on tmpfs (4 KiB blocks). Per transport in turn:
 RDMA on rxe0/rxe1 over a veth pair, TCP on the guest's loopback (nvmet-tcp vs blockd target);
@@ -239,6 +239,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=lambda v: v.split(","), default=None,
                     help=f"only these jobs (comma-separated, of {', '.join(j[0] for j in JOBS)})")
     ap.add_argument("--loop-queues", action="store_true", help="[target] threaded_queues = false for blockd's")
+    ap.add_argument("--uring-queues", action="store_true", help="[target] io_uring_queues = true for blockd's")
     args = ap.parse_args()
     transports = ["rdma", "tcp"] if args.transport == "both" else [args.transport]
     work = Path("/dev/shm/rdma-bench")
@@ -269,6 +270,7 @@ level = "info"
 
 [target]
 threaded_queues = {str(not args.loop_queues).lower()}
+io_uring_queues = {str(args.uring_queues).lower()}
 {ports}
 [[subsystem]]
 nqn = "{BLOCKD_NQN}"

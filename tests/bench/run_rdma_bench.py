@@ -4,7 +4,7 @@ the VM, per transport (RDMA and TCP).
 Run (root, with the VM bed set up: docs/vm-testbed.md)::
 
     .venv/bin/python tests/bench/run_rdma_bench.py [--transport tcp|rdma|both] [--size-mib 256]
-        [--runtime 10] [--no-fuse] [--profile] [--jobs rr4k_qd1,...] [--loop-queues] [--no-docs]
+        [--runtime 10] [--no-fuse] [--profile] [--jobs rr4k_qd1,...] [--loop-queues] [--uring-queues] [--no-docs]
 
 One VM boot (tests/vm/harness.py) runs tests/bench/rdma_bench_guest.py in the guest: fio
 (libaio, direct=1) from the kernel host (``nvme connect -t TRANSPORT``, /dev/nvmeXnY) at 4 KiB
@@ -172,6 +172,9 @@ def main() -> int:
     ap.add_argument("--loop-queues", action="store_true",
                     help="blockd target with [target] threaded_queues = false (its default is true: "
                          "docs/dataplane.md, \"The target's threaded queue\")")
+    ap.add_argument("--uring-queues", action="store_true",
+                    help="blockd target with [target] io_uring_queues = true (docs/dataplane.md, \"The target's "
+                         "io_uring queue loop\")")
     ap.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md alone")
     ap.add_argument("--from-json", help="format an earlier run's JSON instead of running")
     a = ap.parse_args()
@@ -186,7 +189,7 @@ def main() -> int:
         (f" --profile-job {a.profile_job}" if a.profile and a.profile_job != "rr4k_qd1" else "") + \
         (f" --jobs {a.jobs}" if a.jobs else "") + \
         (f" --syscalls {a.syscalls}" if a.syscalls else "") + \
-        (" --loop-queues" if a.loop_queues else "")
+        (" --loop-queues" if a.loop_queues else "") + (" --uring-queues" if a.uring_queues else "")
     out_dir = REPO / "results" / "bench-rdma"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "rdma-bench.json"
@@ -196,7 +199,7 @@ def main() -> int:
         guest = [sys.executable, "tests/bench/rdma_bench_guest.py", str(out),
                  "--transport", a.transport, "--size-mib", str(a.size_mib), "--runtime", str(a.runtime)]
         guest += ["--no-fuse"] * a.no_fuse + ["--profile", "--profile-job", a.profile_job] * a.profile
-        guest += ["--loop-queues"] * a.loop_queues
+        guest += ["--loop-queues"] * a.loop_queues + ["--uring-queues"] * a.uring_queues
         guest += ["--jobs", a.jobs] if a.jobs else []
         guest += ["--syscalls", a.syscalls] if a.syscalls else []
         out.unlink(missing_ok=True)

@@ -160,7 +160,7 @@ def _h2c_with_digests(cid: int, ttag: int, data: bytes) -> bytes:
 
 
 def _run(tmp: Path, chunks: list[list[tuple[bytes, bytes]]], cattr: int, dgst: int,
-         split: int | None = None, threaded: bool = True) -> dict[str, Any]:
+         split: int | None = None, threaded: bool = True, ring: bool = False) -> dict[str, Any]:
     tmp.mkdir()
     rw, ro, rw4k = tmp / "rw.img", tmp / "ro.img", tmp / "rw4k.img"
     fill_file(rw, RW_SIZE, seed=1)
@@ -169,7 +169,8 @@ def _run(tmp: Path, chunks: list[list[tuple[bytes, bytes]]], cattr: int, dgst: i
     port = free_port()
     cfg = config([port], [sub(namespaces=[
         ns(rw, size=RW_SIZE), ns(ro, nsid=2, size=RO_SIZE, block_size=4096, read_only=True),
-        ns(rw4k, nsid=4, size=RW4K_SIZE, block_size=4096)])], target={"threaded_queues": threaded})
+        ns(rw4k, nsid=4, size=RW4K_SIZE, block_size=4096)])],
+                 target={"threaded_queues": threaded, "io_uring_queues": ring})
     out: dict[str, Any] = {}
 
     async def main() -> None:
@@ -183,12 +184,15 @@ def _run(tmp: Path, chunks: list[list[tuple[bytes, bytes]]], cattr: int, dgst: i
             assert resp is not None and resp.ptype == PduType.CAPSULE_RESP
             assert CQE_FAST.unpack_from(resp.header, 8)[_CQE_STATUS] == 0
             cutter = None if split is None else random.Random(split)
+            if ring:  # every Read and Write it may take on the ring, whatever file system /tmp is
+                service.target.controllers[cntlid].queues[1].transport.fast.all_file_steps = True
             out["wire"] = [await _answers(io, chunk, dgst != 0, cutter) for chunk in chunks]
             ctrl = service.target.controllers[cntlid]
             queue = ctrl.queues[1]
             fast = queue.transport.fast
             out["served"] = fast.served if fast is not None else 0
             out["threaded"] = (fast.thread_entries, fast.thread_served) if fast is not None else (0, 0)
+            out["ring"] = getattr(fast, "ring_served", 0)
             pipe = queue.transport.pipe
             out["by_reference"] = (fast.by_reference if fast is not None else 0, pipe.sent if pipe is not None else 0)
             out["in_flight"] = (queue.in_flight, [n.in_flight for n in ctrl.subsystem.namespaces.values()])
@@ -206,21 +210,22 @@ def _run(tmp: Path, chunks: list[list[tuple[bytes, bytes]]], cattr: int, dgst: i
 
 
 @compiled_only
-@pytest.mark.parametrize("threaded", [False, True], ids=["loop", "thread"])
+@pytest.mark.parametrize("threaded", [False, True, "ring"], ids=["loop", "thread", "ring"])
 @pytest.mark.parametrize("seed,cattr,dgst,split", [
     (1, 0, 0, None), (2, CATTR_DISABLE_SQFLOW, 0, None), (3, 0, 0, None), (4, 0, 3, None),
     (5, CATTR_DISABLE_SQFLOW, 0, None), (6, 0, 0, 60), (7, CATTR_DISABLE_SQFLOW, 0, 70), (8, 0, 3, 80),
 ])
 def test_compiled_path_answers_exactly_as_the_python_queue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            seed: int, cattr: int, dgst: int,
-                                                           split: int | None, threaded: bool) -> None:
+                                                           split: int | None, threaded: bool | str) -> None:
     """The compiled receive loop and fast path against the Python ``_receive`` and queue; with
     ``split`` the streams reach the target in pieces cut at random points. ``threaded``: the
     queue goes to its thread whenever it is idle and back to the loop for every command the
     thread does not serve (the streams interleave those with served ones, so it moves in and
-    out many times); else it stays on the loop."""
+    out many times); else it stays on the loop. ``ring``: that thread on io_uring
+    (``target/_uring_loop.pyx``, tests/core/test_uring_loop.py)."""
     chunks = _stream(seed, 300)
-    fast = _run(tmp_path / "fast", chunks, cattr, dgst, split, threaded)
+    fast = _run(tmp_path / "fast", chunks, cattr, dgst, split, bool(threaded), threaded == "ring")
     monkeypatch.setattr(target.tcp, "TcpFastPath", None)  # every capsule to the Python queue
     reference = _run(tmp_path / "reference", chunks, cattr, dgst, split)
     assert reference["served"] == 0
@@ -232,6 +237,7 @@ def test_compiled_path_answers_exactly_as_the_python_queue(tmp_path: Path, monke
         if threaded:  # in and out of the thread many times, a good part served there
             entries, served = fast["threaded"]
             assert entries > 20 and served > 20, fast["threaded"]
+            assert (fast["ring"] > 10) == (threaded == "ring"), fast["ring"]  # (29-38 of them on the ring)
         else:
             assert fast["threaded"] == (0, 0)
     for i, (got, want) in enumerate(zip(fast["wire"], reference["wire"])):

@@ -43,7 +43,7 @@ class Stack:
                  nr_io_queues: int = 4, queue_size: int = 128, ctrl_loss_tmo: float = 20.0,
                  log_level: str = "info", backing: str | Path | None = None,
                  attr_ttl: float | None = None, metrics: bool = False, pure: bool = False,
-                 start_timeout: float = 20.0) -> None:
+                 start_timeout: float = 20.0, target_settings: dict[str, bool] | None = None) -> None:
         self.dir = Path(workdir)
         self.size = size
         self.block_size = block_size
@@ -54,9 +54,11 @@ class Stack:
         self.attr_ttl = attr_ttl
         """Seconds the kernel caches the mount's attributes (None: the daemon's default)."""
         self.pure = pure
+        """Both daemons run the pure-Python data plane (BLOCKD_PURE=1), for a side-by-side benchmark."""
         self.start_timeout = start_timeout
         """Seconds a daemon may take to listen (the VM bed's TCG guest wants more)."""
-        """Both daemons run the pure-Python data plane (BLOCKD_PURE=1), for a side-by-side benchmark."""
+        self.target_settings = target_settings or {}
+        """The target's ``[target]`` settings (e.g. ``io_uring_queues``), for a benchmark."""
         self.port = free_port()
         self.backing = Path(backing) if backing else self.dir / "vol.img"
         self.socket = self.dir / "initiator.sock"
@@ -86,6 +88,8 @@ class Stack:
 [logging]
 level = "{self.log_level}"
 
+[target]
+{"".join(f"{k} = {str(v).lower()}{chr(10)}" for k, v in self.target_settings.items())}
 [control]
 socket = "{self.target_socket}"
 

@@ -42,10 +42,11 @@ def _needs_the_ring() -> None:
 
 
 @contextlib.contextmanager
-def _mounted(tmp: Path, path: str, size: int = 64 << 20) -> Iterator[Stack]:
+def _mounted(tmp: Path, path: str, size: int = 64 << 20, target_settings: dict[str, bool] | None = None
+             ) -> Iterator[Stack]:
     """A stack whose mount runs on ``path``: ``enable_uring`` set for its INIT only."""
     before = ENABLE.read_text().strip()
-    stack = Stack(tmp, size=size)
+    stack = Stack(tmp, size=size, target_settings=target_settings)
     try:
         ENABLE.write_text("Y" if path == "io_uring" else "N")
         try:
@@ -133,3 +134,29 @@ def test_fio_verify_on_each_path(tmp_path: Path, path: str) -> None:
         line = _mount_line(stack)
         assert f"via {SERVED_BY[path]} " in line, line
         assert (_ring_requests(line) > 4096) if SERVED_BY[path] == "io_uring" else _ring_requests(line) == 0, line
+
+
+def _rings(pid: int) -> int:
+    """io_uring instances a process holds open (each queue thread's ring, on the target)."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[io_uring]"
+    return count
+
+
+@pytest.mark.skipif(not COMPILED, reason="the target's io_uring queue loop is compiled only")
+def test_fio_verify_with_io_uring_on_both_ends(tmp_path: Path) -> None:
+    """Issue 42's two rings together: the mount on FUSE over io_uring, the target's queue threads
+    on io_uring (``[target] io_uring_queues``, target/_uring_loop.pyx); fio writes and verifies at
+    queue depth 1 and 16. The target says which loop it chose, and its queue threads hold rings."""
+    with _mounted(tmp_path, "io_uring", target_settings={"io_uring_queues": True}) as stack:
+        assert "NVMe/TCP queue threads on io_uring" in stack.log("target")
+        job = _fio(stack, "--ioengine=psync", "--rw=randwrite", "--bs=4k", "--size=8M", "--numjobs=1")
+        assert job["write"]["io_bytes"] == 8 << 20 and job["read"]["io_bytes"] == 8 << 20
+        job = _fio(stack, "--ioengine=libaio", "--iodepth=16", "--rw=randwrite", "--bs=4k", "--size=8M",
+                   "--offset=8M", "--numjobs=1")
+        assert job["write"]["io_bytes"] == 8 << 20 and job["read"]["io_bytes"] == 8 << 20
+        assert _rings(stack.target.pid) >= 1
+        line = _mount_line(stack)
+        assert "via io_uring " in line and _ring_requests(line) > 4096, line

@@ -1,0 +1,118 @@
+"""Benchmark: the target's NVMe/TCP queue thread on io_uring (``[target] io_uring_queues``,
+target/_uring_loop.pyx) against the same thread on its own system calls, behind the blockd FUSE
+mount on loopback, in one run, alternated (issue 42).
+
+Run (root; fio and strace installed)::
+
+    .venv/bin/python tests/bench/bench_target_uring.py [--rounds 2] [--runtime 5] [--no-pin]
+        [--ios 4000] [--workloads randread-1,randwrite-1,randread-32,randwrite-32] [--dir /var/tmp]
+
+Each round starts one stack per loop (the order alternates between rounds) and runs every
+workload on it: fio 4 KiB random reads or writes, ``-1`` one job with psync (queue depth 1),
+``-32`` one job with libaio at iodepth 32, direct I/O on the mount's file. Reported per loop and
+workload: IOPS, and the target process's CPU (user + system), context switches and CPU
+migrations per I/O (``/proc/PID/stat``, ``/proc/PID/task/*/sched``), then, in a separate fio run of
+``--ios`` I/Os under ``strace -c -f`` on the target (strace slows every call: its counts mean
+something, its speed does not), the target's system calls per I/O, total and by call. Single-job
+runs pin fio and every thread of both daemons to one CPU unless ``--no-pin``. Not collected by
+pytest (no test_ prefix). ``--dir``: where the volumes live (default /dev/shm, tmpfs; the file
+system decides which file steps the ring takes: ``TcpUringPath._takes_nowait``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "tests" / "fuse"))
+
+from blockd_stack import Stack  # noqa: E402
+from fuse_syscalls import measure  # noqa: E402
+from run_fuse_bench import cpu_seconds, make_file, run_fio, sched_counts, set_affinity, start_stack  # noqa: E402
+
+SIZE = 256 << 20
+LOOPS = {"io_uring": {"io_uring_queues": True}, "system calls": {"io_uring_queues": False}}
+"""The two ways the target's queue thread does its I/O: its ``[target]`` settings."""
+PIN_CPU = {1}
+
+
+def jobfile(path: Path, file: Path, rw: str, depth: int, runtime: int) -> Path:
+    engine = "ioengine=psync\n" if depth == 1 else f"ioengine=libaio\niodepth={depth}\n"
+    path.write_text(f"[global]\ndirect=1\ntime_based=1\nruntime={runtime}\nramp_time=1\nsize={SIZE}\n"
+                    f"randrepeat=0\nnorandommap=1\nfilename={file}\n{engine}\n[job]\nrw={rw}\nbs=4k\nnumjobs=1\n")
+    return path
+
+
+def one(stack: Stack, work: Path, name: str, runtime: int, pin: bool, ios: int) -> dict[str, float]:
+    """One workload on a running stack: figures per I/O of its target process."""
+    rw, depth = name.split("-")
+    pid = stack.target.pid
+    cpus = PIN_CPU if pin else None
+    if pin:
+        set_affinity([stack.target.pid, stack.initiator.pid], PIN_CPU)
+    user0, sys0 = cpu_seconds(pid)
+    sw0, mig0 = sched_counts(pid)
+    got = run_fio(jobfile(work / f"{name}.fio", stack.file, rw, int(depth), runtime), cpus, runtime * 4 + 60)
+    user1, sys1 = cpu_seconds(pid)
+    sw1, mig1 = sched_counts(pid)
+    done = max(got["ios"], 1)
+    out = {"iops": got["iops"], "user_us": (user1 - user0) * 1e6 / done, "sys_us": (sys1 - sys0) * 1e6 / done,
+           "switches": (sw1 - sw0) / done, "migrations_per_1000": (mig1 - mig0) * 1000 / done}
+    if depth == "1":  # strace's pass at QD1 (the issue's count); fio's own engine, ios I/Os
+        calls = measure(stack.file, {"target": pid}, rw, ios, work)["target"]
+        out["syscalls"] = calls.pop("total")
+        out["by_call"] = ", ".join(f"{c} {v:.2f}" for c, v in calls.items())
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--runtime", type=int, default=5)
+    ap.add_argument("--ios", type=int, default=4000)
+    ap.add_argument("--no-pin", action="store_true")
+    ap.add_argument("--workloads", default="randread-1,randwrite-1,randread-32,randwrite-32")
+    ap.add_argument("--dir", default="/dev/shm")
+    args = ap.parse_args()
+    for tool in ("fio", "strace"):
+        if shutil.which(tool) is None:
+            sys.exit(f"{tool} is not installed")
+    work = Path(tempfile.mkdtemp(prefix="blockd-uringq.", dir=args.dir))
+    rows = []
+    try:
+        for r in range(args.rounds):
+            order = list(LOOPS) if r % 2 == 0 else list(reversed(LOOPS))
+            for loop in order:
+                sub = work / f"r{r}-{loop.replace(' ', '-')}"
+                sub.mkdir()
+                backing = sub / "vol.img"
+                make_file(backing, SIZE)
+                stack = start_stack(Stack(sub / "stack", size=SIZE, block_size=4096, log_level="warning",
+                                          backing=backing, target_settings=LOOPS[loop]), uring=True)
+                try:
+                    for name in args.workloads.split(","):
+                        pin = not args.no_pin and name.endswith("-1")
+                        f = one(stack, sub, name, args.runtime, pin, args.ios)
+                        rows.append(
+                            f"| {r + 1} | {name} | {loop} | {f['iops']:,.0f} | {f['user_us']:.1f} + {f['sys_us']:.1f} "
+                            f"| {f['switches']:.2f} | {f['migrations_per_1000']:.1f} | "
+                            + (f"{f['syscalls']:.2f} ({f['by_call']})" if "syscalls" in f else "") + " |")
+                        print(rows[-1], flush=True)
+                finally:
+                    stack.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\nvolumes in {args.dir}; pinned: {'no' if args.no_pin else 'single-job runs, CPU ' + str(sorted(PIN_CPU))}\n"
+          "| round | workload | target loop | IOPS | target CPU µs/I/O (user + sys) | context switches/I/O "
+          "| migrations/1000 I/Os | target syscalls/I/O (strace) |\n|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
