@@ -83,14 +83,14 @@ def describe(status: int, io: bool = False) -> str:
     answers an NVM I/O command (not an admin or Fabrics one), see :data:`NVM_COMMAND_SPECIFIC`."""
     more = ", more" if status & MORE else ""
     status &= ~MORE
-    try:
-        name = NVM_COMMAND_SPECIFIC[status & ~DNR] if io else Status(status).name
-    except (KeyError, ValueError):
+    if io and status & ~DNR in NVM_COMMAND_SPECIFIC:
+        name = NVM_COMMAND_SPECIFIC[status & ~DNR]
+    else:
         try:
-            name = Status(status ^ DNR).name
+            name = Status(status).name
         except ValueError:
             try:
-                name = Status(status).name
+                name = Status(status ^ DNR).name
             except ValueError:
                 name = "UNKNOWN"
     sct = (status >> 8) & 0x7

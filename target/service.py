@@ -309,10 +309,10 @@ class TargetService:
                 self.target.remove_namespace(sub, nsid)
                 log.info("namespace removed", nqn=sub.nqn, nsid=nsid)
         for nsid, nc in new_ns.items():
-            if nsid in removed and not await self.target.until_closed(removed[nsid], DRAIN_TIMEOUT):
-                log.warning("opening a namespace again while its old copy still has a command in flight",
-                            nqn=sub.nqn, nsid=nsid, waited_s=DRAIN_TIMEOUT)
             if old_ns.get(nsid) is None or not _kept(old_ns[nsid], nc):
+                if nsid in removed and not await self.target.until_closed(removed[nsid], DRAIN_TIMEOUT):
+                    log.warning("opening a namespace again while its old copy still has a command in flight",
+                                nqn=sub.nqn, nsid=nsid, waited_s=DRAIN_TIMEOUT)
                 self.target.add_namespace(sub, await self._open(sub, after, nc, config))
                 self._add_standby(after, nc, sub.namespaces[nsid])
                 self._attach(sub, sub.namespaces[nsid])
