@@ -145,10 +145,17 @@ def test_verify_through_a_blockd_replica_finds_a_unit_s_last_byte_and_a_reused_u
                 os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x10]), at)
         finally:
             os.close(fd)
+        before = replica.counters()
         res = primary.ctl("verify", NQN, "1", "--json")
         assert res.returncode == 1, res.stdout + res.stderr  # differences found
+        after = replica.counters()
         [result] = json.loads(res.stdout)["replicas"]
         assert result["method"] == "digest"  # a blockd replica hashes its own copy
+        # only digests crossed: no data read from the replica, a Digest command (kind "other")
+        # per unit at least, 16 bytes per region
+        assert after["bytes"]["read"] == before["bytes"]["read"], (before, after)
+        assert after["ops"]["other"] - before["ops"]["other"] >= primary.data // unit
+        assert after["bytes"]["other"] - before["bytes"]["other"] == result["regions"] * 16
         found = result["mismatched"]
         assert [m["region"] for m in found] == [at // NODE_REGION for at in flips]
         primary.wait_states(all_in_sync(), timeout=120)
