@@ -3,9 +3,12 @@ from the namespace's backend and return one digest per chunk, for a primary's on
 
 The backend is read as a Read reads it (``read_into``, so a replicated or filtered backend
 answers as it would to a host), in pieces of :data:`PIECE` bytes into reused buffers, and each
-piece is hashed in the default executor while the next one is read: a 64 KiB chunk hashes in
-~15 us, an 8 MiB range in ~2 ms, which on the event loop would hold every other queue of the
-target that long (hashing releases the GIL, so the loop runs meanwhile).
+piece is hashed in the default executor while the next one is read. An 8 MiB range hashes in
+~1-2 ms, which inline would hold the event loop, and every other command of the queue, that
+long. In the executor the loop still waits for the GIL while a chunk of 100 kB or less is
+hashed (python-xxhash holds it for those: a 64 KiB region), but gets it back between chunks and
+at the interpreter's switch interval. Measured piece sizes (docs/benchmarks.md): 1 MiB 0.43-0.83 s
+for a 256 MiB verify, 256 KiB 0.61-0.83 s, 8 MiB (read and hash no longer overlap) 1.22-1.33 s.
 """
 
 from __future__ import annotations
@@ -25,8 +28,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("blockd.target.digest")
 
 PIECE = 1 << 20
-"""Bytes read and hashed at a time: an executor hop costs tens of microseconds, hashing 1 MiB
-~250 us; two buffers a command."""
+"""Bytes read and hashed at a time (see the module docstring); two buffers a command."""
 POOL = 16
 """Most piece buffers kept between commands (a verify has 4 commands out at once, 2 each): a new
 1 MiB ``bytearray`` is zero-filled and faulted in, which costs as much as reading it."""
