@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from protocol.digest import DIGEST_ALGORITHM, DIGEST_CHUNK, DIGEST_FAST, DIGEST_NLB, DIGEST_SLBA, HASHERS, Digests, digest_length
+from protocol.digest import (
+    DIGEST_ALGORITHM, DIGEST_CHUNK, DIGEST_FAST, DIGEST_NLB, DIGEST_SLBA, HASHERS, Digests, digest_length,
+)
 from protocol.status import Status
 
 if TYPE_CHECKING:
