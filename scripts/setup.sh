@@ -21,6 +21,7 @@ APT_PACKAGES=(
   # the single-node Ceph test bed and the rbd backend (tests/ceph, docs/ceph.md)
   ceph-mon ceph-mgr ceph-osd ceph-common python3-rbd python3-rados
   rbd-nbd  # tests/bench/bench_rbd_vm.py (krbd is in ceph-common)
+  python3-xxhash  # XXH3-128 of blockd's Digest command (protocol/digest.py: a verify's digests)
 )
 
 missing=()
