@@ -134,3 +134,9 @@ def test_a_file_system_made_before_replication_survives_internal_metadata(guest_
 
 def test_a_file_system_made_before_replication_survives_external_metadata(guest_case):
     """The same with external metadata (metadata_path): the file system spans the whole volume."""
+
+
+# kernel nvme-tcp host -> `blockd target` with its queue threads on io_uring (issue 42)
+def test_khost_io_uring_target_answers_as_the_thread(guest_case):
+    """fio verify at QD1 and QD16 through a target on io_uring; the same bytes read back through
+    the thread fallback; the ring really served (its log and its queues' counts)."""
