@@ -772,10 +772,13 @@ URING_NQN = "nqn.2026-11.io.blockd:vmuring"
 URING_PORT = 4430
 URING_SOCK = "/run/blockd/uring-target.sock"
 URING_MNT = "/mnt/blockd-uring"
-URING_SIZE = 32 << 20
+URING_SIZE = 16 << 20
 # regions of the namespace: fio at QD1, fio at QD16, a pattern written at QD1 through each loop
-URING_QD1_AT, URING_QD16_AT, URING_RING_AT, URING_THREAD_AT = 0, 8 << 20, 16 << 20, 20 << 20
-URING_PATTERN = 1 << 20
+# (small: TCG. One run on a loaded host took 9-37 ms per 4 KiB QD1 I/O through the ring against
+# 3-6 ms through the thread; the next, as fast as the thread)
+URING_QD1_AT, URING_QD16_AT, URING_RING_AT, URING_THREAD_AT = 0, 4 << 20, 8 << 20, 12 << 20
+URING_PATTERN = 512 << 10
+URING_READ_BS = 32 << 10  # the whole namespace read back in reads the ring takes (below BY_REFERENCE_MIN)
 
 
 def _uring_target(name: str, io_uring: bool) -> Daemon:
@@ -812,7 +815,7 @@ def _served_by() -> list[dict]:
     return [q["served_by"] for h in hosts["hosts"] for q in h["queues"] if q["qid"]]
 
 
-def test_khost_io_uring_target_answers_as_the_thread(record_property):
+def test_khost_io_uring_target_answers_as_the_thread(rxe, record_property):
     """The kernel host drives a target whose queue threads run on io_uring (``[target]
     io_uring_queues``): fio writes with crc32c verify at queue depth 1 (4 KiB) and 16 (4-16 KiB),
     and a pattern written at QD1, read back through the ring and from the backing file; then the
@@ -834,14 +837,14 @@ def test_khost_io_uring_target_answers_as_the_thread(record_property):
         try:
             with kernel_host("tcp", URING_PORT, URING_NQN) as k:
                 dev = k["dev"]
-                sh(f"fio --name=qd1 --filename={dev} --rw=randwrite --bs=4k --size=4M --offset={URING_QD1_AT} "
+                sh(f"fio --name=qd1 --filename={dev} --rw=randwrite --bs=4k --size=1M --offset={URING_QD1_AT} "
                    "--direct=1 --ioengine=psync --verify=crc32c --do_verify=1 --verify_fatal=1 "
                    "--output-format=terse --minimal >/dev/null", timeout=300)
-                sh(f"fio --name=qd16 --filename={dev} --rw=randwrite --bsrange=4k-16k --size=4M "
+                sh(f"fio --name=qd16 --filename={dev} --rw=randwrite --bsrange=4k-16k --size=2M "
                    f"--offset={URING_QD16_AT} --direct=1 --ioengine=libaio --iodepth=16 --verify=crc32c "
                    "--do_verify=1 --verify_fatal=1 --output-format=terse --minimal >/dev/null", timeout=300)
                 sh(f"dd if={s}/pattern of={dev} bs=4k seek={URING_RING_AT} oflag=direct,seek_bytes status=none")
-                sh(f"dd if={dev} of={s}/ring-view bs=4k iflag=direct status=none")
+                sh(f"dd if={dev} of={s}/ring-view bs={URING_READ_BS} iflag=direct status=none")
                 served = _served_by()
             sh(f"cmp {s}/ring-view {URING_MNT}/vol.img && "
                f"cmp -n {URING_PATTERN} <(tail -c +{URING_RING_AT + 1} {s}/ring-view) {s}/pattern")
@@ -854,19 +857,19 @@ def test_khost_io_uring_target_answers_as_the_thread(record_property):
         record_property("io_uring_enters", sum(q.get("io_uring_enters", 0) for q in served))
         assert not any("io_uring_refused" in q for q in served), served
         assert sum(q["io_uring_undone"] for q in served) == 0, served
-        # fio's QD1 job alone makes 2048 reads and writes of 4 KiB; the dd's 8448 more
-        assert ring >= 4096, served
+        # reads at least (XFS takes them without blocking): fio's QD1 verify 256, the whole read 512
+        assert ring >= 768, served
 
         d = _uring_target("blockd-thread", io_uring=False)
         try:
             with kernel_host("tcp", URING_PORT, URING_NQN) as k:
                 sh(f"dd if={s}/pattern of={k['dev']} bs=4k seek={URING_THREAD_AT} oflag=direct,seek_bytes status=none")
-                sh(f"dd if={k['dev']} of={s}/thread-view bs=4k iflag=direct status=none")
+                sh(f"dd if={k['dev']} of={s}/thread-view bs={URING_READ_BS} iflag=direct status=none")
                 served = _served_by()
         finally:
             d.stop()
         assert "io_uring_queues or threaded_queues is off" in d.log_path.read_text(), d.log_tail()
-        assert not any("io_uring" in q for q in served) and sum(q["thread"] for q in served) >= 4096, served
+        assert not any("io_uring" in q for q in served) and sum(q["thread"] for q in served) >= 512, served
         # what the thread reads is what the ring read, but for the region it wrote since: the pattern
         sh(f"cmp {s}/thread-view {URING_MNT}/vol.img && "
            f"cmp -n {URING_THREAD_AT} {s}/thread-view {s}/ring-view && "
