@@ -352,9 +352,9 @@ _URING_KEYS = ("io_uring_sqpoll", "io_uring_sqpoll_idle_ms", "io_uring_spin_us")
 
 
 def _uring_poll(target_t: dict[str, Any], io_uring_queues: bool, where: str) -> tuple[bool, int, int]:
-    """``[target]``'s SQPOLL and spin settings, checked: each only means something with the one it
-    refines (SQPOLL with ``io_uring_queues``, the idle time and the spin with SQPOLL), so one set
-    without it is refused rather than ignored."""
+    """``[target]``'s SQPOLL and spin settings, checked: SQPOLL without ``io_uring_queues``, or a
+    spin without SQPOLL, would do nothing, so they are refused rather than ignored. The idle time
+    alone is let be (the sample configuration lists it beside ``io_uring_sqpoll = false``)."""
     sqpoll = take(target_t, "io_uring_sqpoll", bool, where, False)
     idle_ms = take(target_t, "io_uring_sqpoll_idle_ms", int, where, 10)
     spin_us = take(target_t, "io_uring_spin_us", int, where, 0)
@@ -364,8 +364,8 @@ def _uring_poll(target_t: dict[str, Any], io_uring_queues: bool, where: str) -> 
         raise ConfigError(f"{where}: io_uring_sqpoll_idle_ms must be 1..10000")
     if not 0 <= spin_us <= 10_000:
         raise ConfigError(f"{where}: io_uring_spin_us must be 0..10000")
-    if not sqpoll and ("io_uring_sqpoll_idle_ms" in target_t or spin_us):
-        raise ConfigError(f"{where}: io_uring_sqpoll_idle_ms and io_uring_spin_us need io_uring_sqpoll = true")
+    if spin_us and not sqpoll:
+        raise ConfigError(f"{where}: io_uring_spin_us needs io_uring_sqpoll = true")
     return sqpoll, idle_ms, spin_us
 
 

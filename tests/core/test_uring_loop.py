@@ -333,16 +333,19 @@ def test_the_ring_with_sqpoll_answers_as_the_thread(tmp_path: Path, depth: int) 
 
 @pytest.mark.parametrize(("table", "needle"), [
     ({"io_uring_sqpoll": True}, "io_uring_sqpoll needs io_uring_queues"),
-    ({"io_uring_queues": True, "io_uring_spin_us": 50}, "need io_uring_sqpoll"),
-    ({"io_uring_queues": True, "io_uring_sqpoll_idle_ms": 5}, "need io_uring_sqpoll"),
+    ({"io_uring_queues": True, "io_uring_spin_us": 50}, "io_uring_spin_us needs io_uring_sqpoll"),
     ({"io_uring_queues": True, "io_uring_sqpoll": True, "io_uring_sqpoll_idle_ms": 0}, "1..10000"),
     ({"io_uring_queues": True, "io_uring_sqpoll": True, "io_uring_spin_us": -1}, "0..10000"),
     ({"io_uring_queues": True, "io_uring_sqpoll": "yes"}, "must be bool"),
 ])
 def test_sqpoll_settings_are_checked(table: dict[str, Any], needle: str) -> None:
-    """A SQPOLL setting without the one it refines, or out of range, is a one-line error naming it."""
+    """A SQPOLL setting without the one it refines, or out of range, is a one-line error naming it;
+    the sample configuration's lines (the idle time beside SQPOLL off) load."""
     from target.config import ConfigError, parse
 
     with pytest.raises(ConfigError, match=needle):
         parse({"target": table}, "t.toml")
     assert parse({"target": {"io_uring_queues": True, "io_uring_sqpoll": True, "io_uring_spin_us": 20}}).io_uring_spin_us == 20
+    sample = parse({"target": {"io_uring_queues": False, "io_uring_sqpoll": False, "io_uring_sqpoll_idle_ms": 10,
+                               "io_uring_spin_us": 0}})
+    assert not sample.io_uring_sqpoll and sample.io_uring_sqpoll_idle_ms == 10
