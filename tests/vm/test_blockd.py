@@ -29,7 +29,7 @@ pytestmark = [
 ]
 
 GUEST_TESTS = "tests/vm/guest_tests/test_blockd.py"
-VM_TIMEOUT = 900
+VM_TIMEOUT = 1080  # 900 before the io_uring case, which took 159 s of its own (2026-12-07, TCG)
 
 
 # kernel nvme-tcp host -> `blockd target`
