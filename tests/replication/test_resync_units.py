@@ -305,6 +305,32 @@ def test_a_blockd_replica_over_a_file_takes_write_zeroes_with_deac(tmp_path: Pat
         node.stop()
 
 
+def test_a_full_sync_of_a_sparse_primary_leaves_a_blockd_replica_thin(tmp_path: Path) -> None:
+    """Two `blockd target` processes: a primary whose file holds 1 MiB of data and holes, and a
+    replica whose file is all written (it held something else). The full sync sends the holes
+    as Write Zeroes with DEAC, which the replica's target punches: its file ends about as thin
+    as the primary's (a zeroed range of ext4 or xfs stays allocated), and reads as the primary."""
+    from .nodes import DATA, Node, all_in_sync
+    primary, replica = Node(tmp_path, "primary"), Node(tmp_path, "r1")
+    content = os.urandom(1 << 20)
+    with open(primary.file, "wb") as f:
+        f.truncate(DEVICE)  # blank metadata: formatted at start
+        f.write(content)
+    replica.file.write_bytes(b"\x77" * DEVICE)
+    try:
+        replica.start()
+        primary.start([replica])
+        primary.wait_states(all_in_sync(settled=True), timeout=60)
+    finally:
+        primary.stop()
+        replica.stop()
+    with open(replica.file, "rb") as f:
+        copied = f.read(DATA)
+    assert copied[:1 << 20] == content and copied[1 << 20:] == bytes(DATA - (1 << 20))
+    allocated = replica.file.stat().st_blocks * 512
+    assert allocated <= primary.file.stat().st_blocks * 512 + (1 << 20), (allocated, DEVICE)
+
+
 def test_units_finishing_out_of_order_never_share_a_buffer() -> None:
     """A full sync of 32 units through a replica whose writes take uneven times, so that units
     finish out of order and hand their buffers on in any order: the replica ends equal to this
