@@ -55,19 +55,19 @@ class Recording(FakeReplica):
         await self.store.write_zeroes(offset, length)
 
 
-def recording_bed(local: Any = None, garbage: bool = True) -> tuple[Bed, list[Recording]]:
+def recording_bed(local: Any = None, garbage: bool = True, device: int = DEVICE) -> tuple[Bed, list[Recording]]:
     """A one-replica bed whose replica records; its store starts as garbage (a replica that held
     something else), so a region the resync skips would show."""
-    store = MemoryBackend(DEVICE)
+    store = MemoryBackend(device)
     if garbage:
-        store.data[:] = os.urandom(DEVICE)
+        store.data[:] = os.urandom(device)
         store.data[-8192:] = bytes(8192)  # blank superblocks: formatted as a new replica
     bed = Bed(1, local=local, stores=[store])
     opened: list[Recording] = []
 
     def opener(i: int) -> Any:
         async def open_() -> Recording:
-            r = Recording(store, "r0", layout(DEVICE, REGION, 4).data_size)
+            r = Recording(store, "r0", layout(device, REGION, 4).data_size)
             opened.append(r)
             bed.opened[i].append(r)
             return r
@@ -78,14 +78,15 @@ def recording_bed(local: Any = None, garbage: bool = True) -> tuple[Bed, list[Re
 
 def test_a_full_sync_copies_units_of_consecutive_regions_several_at_once() -> None:
     async def main() -> None:
-        local = MemoryBackend(DEVICE)
-        local.data[:] = os.urandom(DEVICE)
+        device = 4 * resync.UNIT  # several units
+        local = MemoryBackend(device)
+        local.data[:] = os.urandom(device)
         local.data[-(64 << 10):] = bytes(64 << 10)  # blank metadata: formatted at open
-        bed, opened = recording_bed(local)
+        bed, opened = recording_bed(local, device=device)
         m = await bed.primary()
         await until(lambda: m.links[0].state == IN_SYNC)
         writes = opened[-1].writes
-        assert max(n for _, n in writes) == resync.UNIT  # 16 regions in one write
+        assert max(n for _, n in writes) == resync.UNIT  # 64 regions in one write
         assert len(writes) == -(-m.size // resync.UNIT)  # and no region twice
         assert opened[-1].most_busy > 1  # several units at the replica at once
         assert data_hash(bed.stores[0], m.size) == data_hash(local, m.size)
