@@ -59,8 +59,8 @@ data, response) between two processes that each wait for the CPU, until a unit's
 its first send costs more than that. A host write to a region of a unit being copied waits for
 the unit (4 MiB at 200 MB/s: ~20 ms)."""
 DEPTH = 2
-"""Units copied at once. Measured with the 4 MiB units (same runs as :data:`UNIT`): 4 at once
-0.69 / 0.44 of cp against 0.71 / 0.58 for 2. Earlier, with 1 MiB units (3 alternated rounds,
+"""Units copied at once. Measured in the runs of :data:`UNIT` (median ratio to cp): 4 MiB units
+4 at once 0.69 against 0.71 for 2 (run 1), 8 MiB units 4 at once 0.44 against 0.55 (run 2). Earlier, with 1 MiB units (3 alternated rounds,
 in process): 2 at once 196-256 MB/s, 4 at once 168-229, 8 at once 113-145, and one 64 KiB region
 at a time 102-157; deeper queues of large writes only slow the replica's side down."""
 MIN_HOLE = 64 << 10
