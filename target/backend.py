@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from target.config import NamespaceConfig
 
 _BLKGETSIZE64 = 0x80081272
-_BLKDISCARD = 0x1277
 _BLKZEROOUT = 0x127F
 _ZERO_CHUNK = bytes(1 << 20)
 
@@ -97,7 +96,7 @@ class FileBackend:
     disk (fsync, FUA) runs in the default executor so keep-alives and other queues keep flowing.
     """
 
-    can_trim = True  # punch hole / BLKDISCARD
+    can_trim = True  # punch hole (a block device: only one that zeroes, see _punch_zeroes)
     can_zero = True  # zero range / BLKZEROOUT, else writes of zeroes
     can_fua = True  # fdatasync after the write
     can_flush = True  # the page cache
@@ -114,6 +113,8 @@ class FileBackend:
         self.fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
         st = os.fstat(self.fd)
         self.is_block_device = stat.S_ISBLK(st.st_mode)
+        if self.is_block_device:
+            self.can_trim = _punch_zeroes(st.st_rdev)
         self.fast = None
         """The compiled I/O path's copy of ``fd`` and ``size`` (:mod:`target.io_fast`), kept in
         step here; None in pure mode, and for a subclass, which may change what a read or write
@@ -168,9 +169,10 @@ class FileBackend:
         await asyncio.get_running_loop().run_in_executor(None, os.fdatasync, self.fd)
 
     async def discard(self, offset: int, length: int) -> None:
-        if self.is_block_device:
-            fcntl.ioctl(self.fd, _BLKDISCARD, struct.pack("<QQ", offset, length))
-            return
+        """A hole punched in a file; on a block device the same call is the kernel's zeroing
+        that may unmap (``blkdev_fallocate``: Write Zeroes without the fallback of writing
+        zeroes, EOPNOTSUPP where the device has none). Not BLKDISCARD: a discarded block of a
+        device may read back as its old data, and Identify promises zeroes (DLFEAT)."""
         fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)
 
     async def write_zeroes(self, offset: int, length: int) -> None:
@@ -223,6 +225,22 @@ class FileBackend:
                 self.fast.fd = -1  # withdrawn before the number can be reused
             os.close(self.fd)
             self.fd = -1
+
+
+def _punch_zeroes(rdev: int) -> bool:
+    """Whether the block device ``rdev`` has Write Zeroes (its queue's ``write_zeroes_max_bytes``
+    in sysfs), which a punch of it needs (see :meth:`FileBackend.discard`). A device without it
+    deallocates nothing: the hint is dropped and DLFEAT says nothing of zeroes, rather than a
+    BLKDISCARD whose blocks may read back as anything, or a whole-device trim (mkfs does one)
+    turned into writing zeroes."""
+    device = f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}"
+    for queue in (f"{device}/queue", f"{device}/../queue"):  # a partition's limits are its disk's
+        try:
+            with open(f"{queue}/write_zeroes_max_bytes") as f:
+                return int(f.read()) > 0
+        except FileNotFoundError:
+            continue
+    return False
 
 
 def open_file(nc: NamespaceConfig) -> FileBackend:

@@ -33,7 +33,7 @@ from protocol.logpage import CHANGED_NS_LIST, COMMANDS_EFFECTS_LOG, EFFECTS_CSUP
 from protocol.nvme import (
     DSM_ATTR_DEALLOCATE, DSM_COMMAND_FAST, DSM_RANGE_FAST, FEATURES_COMMAND, FEATURES_SAVE,
     GET_LOG_PAGE_COMMAND, GET_LOG_PAGE_RAE, IDENTIFY_COMMAND, IO_CONTROL, IO_NLB, IO_SLBA, NSID_ALL,
-    RW_CONTROL_FUA, SQE,
+    RW_CONTROL_DEAC, RW_CONTROL_FUA, SQE,
 )
 from protocol.reservation import EXHID, PTPL, RESCAP_ALL
 from protocol.status import Status, to_wire
@@ -683,10 +683,18 @@ class Controller:
             req.status = _write_status(exc)
 
     async def _write_zeroes(self, req: Request) -> None:
+        """Zero the range; with DEAC, and a backend whose deallocated blocks read as zeroes
+        (DLFEAT 0x09), deallocate it instead, as the spec allows: a resync sends the holes of a
+        sparse primary so, and a thin replica stays thin (written zeroes would allocate them)."""
         ns = req.ns
         fields = req.fields
+        backend = ns.backend
+        offset, length = fields[IO_SLBA] << ns.lba_shift, (fields[IO_NLB] + 1) << ns.lba_shift
         try:
-            await ns.backend.write_zeroes(fields[IO_SLBA] << ns.lba_shift, (fields[IO_NLB] + 1) << ns.lba_shift)
+            if fields[IO_CONTROL] & RW_CONTROL_DEAC and backend.can_trim:
+                await backend.discard(offset, length)
+            else:
+                await backend.write_zeroes(offset, length)
         except OSError as exc:
             log.error("zeroing failed", nsid=ns.nsid, error=str(exc))
             req.status = _write_status(exc)

@@ -5,10 +5,19 @@ Driven through the whole target core with the fake transport of ``test_sans_io``
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
 from protocol.constants import ONCS_DSM, ONCS_RESERVATIONS, ONCS_WRITE_ZEROES
 from protocol.nvme import build_sqe
 from protocol.status import MORE, Status, to_wire
-from target.backend import MemoryBackend
+from target.backend import FileBackend, MemoryBackend
 from target.filter import BackendFilter
 from target.queue import TargetQueue
 from target.target import Target
@@ -17,6 +26,8 @@ from .conftest import incapsule_sgl, transport_sgl
 from .test_sans_io import BLOCKS, admin_and_io, complete, run, rw_sqe
 
 FUA = 1 << 30
+DEAC = 1 << 25
+"""CDW12 bit 25 of Write Zeroes: the controller may deallocate the range."""
 """CDW12 bit 30: FUA (bit 14 of the control word in the upper half)."""
 
 
@@ -118,3 +129,85 @@ def test_read_only_is_the_backends() -> None:
         assert complete(io, rw_sqe(0x02, 2, 0, 1, transport_sgl(512)))[0] == 0
         return target
     run(body)
+
+
+def dsm_deallocate(io: TargetQueue, cid: int, slba: int, nlb: int) -> int:
+    """One Dataset Management deallocate range; its wire status."""
+    sqe = build_sqe(0x09, cid, nsid=1, dptr=incapsule_sgl(16), cdw10=0, cdw11=1 << 2)
+    return complete(io, sqe, bytes(4) + nlb.to_bytes(4, "little") + slba.to_bytes(8, "little"))[0]
+
+
+def test_write_zeroes_with_deac_punches_a_file_and_without_it_zeroes_in_place(tmp_path: Path) -> None:
+    """A file says deallocated blocks read as zeroes (DLFEAT 0x09), so a Write Zeroes with DEAC
+    punches its range (a resync's hole keeps a thin replica thin), and one without DEAC zeroes
+    in place, keeping the blocks (tmp_path's file system has both fallocate modes)."""
+    path = tmp_path / "ns.img"
+    path.write_bytes(b"\x5a" * (2 << 20))
+    backend = FileBackend(str(path))
+    half = (1 << 20) // 512
+
+    def body() -> Target:
+        target, _, admin, io = admin_and_io(backend)
+        assert identify(admin, 0, nsid=1)[33] == 0x09
+        assert complete(io, rw_sqe(0x08, 1, 0, half, transport_sgl(0)))[0] == 0
+        assert complete(io, rw_sqe(0x08, 2, half, half, transport_sgl(0), cdw12_extra=DEAC))[0] == 0
+        return target
+    try:
+        run(body)
+    finally:
+        backend.close()
+    assert path.read_bytes() == bytes(2 << 20)
+    allocated = path.stat().st_blocks * 512
+    assert 1 << 20 <= allocated <= (1 << 20) + (64 << 10), allocated  # the first MiB kept, the second punched
+
+
+@contextlib.contextmanager
+def loop_device(backing: Path) -> Iterator[str]:
+    dev = subprocess.run(["losetup", "-f", "--show", str(backing)], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    try:
+        yield dev
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=True)
+
+
+@contextlib.contextmanager
+def ramfs(where: Path) -> Iterator[Path]:
+    """A ramfs mount: its files have no fallocate, so a loop device over one has neither
+    discard nor Write Zeroes."""
+    where.mkdir()
+    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("losetup") is None, reason="loop devices need root")
+def test_a_block_device_promises_zeroes_only_where_its_deallocate_zeroes(tmp_path: Path) -> None:
+    """Two loop devices. Over a file of tmp_path's file system the device has Write Zeroes: DLFEAT
+    says deallocated blocks read as zeroes, and a deallocate zeroes them. Over a ramfs file it has
+    no Write Zeroes: DLFEAT 0 (a BLKDISCARD may leave the old data; blockd does not promise
+    zeroes it cannot give), and a deallocate is the hint that does nothing."""
+    data = b"\x5a" * (1 << 20)
+    (tmp_path / "disk.img").write_bytes(data)
+
+    def namespace(dev: str, dlfeat: int, after: bytes) -> None:
+        backend = FileBackend(dev)
+
+        def body() -> Target:
+            target, _, admin, io = admin_and_io(backend)
+            assert identify(admin, 0, nsid=1)[33] == dlfeat
+            assert dsm_deallocate(io, 1, 0, 128) == 0
+            assert os.pread(backend.fd, 64 << 10, 0) == after
+            assert os.pread(backend.fd, 512, 64 << 10) == data[:512]
+            return target
+        try:
+            run(body)
+        finally:
+            backend.close()
+    with ramfs(tmp_path / "ram") as ram:
+        (ram / "disk.img").write_bytes(data)
+        with loop_device(tmp_path / "disk.img") as zeroing, loop_device(ram / "disk.img") as plain:
+            namespace(zeroing, 0x09, bytes(64 << 10))
+            namespace(plain, 0, data[:64 << 10])

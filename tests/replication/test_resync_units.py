@@ -55,19 +55,19 @@ class Recording(FakeReplica):
         await self.store.write_zeroes(offset, length)
 
 
-def recording_bed(local: Any = None, garbage: bool = True) -> tuple[Bed, list[Recording]]:
+def recording_bed(local: Any = None, garbage: bool = True, device: int = DEVICE) -> tuple[Bed, list[Recording]]:
     """A one-replica bed whose replica records; its store starts as garbage (a replica that held
     something else), so a region the resync skips would show."""
-    store = MemoryBackend(DEVICE)
+    store = MemoryBackend(device)
     if garbage:
-        store.data[:] = os.urandom(DEVICE)
+        store.data[:] = os.urandom(device)
         store.data[-8192:] = bytes(8192)  # blank superblocks: formatted as a new replica
     bed = Bed(1, local=local, stores=[store])
     opened: list[Recording] = []
 
     def opener(i: int) -> Any:
         async def open_() -> Recording:
-            r = Recording(store, "r0", layout(DEVICE, REGION, 4).data_size)
+            r = Recording(store, "r0", layout(device, REGION, 4).data_size)
             opened.append(r)
             bed.opened[i].append(r)
             return r
@@ -78,14 +78,15 @@ def recording_bed(local: Any = None, garbage: bool = True) -> tuple[Bed, list[Re
 
 def test_a_full_sync_copies_units_of_consecutive_regions_several_at_once() -> None:
     async def main() -> None:
-        local = MemoryBackend(DEVICE)
-        local.data[:] = os.urandom(DEVICE)
+        device = 4 * resync.UNIT  # several units
+        local = MemoryBackend(device)
+        local.data[:] = os.urandom(device)
         local.data[-(64 << 10):] = bytes(64 << 10)  # blank metadata: formatted at open
-        bed, opened = recording_bed(local)
+        bed, opened = recording_bed(local, device=device)
         m = await bed.primary()
         await until(lambda: m.links[0].state == IN_SYNC)
         writes = opened[-1].writes
-        assert max(n for _, n in writes) == resync.UNIT  # 16 regions in one write
+        assert max(n for _, n in writes) == resync.UNIT  # 64 regions in one write
         assert len(writes) == -(-m.size // resync.UNIT)  # and no region twice
         assert opened[-1].most_busy > 1  # several units at the replica at once
         assert data_hash(bed.stores[0], m.size) == data_hash(local, m.size)
@@ -303,6 +304,32 @@ def test_a_blockd_replica_over_a_file_takes_write_zeroes_with_deac(tmp_path: Pat
         run(main())
     finally:
         node.stop()
+
+
+def test_a_full_sync_of_a_sparse_primary_leaves_a_blockd_replica_thin(tmp_path: Path) -> None:
+    """Two `blockd target` processes: a primary whose file holds 1 MiB of data and holes, and a
+    replica whose file is all written (it held something else). The full sync sends the holes
+    as Write Zeroes with DEAC, which the replica's target punches: its file ends about as thin
+    as the primary's (a zeroed range of ext4 or xfs stays allocated), and reads as the primary."""
+    from .nodes import DATA, Node, all_in_sync
+    primary, replica = Node(tmp_path, "primary"), Node(tmp_path, "r1")
+    content = os.urandom(1 << 20)
+    with open(primary.file, "wb") as f:
+        f.truncate(DEVICE)  # blank metadata: formatted at start
+        f.write(content)
+    replica.file.write_bytes(b"\x77" * DEVICE)
+    try:
+        replica.start()
+        primary.start([replica])
+        primary.wait_states(all_in_sync(settled=True), timeout=60)
+    finally:
+        primary.stop()
+        replica.stop()
+    with open(replica.file, "rb") as f:
+        copied = f.read(DATA)
+    assert copied[:1 << 20] == content and copied[1 << 20:] == bytes(DATA - (1 << 20))
+    allocated = replica.file.stat().st_blocks * 512
+    assert allocated <= primary.file.stat().st_blocks * 512 + (1 << 20), (allocated, DEVICE)
 
 
 def test_units_finishing_out_of_order_never_share_a_buffer() -> None:
