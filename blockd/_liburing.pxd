@@ -20,9 +20,16 @@ cdef extern from "liburing.h" nogil:
     struct io_uring_cqe:
         uint64_t user_data
         int32_t res
+    struct io_uring_sq:
+        unsigned* kflags
     struct io_uring:
         int ring_fd
+        io_uring_sq sq
+    struct io_uring_params:
+        uint32_t flags
+        uint32_t sq_thread_idle
     int io_uring_queue_init(unsigned entries, io_uring* ring, unsigned flags)
+    int io_uring_queue_init_params(unsigned entries, io_uring* ring, io_uring_params* p)
     void io_uring_queue_exit(io_uring* ring)
     io_uring_sqe* io_uring_get_sqe(io_uring* ring)
     int io_uring_submit(io_uring* ring)
@@ -43,4 +50,6 @@ cdef extern from "liburing.h" nogil:
         IORING_SETUP_SINGLE_ISSUER
         IORING_SETUP_COOP_TASKRUN
         IORING_SETUP_DEFER_TASKRUN
+        IORING_SETUP_SQPOLL
+        IORING_SQ_NEED_WAKEUP
         IORING_OP_URING_CMD

@@ -15,12 +15,19 @@ region, and overwrite newer data with older.
 
 from __future__ import annotations
 
+import asyncio
+
 from initiator.controller import Controller, IoDone
 from initiator.errors import NvmeError
 from initiator.params import ConnectParams
-from protocol.commands import identify_command
-from protocol.constants import DLFEAT_DEAC, DLFEAT_READ_MASK, DLFEAT_READS_ZEROES, ONCS_WRITE_ZEROES, Cns
+from protocol.commands import digest_command, identify_command
+from protocol.constants import (
+    DLFEAT_DEAC, DLFEAT_READ_MASK, DLFEAT_READS_ZEROES, LPA_COMMANDS_EFFECTS, ONCS_WRITE_ZEROES, Cns, IoOpcode,
+    LogPageId,
+)
+from protocol.digest import DIGEST_SIZE, MAX_BLOCKS, DigestAlgorithm
 from protocol.identify import IDENTIFY_NAMESPACE, IDENTIFY_SIZE
+from protocol.logpage import COMMANDS_EFFECTS_LOG, COMMANDS_EFFECTS_LOG_SIZE, EFFECTS_CSUPP
 
 REPLICA_QUEUES = 2
 """I/O queues per replica association: the controller packs commands onto the first queue
@@ -38,9 +45,12 @@ STALE_MARGIN = 1.0
 class RemoteNamespace:
     """Namespace ``nsid`` of a live :class:`Controller`, addressed in bytes."""
 
-    def __init__(self, ctrl: Controller, nsid: int, dlfeat: int = 0) -> None:
-        """``dlfeat``: the namespace's Identify DLFEAT (what :meth:`write_zeroes` may ask)."""
+    def __init__(self, ctrl: Controller, nsid: int, dlfeat: int = 0, serves_digests: bool = False) -> None:
+        """``dlfeat``: the namespace's Identify DLFEAT (what :meth:`write_zeroes` may ask);
+        ``serves_digests``: its controller has blockd's Digest command (:func:`serves_digests`)."""
         self.ctrl = ctrl
+        self.serves_digests = serves_digests
+        """:meth:`digests` works here: a verify asks for digests instead of reading the data."""
         self.nsid = nsid
         self.size = ctrl.namespace(nsid).size
         """Bytes of the whole namespace (the replica's metadata included)."""
@@ -115,8 +125,48 @@ class RemoteNamespace:
             slba += n
             blocks -= n
 
+    async def digests(self, offset: int, length: int, chunk: int, out: memoryview) -> None:
+        """The XXH3-128 digests of the block-aligned range at ``offset``, one per ``chunk`` bytes
+        (a multiple of the block size; the last one shorter when the range ends first), into
+        ``out``: commands of whole chunks, as many blocks as one may cover and as many digests as
+        one transfer holds, all sent at once (:mod:`protocol.digest`). Raises
+        :class:`NvmeError` as a read does."""
+        bs = self.block_size
+        chunk_blocks = chunk // bs
+        if chunk % bs or offset % bs or length % bs or not 0 < chunk_blocks <= MAX_BLOCKS:
+            raise ValueError(f"a digest of {length} bytes at {offset} in chunks of {chunk} "
+                             f"does not fit blocks of {bs} bytes")
+        per_command = chunk_blocks * min(MAX_BLOCKS // chunk_blocks, self.ctrl.max_transfer // DIGEST_SIZE)
+        commands = []
+        slba, end = offset // bs, (offset + length) // bs
+        at = 0
+        while slba < end:
+            blocks = min(per_command, end - slba)
+            n = -(-blocks // chunk_blocks) * DIGEST_SIZE
+            commands.append(self.ctrl.io_command(
+                digest_command(self.nsid, slba, blocks - 1, chunk_blocks, DigestAlgorithm.XXH3_128),
+                data_in=out[at:at + n]))
+            slba += blocks
+            at += n
+        await asyncio.gather(*commands)
+
     async def close(self) -> None:
         await self.ctrl.close()
+
+
+async def serves_digests(ctrl: Controller) -> bool:
+    """Whether the controller has blockd's Digest command: its Commands Supported and Effects log
+    (if it has one, Identify LPA bit 1) says CSUPP for the opcode. Asking up front, not sending
+    the command to find out, because a vendor specific opcode means something else to another
+    vendor's controller (a passthrough nvmet forwards it to its device); the kernel's nvmet
+    serves the log without it."""
+    if not ctrl.identity.lpa & LPA_COMMANDS_EFFECTS:
+        return False
+    try:
+        page = await ctrl.get_log_page(LogPageId.COMMANDS_EFFECTS, COMMANDS_EFFECTS_LOG_SIZE)
+    except NvmeError:  # refused: as if not advertised
+        return False
+    return bool(COMMANDS_EFFECTS_LOG.parse(page).iocs[IoOpcode.BLOCKD_DIGEST] & EFFECTS_CSUPP)
 
 
 async def open_remote(transport: str, address: str, port: int, nqn: str, nsid: int,
@@ -135,8 +185,9 @@ async def open_remote(transport: str, address: str, port: int, nqn: str, nsid: i
     identify = bytearray(IDENTIFY_SIZE)
     try:
         await ctrl.admin_command(identify_command(Cns.NAMESPACE, nsid), data_in=memoryview(identify))
+        digests = await serves_digests(ctrl)
     except BaseException:
         await ctrl.close()
         raise
-    return RemoteNamespace(ctrl, nsid, IDENTIFY_NAMESPACE.parse(identify).dlfeat)
+    return RemoteNamespace(ctrl, nsid, IDENTIFY_NAMESPACE.parse(identify).dlfeat, digests)
 

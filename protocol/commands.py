@@ -19,6 +19,7 @@ import construct as c
 
 from protocol.auth import AUTH_COMMAND, SECP_DHCHAP, SPSP_DHCHAP
 from protocol.constants import PSDT_SGL, AdminOpcode, FabricsType, IoOpcode
+from protocol.digest import DIGEST_COMMAND
 from protocol.fabrics import CONNECT_COMMAND, CONNECT_DATA, FABRICS_COMMAND, PROPERTY_COMMAND
 from protocol.layout import FixedLayout, at_offsets, field_offset, fixed_layout
 from protocol.reservation import CPTPL_SHIFT, EDS, IEKEY, REPORT_COMMAND, RESERVATION_COMMAND
@@ -81,6 +82,7 @@ _property = _packer(fixed_layout(PROPERTY_COMMAND))
 _auth = _packer(fixed_layout(AUTH_COMMAND))
 _reservation = _packer(fixed_layout(RESERVATION_COMMAND))
 _report = _packer(fixed_layout(REPORT_COMMAND))
+_digest = _packer(fixed_layout(DIGEST_COMMAND))
 
 # -- NVM I/O commands ---------------------------------------------------------------------------
 
@@ -150,6 +152,12 @@ def reservation_release_command(nsid: int, action: int, rtype: int, iekey: bool 
 def reservation_report_command(nsid: int, numd0: int, extended: bool = True) -> bytearray:
     """Reservation Report of ``numd0 + 1`` dwords; ``extended``: the 128-bit host id structure."""
     return _report(opcode=IoOpcode.RESERVATION_REPORT, nsid=nsid, numd=numd0, cdw11=EDS if extended else 0)
+
+
+def digest_command(nsid: int, slba: int, nlb0: int, chunk: int, algorithm: int) -> bytearray:
+    """blockd's Digest of ``nlb0 + 1`` blocks from ``slba``, one digest per ``chunk`` blocks
+    (:mod:`protocol.digest`); the data is the digests."""
+    return _digest(opcode=IoOpcode.BLOCKD_DIGEST, nsid=nsid, slba=slba, nlb=nlb0, chunk=chunk, algorithm=algorithm)
 
 
 # -- admin commands -------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ class IoOpcode(IntEnum):
     RESERVATION_ACQUIRE = 0x11
     RESERVATION_RELEASE = 0x15
     FABRICS = 0x7F
+    BLOCKD_DIGEST = 0x82
+    """blockd's own (vendor specific: I/O opcodes 80h-FFh), see :mod:`protocol.digest`."""
 
 
 class FabricsType(IntEnum):
@@ -156,6 +158,10 @@ AEN_RESERVATION_LOG = 0x00800006
 """I/O command specific status (type 6), Reservation Log Page Available (info 00h), log 80h."""
 
 # Identify Controller fields this implementation advertises.
+LPA_COMMANDS_EFFECTS = 1 << 1
+"""Identify Controller LPA bit 1: the Commands Supported and Effects log page is served."""
+LPA_EXTENDED_DATA = 1 << 2
+"""LPA bit 2: Get Log Page takes NUMDU and an offset (extended data)."""
 ONCS_DSM = 1 << 2
 ONCS_WRITE_ZEROES = 1 << 3
 ONCS_RESERVATIONS = 1 << 5

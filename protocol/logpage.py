@@ -1,4 +1,5 @@
-"""Log pages: Discovery (70h), Error Information (01h), Changed Namespace List (04h), ANA (0Ch)."""
+"""Log pages: Discovery (70h), Error Information (01h), Changed Namespace List (04h), Commands
+Supported and Effects (05h), ANA (0Ch)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,17 @@ ERROR_LOG_ENTRY = at_offsets(ERROR_LOG_ENTRY_SIZE, [
 the command failed with); ``param_location`` the byte offset in the SQE of the field at fault."""
 
 CHANGED_NS_LIST = c.Array(1024, c.Int32ul)
+
+COMMANDS_EFFECTS_LOG_SIZE = 4096
+COMMANDS_EFFECTS_LOG = at_offsets(COMMANDS_EFFECTS_LOG_SIZE, [
+    (0, "acs", c.Array(256, c.Int32ul)),
+    (1024, "iocs", c.Array(256, c.Int32ul)),
+])
+"""Commands Supported and Effects: one entry per admin opcode (ACS), then per I/O opcode (IOCS)."""
+EFFECTS_CSUPP = 1 << 0
+"""The controller supports the command."""
+EFFECTS_LBCC = 1 << 1
+"""The command may change the contents of logical blocks (a write)."""
 
 TSAS_RDMA = at_offsets(256, [
     (0, "qptype", c.Int8ul),

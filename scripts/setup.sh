@@ -17,9 +17,11 @@ APT_PACKAGES=(
   fio nbdkit libnbd-bin nvme-cli fuse3
   qemu-system-x86 busybox-static cpio kmod iproute2
   systemd dmsetup
+  e2fsprogs xfsprogs  # mkfs/fsck in tests; create-md's file-system checks are tested on both
   # the single-node Ceph test bed and the rbd backend (tests/ceph, docs/ceph.md)
   ceph-mon ceph-mgr ceph-osd ceph-common python3-rbd python3-rados
   rbd-nbd  # tests/bench/bench_rbd_vm.py (krbd is in ceph-common)
+  python3-xxhash  # XXH3-128 of blockd's Digest command (protocol/digest.py: a verify's digests)
 )
 
 missing=()

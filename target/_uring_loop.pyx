@@ -42,10 +42,11 @@ from posix.types cimport off_t
 from blockd._iostats cimport now_ns
 from blockd._le cimport le32, le64
 from blockd._liburing cimport (
-    IORING_SETUP_COOP_TASKRUN, IORING_SETUP_DEFER_TASKRUN, IORING_SETUP_SINGLE_ISSUER, IOSQE_CQE_SKIP_SUCCESS,
-    IOSQE_IO_LINK, io_uring, io_uring_cqe, io_uring_cqe_seen, io_uring_get_sqe, io_uring_peek_cqe, io_uring_prep_read,
-    io_uring_prep_recv, io_uring_prep_sendmsg, io_uring_prep_write, io_uring_queue_exit, io_uring_queue_init,
-    io_uring_sqe, io_uring_submit_and_wait, io_uring_wait_cqe,
+    IORING_SETUP_COOP_TASKRUN, IORING_SETUP_DEFER_TASKRUN, IORING_SETUP_SINGLE_ISSUER, IORING_SETUP_SQPOLL,
+    IORING_SQ_NEED_WAKEUP, IOSQE_CQE_SKIP_SUCCESS, IOSQE_IO_LINK, io_uring, io_uring_cqe, io_uring_cqe_seen,
+    io_uring_get_sqe, io_uring_params, io_uring_peek_cqe, io_uring_prep_read, io_uring_prep_recv, io_uring_prep_sendmsg,
+    io_uring_prep_write, io_uring_queue_exit, io_uring_queue_init_params, io_uring_sqe, io_uring_submit,
+    io_uring_submit_and_wait, io_uring_wait_cqe,
 )
 from blockd._pdu_reader cimport PduReader
 from target._file_io cimport FastNamespace
@@ -104,22 +105,44 @@ cdef enum:
     _FULL = 3  # a receive was asked and staging has no room: the loop's (what was held went out)
 
 
-cdef int _ring_flags() noexcept:
-    """The flags a queue's ring is made with: one submitting thread, completions run only when
-    it enters the kernel to wait (no task-work interruptions of its system calls)."""
-    return IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_COOP_TASKRUN | IORING_SETUP_DEFER_TASKRUN
+cdef int _ring_init(io_uring* ring, unsigned entries, unsigned sqpoll_idle_ms) noexcept:
+    """Make a queue's ring. Without SQPOLL: one submitting thread, completions run only when it
+    enters the kernel to wait (no task-work interruptions of its system calls). With SQPOLL
+    (``sqpoll_idle_ms`` > 0, its ``sq_thread_idle``): the kernel's thread submits, and the kernel
+    refuses the task-run flags beside it (they say how the submitting task is interrupted, and
+    that task is then its own thread)."""
+    cdef io_uring_params p
+    memset(&p, 0, sizeof(p))
+    if sqpoll_idle_ms:
+        p.flags = IORING_SETUP_SQPOLL
+        p.sq_thread_idle = sqpoll_idle_ms
+    else:
+        p.flags = IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_COOP_TASKRUN | IORING_SETUP_DEFER_TASKRUN
+    return io_uring_queue_init_params(entries, ring, &p)
 
 
-def probe() -> str:
+def probe(unsigned sqpoll_idle_ms=0) -> str:
     """Why this kernel cannot run the io_uring queue loop ("" when it can): a ring made and closed
-    with the loop's flags (io_uring may be missing, disabled by ``kernel.io_uring_disabled``, or
-    refused by a seccomp filter). The target asks once at start and logs the answer."""
+    as the loop makes it (io_uring may be missing, disabled by ``kernel.io_uring_disabled``, or
+    refused by a seccomp filter; SQPOLL by a kernel before 5.11 without CAP_SYS_ADMIN). The
+    target asks once at start and logs the answer."""
     cdef io_uring ring
-    cdef int err = io_uring_queue_init(4, &ring, _ring_flags())
+    cdef int err = _ring_init(&ring, 4, sqpoll_idle_ms)
     if err < 0:
-        return f"io_uring_queue_init: {os.strerror(-err)}"
+        return f"io_uring_queue_init{' (SQPOLL)' if sqpoll_idle_ms else ''}: {os.strerror(-err)}"
     io_uring_queue_exit(&ring)
     return ""
+
+
+cdef int _spin(io_uring* ring, io_uring_cqe** cqe, long long spin_ns) noexcept nogil:
+    """Poll ``ring`` for a completion for up to ``spin_ns`` (without the GIL: the event loop's
+    thread runs meanwhile); ``io_uring_peek_cqe``'s answer at the end. The bounded spin of SPDK's
+    reactor: a completion that comes within it costs no system call and no sleep and wake-up."""
+    cdef long long deadline = now_ns() + spin_ns
+    cdef int err = io_uring_peek_cqe(ring, cqe)
+    while err < 0 and now_ns() < deadline:
+        err = io_uring_peek_cqe(ring, cqe)
+    return err
 
 
 cdef class TcpUringPath(TcpFastPath):
@@ -156,13 +179,20 @@ cdef class TcpUringPath(TcpFastPath):
     # Commands of failed chains, handed to the loop.
     cdef readonly str ring_reason
     # Why this queue's thread runs without a ring ("" while it has one, or before it starts).
+    cdef readonly unsigned int sqpoll_idle_ms
+    # The ring is made with SQPOLL and this sq_thread_idle when > 0 (``[target] io_uring_sqpoll``).
+    cdef readonly long long spin_ns
+    # With SQPOLL: how long the thread polls the ring for its completion before it waits in the
+    # kernel (``[target] io_uring_spin_us``).
     cdef public bint all_file_steps
     # Every Read and Write the ring may take goes on it, whether or not its file takes it without
     # blocking (:meth:`_takes_nowait`; io-wq then does the step): for the tests, which must drive
     # the ring's reads and writes on whatever file system holds their files, and for measuring.
 
-    def __init__(self, conn, Py_ssize_t max_transfer):
+    def __init__(self, conn, Py_ssize_t max_transfer, unsigned int sqpoll_idle_ms=0, unsigned int spin_us=0):
         TcpFastPath.__init__(self, conn, max_transfer)
+        self.sqpoll_idle_ms = sqpoll_idle_ms
+        self.spin_ns = spin_us * 1000 if sqpoll_idle_ms else 0
         self._ring_replies = []
         self._ring_ns = []
         self._ring_data = []
@@ -193,7 +223,7 @@ cdef class TcpUringPath(TcpFastPath):
         cdef int err
         if not self._tried:
             self._tried = True
-            err = io_uring_queue_init(_ENTRIES, &self.ring, _ring_flags())
+            err = _ring_init(&self.ring, _ENTRIES, self.sqpoll_idle_ms)
             if err < 0:
                 self.ring_reason = f"io_uring_queue_init: {os.strerror(-err)}"
                 log.warning("I/O queue thread runs without io_uring", qid=self.shape.qid, reason=self.ring_reason)
@@ -419,19 +449,14 @@ cdef class TcpUringPath(TcpFastPath):
         elif not n:
             return _FULL if full else _DONE
         self.ring_chains += 1
-        while True:
-            self.ring_enters += 1
-            with nogil:
-                err = io_uring_submit_and_wait(&self.ring, 1)
-            if err >= 0:
-                break
-            if err != -EINTR:  # (nothing was submitted: the chain is still in the ring's queue)
-                raise OSError(-err, f"io_uring_submit_and_wait: {os.strerror(-err)}")
+        self._submit()
         while True:
             # the completion: a signal may end the wait before it (then wait again); a step
             # the kernel cancelled after a failure may post one (ignored)
             with nogil:
                 err = io_uring_peek_cqe(&self.ring, &cqe)
+                if err < 0 and self.spin_ns:
+                    err = _spin(&self.ring, &cqe, self.spin_ns)
             if err < 0:
                 self.ring_enters += 1
                 with nogil:
@@ -460,6 +485,27 @@ cdef class TcpUringPath(TcpFastPath):
         if tag == _TAG_RECV:
             reader.advance(res)
         return _FULL if full else _DONE
+
+    cdef int _submit(self) except -1:
+        """Submit the chain. Without SQPOLL, and wait for its completion in the same
+        ``io_uring_enter``. With SQPOLL the kernel's thread takes it from the ring: a system call
+        only to wake that thread when it has gone idle (``IORING_SQ_NEED_WAKEUP``, which liburing
+        checks), counted as liburing will make it; the wait is :meth:`_chain`'s."""
+        cdef int err
+        while True:
+            if self.sqpoll_idle_ms:
+                if self.ring.sq.kflags[0] & IORING_SQ_NEED_WAKEUP:
+                    self.ring_enters += 1
+                with nogil:
+                    err = io_uring_submit(&self.ring)
+            else:
+                self.ring_enters += 1
+                with nogil:
+                    err = io_uring_submit_and_wait(&self.ring, 1)
+            if err >= 0:
+                return 0
+            if err != -EINTR:  # (nothing was submitted: the chain is still in the ring's queue)
+                raise OSError(-err, f"io_uring_submit: {os.strerror(-err)}")
 
     cdef int _settle(self) except -1:
         """The chain's commands succeeded: their namespaces given back."""

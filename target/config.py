@@ -20,6 +20,9 @@ Example::
     auth_timeout = 120.0
     threaded_queues = true    # steady NVMe/TCP I/O queues served by a thread each; false: all on the loop (docs/dataplane.md)
     io_uring_queues = false   # those threads receive, read/write and send through an io_uring each (docs/dataplane.md)
+    io_uring_sqpoll = false   # those rings submit through a kernel thread each (SQPOLL): no system call to submit
+    io_uring_sqpoll_idle_ms = 10  # how long that kernel thread spins after its last work before it sleeps
+    io_uring_spin_us = 0      # with SQPOLL: how long a queue thread polls its ring for a completion before it sleeps
 
     [control]
     socket = "/run/blockd/target.sock"   # root-only; "" turns the control socket off
@@ -333,6 +336,37 @@ class TargetConfig:
     per receive (``target/_uring_loop.pyx``; docs/dataplane.md, "The target's io_uring queue
     loop"); where the kernel refuses a ring the threads make their own system calls, said at
     start."""
+    io_uring_sqpoll: bool = False
+    """Those rings are made with ``IORING_SETUP_SQPOLL``: a kernel thread per ring takes the
+    submissions, so a queue thread submits without a system call; that kernel thread spins on a
+    CPU of its own while there is work and for ``io_uring_sqpoll_idle_ms`` after (docs/dataplane.md,
+    "SQPOLL and the bounded spin": what it costs on a small machine)."""
+    io_uring_sqpoll_idle_ms: int = 10
+    """The SQPOLL thread's spin after its last submission (``sq_thread_idle``), milliseconds."""
+    io_uring_spin_us: int = 0
+    """With SQPOLL, how long a queue thread polls its ring's completions before it waits in
+    ``io_uring_enter`` (the bounded spin of SPDK's reactor); 0: it waits at once."""
+
+
+_URING_KEYS = ("io_uring_sqpoll", "io_uring_sqpoll_idle_ms", "io_uring_spin_us")
+
+
+def _uring_poll(target_t: dict[str, Any], io_uring_queues: bool, where: str) -> tuple[bool, int, int]:
+    """``[target]``'s SQPOLL and spin settings, checked: SQPOLL without ``io_uring_queues``, or a
+    spin without SQPOLL, would do nothing, so they are refused rather than ignored. The idle time
+    alone is let be (the sample configuration lists it beside ``io_uring_sqpoll = false``)."""
+    sqpoll = take(target_t, "io_uring_sqpoll", bool, where, False)
+    idle_ms = take(target_t, "io_uring_sqpoll_idle_ms", int, where, 10)
+    spin_us = take(target_t, "io_uring_spin_us", int, where, 0)
+    if sqpoll and not io_uring_queues:
+        raise ConfigError(f"{where}: io_uring_sqpoll needs io_uring_queues = true")
+    if not 1 <= idle_ms <= 10_000:
+        raise ConfigError(f"{where}: io_uring_sqpoll_idle_ms must be 1..10000")
+    if not 0 <= spin_us <= 10_000:
+        raise ConfigError(f"{where}: io_uring_spin_us must be 0..10000")
+    if spin_us and not sqpoll:
+        raise ConfigError(f"{where}: io_uring_spin_us needs io_uring_sqpoll = true")
+    return sqpoll, idle_ms, spin_us
 
 
 def load(path: str) -> TargetConfig:
@@ -388,13 +422,15 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
     if log_format not in ("console", "json"):
         raise ConfigError(f"{source} [logging]: format must be 'console' or 'json'")
     target_t = take(raw, "target", dict, source, {})
-    unknown(target_t, {"max_io_queues", "threaded_queues", "io_uring_queues", *_LIMIT_KINDS}, f"{source} [target]")
+    unknown(target_t, {"max_io_queues", "threaded_queues", "io_uring_queues", *_URING_KEYS, *_LIMIT_KINDS},
+            f"{source} [target]")
     max_io_queues = take(target_t, "max_io_queues", int, f"{source} [target]", 16)
     if not 1 <= max_io_queues <= 1024:
         raise ConfigError(f"{source} [target]: max_io_queues must be 1..1024")
     limits = _limits(target_t, f"{source} [target]")
     threaded_queues = take(target_t, "threaded_queues", bool, f"{source} [target]", True)
     io_uring_queues = take(target_t, "io_uring_queues", bool, f"{source} [target]", False)
+    sqpoll, sqpoll_idle_ms, spin_us = _uring_poll(target_t, io_uring_queues, f"{source} [target]")
     control_t = take(raw, "control", dict, source, {})
     unknown(control_t, {"socket"}, f"{source} [control]")
     control_socket = take(control_t, "socket", str, f"{source} [control]", DEFAULT_CONTROL_SOCKET)
@@ -460,7 +496,8 @@ def parse(raw: dict[str, Any], source: str = "config") -> TargetConfig:
     return TargetConfig(tuple(ports), tuple(subsystems), log_format,
                         take(logging_t, "level", str, f"{source} [logging]", "info"), max_io_queues,
                         limits, control_socket, metrics, ana, threaded_queues=threaded_queues,
-                        io_uring_queues=io_uring_queues)
+                        io_uring_queues=io_uring_queues, io_uring_sqpoll=sqpoll,
+                        io_uring_sqpoll_idle_ms=sqpoll_idle_ms, io_uring_spin_us=spin_us)
 
 
 def _referral(r: Any, where: str) -> ReferralConfig:

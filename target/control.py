@@ -72,7 +72,7 @@ def _host(ctrl: Controller) -> dict[str, Any]:
         "port": ctrl.port_id, "keep_alive_ms": ctrl.kato_ms,
         "connected_since": datetime.datetime.fromtimestamp(
             ctrl.connected_ns / 1e9, datetime.timezone.utc).isoformat(timespec="seconds"),
-        "queues": [{"qid": qid, "depth": q.sqsize + 1, "in_flight": q.in_flight}
+        "queues": [{"qid": qid, "depth": q.sqsize + 1, "in_flight": q.in_flight, "served_by": q.transport.served_by()}
                    for qid, q in sorted(ctrl.queues.items())],
     }
 

@@ -19,7 +19,8 @@ from blockd.iocounters import IoCounters
 from protocol.constants import (
     ANACAP_ALL_STATES, AEN_ANA_CHANGED, CC_EN, CC_SHN_MASK, CMIC_ANA, CMIC_MULTI_CONTROLLER, CMIC_MULTI_PORT,
     CSTS_CFS, CSTS_RDY, CSTS_SHST_COMPLETE, CTRATT_HOST_ID_128, CTRATT_TBKAS, DISCOVERY_NQN,
-    GET_LOG_PAGE_LSP_RGO, NMIC_SHARED, OAES_ANA_CHANGE, OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, ONCS_DSM,
+    GET_LOG_PAGE_LSP_RGO, LPA_COMMANDS_EFFECTS, LPA_EXTENDED_DATA, NMIC_SHARED, OAES_ANA_CHANGE,
+    OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, ONCS_DSM,
     ONCS_RESERVATIONS, ONCS_WRITE_ZEROES, AdminOpcode, Cns, FeatureId, IoOpcode, LogPageId, NidType, Property,
 )
 from protocol.fabrics import PROPERTY_COMMAND_FAST, PROPERTY_SIZE_8, PROPERTY_SIZE_MASK
@@ -28,7 +29,7 @@ from protocol.identify import (
     IDENTIFY_SIZE, NS_DESCRIPTOR_LIST,
 )
 from protocol.layout import field_offset
-from protocol.logpage import CHANGED_NS_LIST, ERROR_LOG_ENTRY
+from protocol.logpage import CHANGED_NS_LIST, COMMANDS_EFFECTS_LOG, EFFECTS_CSUPP, EFFECTS_LBCC, ERROR_LOG_ENTRY
 from protocol.nvme import (
     DSM_ATTR_DEALLOCATE, DSM_COMMAND_FAST, DSM_RANGE_FAST, FEATURES_COMMAND, FEATURES_SAVE,
     GET_LOG_PAGE_COMMAND, GET_LOG_PAGE_RAE, IDENTIFY_COMMAND, IO_CONTROL, IO_NLB, IO_SLBA, NSID_ALL,
@@ -39,7 +40,7 @@ from protocol.status import Status, to_wire
 from target.ana import ANATT_SECONDS, MAX_ANA_GROUPS, MAX_ANA_NAMESPACES
 from target.file_send import PipedRead
 from target.request import Direction, Request
-from target import reservation_commands
+from target import digest, reservation_commands
 from target.reservation_commands import ReservationCommands
 
 if TYPE_CHECKING:
@@ -174,6 +175,7 @@ class Controller:
             IoOpcode.FLUSH: (self._check_flush, self._flush),
             IoOpcode.DATASET_MANAGEMENT: (self._check_dsm, self._dsm),
             **reservation.rows(),
+            IoOpcode.BLOCKD_DIGEST: (self._check_digest, digest.execute),
         }
         """NVM I/O commands (as nvmet_parse_io_cmd): opcode -> (checks, handler)."""
 
@@ -411,7 +413,8 @@ class Controller:
             cntlid=self.cntlid, ver=VERSION_1_3, rtd3r=0, rtd3e=0,
             oaes=OAES_DISCOVERY_CHANGE if disc else OAES_NS_ATTR | OAES_ANA_CHANGE, ctratt=CTRATT,
             cntrltype=2 if disc else 1, fguid=bytes(16), crdt1=0, crdt2=0, crdt3=0,
-            oacs=0, acl=3, aerl=AER_LIMIT - 1, frmw=0x3, lpa=0x04, elpe=ERROR_LOG_ENTRIES - 1,
+            oacs=0, acl=3, aerl=AER_LIMIT - 1, frmw=0x3,
+            lpa=LPA_EXTENDED_DATA if disc else LPA_EXTENDED_DATA | LPA_COMMANDS_EFFECTS, elpe=ERROR_LOG_ENTRIES - 1,
             npss=0, avscc=0, apsta=0, kas=KAS_100MS,
             anatt=0 if disc else ANATT_SECONDS, anacap=0 if disc else ANACAP_ALL_STATES,
             anagrpmax=0 if disc else MAX_ANA_GROUPS, nanagrpid=0 if disc else MAX_ANA_GROUPS,
@@ -442,6 +445,8 @@ class Controller:
             return
         elif lid in (LogPageId.SMART, LogPageId.FIRMWARE_SLOT):
             page = bytes(512)
+        elif lid == LogPageId.COMMANDS_EFFECTS:
+            page = self.commands_effects()
         elif lid == LogPageId.ANA:
             page = self.target.ana.log_page(
                 self.port_id, ((n, ns.ana_group) for n, ns in self._namespaces.items()),
@@ -462,6 +467,18 @@ class Controller:
             req.status = Status.INVALID_FIELD
             return
         self._give(req, page[lpo:lpo + req.length] if lpo < len(page) else b"")
+
+    def commands_effects(self) -> bytes:
+        """The Commands Supported and Effects log: CSUPP for every command in the tables, LBCC
+        for those that change blocks. A primary reads it to learn whether this controller serves
+        blockd's Digest command (a verify's digests, :mod:`protocol.digest`)."""
+        acs = [0] * 256
+        iocs = [0] * 256
+        for opcode in self.admin_commands:
+            acs[opcode] = EFFECTS_CSUPP
+        for opcode in self.io_commands:
+            iocs[opcode] = EFFECTS_CSUPP | (EFFECTS_LBCC if opcode in _CHANGE_BLOCKS else 0)
+        return COMMANDS_EFFECTS_LOG.build(dict(acs=acs, iocs=iocs))
 
     async def _set_features(self, req: Request) -> None:
         fields = FEATURES_COMMAND.parse(req.sqe)
@@ -548,6 +565,18 @@ class Controller:
             return _WRITE_PROTECTED
         expected = 0 if opc == _WRITE_ZEROES else (nlb + 1) << ns.lba_shift
         return _BAD_LENGTH if req.length != expected else _SUCCESS
+
+    def _check_digest(self, req: Request) -> int:
+        """blockd's Digest command: the namespace as for a Read (held until completion, and a
+        read as reservations see it), then its own checks (:func:`target.digest.check`)."""
+        ns = self.io_namespaces.get(req.nsid)
+        if ns is None:
+            return self._ana_refusals.get(req.nsid, _INVALID_NS)
+        req.ns = ns
+        ns.in_flight += 1
+        if ns.reserved and not ns.reservations.allows(self.hostid, False):
+            return _CONFLICT
+        return digest.check(req, ns)
 
     def _check_write_zeroes(self, req: Request) -> int:
         status = self._check_rw(req)
@@ -683,6 +712,9 @@ class Controller:
             log.error("deallocate failed", nsid=ns.nsid, error=str(exc))
             req.status = _write_status(exc)
 
+
+_CHANGE_BLOCKS = frozenset({IoOpcode.WRITE, IoOpcode.WRITE_ZEROES, IoOpcode.DATASET_MANAGEMENT})
+"""I/O commands whose effects log entry says LBCC (they may change the contents of blocks)."""
 
 _DSM_NR, _DSM_ATTRIBUTES = DSM_COMMAND_FAST.index("nr"), DSM_COMMAND_FAST.index("attributes")
 

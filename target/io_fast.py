@@ -27,15 +27,16 @@ _uring = twin("target._uring_loop", hint="liburing-dev")
 TcpUringPath = getattr(_uring, "TcpUringPath", None)
 
 
-def uring_queues(wanted: bool) -> tuple[bool, str]:
+def uring_queues(wanted: bool, sqpoll_idle_ms: int = 0) -> tuple[bool, str]:
     """Whether the NVMe/TCP queue threads run on io_uring (``target/_uring_loop.pyx``), and why
     not when they do not: not wanted (``io_uring_queues`` or ``threaded_queues`` off), the
-    compiled loop missing, or this kernel refusing a ring (asked once, by making one)."""
+    compiled loop missing, or this kernel refusing a ring (asked once, by making one as the
+    threads will: with SQPOLL when ``sqpoll_idle_ms``)."""
     if not wanted:
         return False, "io_uring_queues or threaded_queues is off"
     if TcpUringPath is None:
         return False, "the compiled io_uring loop (target._uring_loop) is not running on this plane"
-    reason = _uring.probe()
+    reason = _uring.probe(sqpoll_idle_ms)
     return not reason, reason
 
 

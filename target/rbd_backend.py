@@ -57,6 +57,8 @@ OP_TIMEOUT = 20
 """Whole seconds librados gives an OSD or monitor operation before it fails with ``ETIMEDOUT``
 (``rados_osd_op_timeout``, ``rados_mon_op_timeout``): below the Linux host's 30 s I/O timeout,
 so that the host gets a path status and retries elsewhere before it resets the controller."""
+REWATCH_EVERY = 1.0
+"""Seconds between attempts to watch the image header again after its watch broke."""
 _ID_NAMESPACE = uuid.UUID("5d0f6a52-3c8e-4b7e-9e0a-8f1b2c3d4e5f")
 """The UUIDv5 namespace the image-derived ids are made in."""
 _CLIENT_CONF = {"rbd_cache": "false", "rbd_skip_partial_discard": "false"}
@@ -130,6 +132,9 @@ class RbdBackend:
         self._watch: Any = None
         self._watch_lost = False
         """librados reported the header watch broken (blocklisted, cluster gone): not unwatched."""
+        self._rewatching: asyncio.Task[None] | None = None
+        self._unclosed: list[Any] = []
+        """Broken watches whose unwatch failed (see :meth:`_rewatch`)."""
         conf = {"keyring": opts.keyring} if opts.keyring else {}
         self.cluster = rados.Rados(conffile=opts.conf, rados_id=opts.client_id, conf=conf)
         try:
@@ -227,19 +232,64 @@ class RbdBackend:
         namespace then follows the image's size (:meth:`_header_changed`). With ``failover``,
         start the gateway's loop (:mod:`target.rbd_gateway`)."""
         self._hooks = hooks
-        loop = asyncio.get_running_loop()
-
-        def notified(*_: Any) -> str:  # a librados thread; the reply to the notifier is empty
-            loop.call_soon_threadsafe(self._header_changed)
-            return ""
-
-        def broken(*_: Any) -> None:  # a librados thread: the watch ended (blocklisted, cluster gone)
-            self._watch_lost = True
-        self._watch = self.ioctx.watch(f"rbd_header.{self.image_id}", notified, broken)
+        self._watch = self._watch_header(asyncio.get_running_loop())
         if self.opts.failover:
             from target.rbd_gateway import Gateway
             self.gateway = Gateway(self, hooks)
             self.gateway.start()
+
+    def _watch_header(self, loop: asyncio.AbstractEventLoop) -> Any:
+        """A watch on the image's header object (blocks for a round trip to its OSD)."""
+        def notified(*_: Any) -> str:  # a librados thread; the reply to the notifier is empty
+            loop.call_soon_threadsafe(self._header_changed)
+            return ""
+
+        def broken(*_: Any) -> None:  # a librados thread: the watch ended (timed out, blocklisted, cluster gone)
+            loop.call_soon_threadsafe(self._watch_broke)
+        return self.ioctx.watch(f"rbd_header.{self.image_id}", notified, broken)
+
+    def _watch_broke(self) -> None:
+        if self._watch_lost or self._hooks is None:  # a second report of the same break; or closed
+            return
+        self._watch_lost = True
+        self._rewatching = asyncio.get_running_loop().create_task(self._rewatch())
+
+    async def _rewatch(self) -> None:
+        """Watch the header again once librados has ended the watch: the OSD drops a watch that
+        has not been pinged for ``osd client watch timeout`` (a pause of the OSD or of this
+        process, a partition), librbd then watches its own header again but not ours, and every
+        resize from then on would never reach the host. As librbd does: unwatch the broken
+        watch, watch anew, then look at the size once (a resize while no watch was there);
+        every :data:`REWATCH_EVERY` seconds until it works. Not for a blocklisted (fenced)
+        client, which the cluster refuses for good (an unwatch or watch that meets ``ESHUTDOWN``
+        fences the backend as an I/O would), nor after :meth:`close`."""
+        loop = asyncio.get_running_loop()
+        failures = 0
+        while self._hooks is not None and not self.fenced and self._watch_lost:
+            try:
+                if self._watch is not None:
+                    old, self._watch = self._watch, None
+                    try:
+                        await loop.run_in_executor(None, old.close)
+                    except rados.Error:
+                        # its __dealloc__ would unwatch a second time, which aborts librados
+                        # (seen with a blocklisted client): kept until the cluster is shut down
+                        self._unclosed.append(old)
+                        raise
+                self._watch = await loop.run_in_executor(None, self._watch_header, loop)
+            except rados.Error as exc:
+                if getattr(exc, "errno", None) == errno.ESHUTDOWN:  # blocklisted: refused for good
+                    self._error(errno.ESHUTDOWN, "watch")  # fenced, as an I/O that meets it
+                    return
+                if not failures:
+                    log.warning("cannot watch the image header again; retrying", image=self.opts.image,
+                                error=str(exc))
+                failures += 1
+                await asyncio.sleep(REWATCH_EVERY)
+                continue
+            self._watch_lost = False
+            log.info("watching the image header again", image=self.opts.image, failures=failures)
+            self._check_size()
 
     def _header_changed(self) -> None:
         """A notification on the header: librbd refreshes the image on its own notification,
@@ -261,6 +311,8 @@ class RbdBackend:
     def close(self) -> None:
         """Stop the gateway (releasing the lock when held), end the watch, close the image."""
         self._hooks = None
+        if self._rewatching is not None:
+            self._rewatching.cancel()
         if self.gateway is not None:
             self.gateway.stop()
             self.gateway = None
@@ -275,6 +327,7 @@ class RbdBackend:
                 pass
             self.cluster.shutdown()
             self.cluster = None
+        self._unclosed.clear()  # their __dealloc__ now finds the cluster shut down and does not unwatch
 
 
 def _settle(fut: asyncio.Future[tuple[int, Any]], rv: int, data: Any) -> None:

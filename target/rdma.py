@@ -553,6 +553,10 @@ class RdmaTargetConnection:
             self.queue.note_teardown("CM event", cm_event=ev or "none", cm_status=str(conn.end_status))
         self.close()
 
+    def served_by(self) -> dict[str, Any]:
+        """``TargetTransport.served_by``: {} (the RDMA fast path keeps no count of its own)."""
+        return {}
+
     def settle(self) -> bool:
         """``TargetTransport.settle``: False. :meth:`close` detaches the queue at once, so a
         closing connection holds no QID; a host's disconnect not yet handled is a CM event still

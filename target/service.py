@@ -20,6 +20,7 @@ from target.ana import MAX_ANA_GROUPS, STANDBY_ANA_GROUP
 from target.backend import Backend, NamespaceHooks
 from target.backend_registry import open_backend
 from target.control import ControlServer
+from target.io_fast import TcpFastPath
 from blockd.prometheus import MetricsServer
 from target.metrics import target_metrics_server
 from target.replication.control import ReplicationControl
@@ -34,6 +35,23 @@ from target.transport import Listener, listen
 log = structlog.get_logger("blockd.target.service")
 
 DRAIN_TIMEOUT = 30.0
+
+
+def _log_queue_plane(target: Target) -> None:
+    """Say at start what serves the steady NVMe/TCP I/O queues, as chosen (not as asked): a
+    thread each on io_uring (with SQPOLL or not), a thread each on its own system calls, or the
+    event loop (``threaded_queues`` off, or the Python plane, which has no queue threads), with
+    why not the ring when it was asked for."""
+    if target.io_uring_queues:
+        log.info("NVMe/TCP queue threads on io_uring",
+                 sqpoll=f"idle {target.sqpoll_idle_ms} ms, spin {target.spin_us} us" if target.sqpoll_idle_ms else "off")
+    elif TcpFastPath is None:
+        log.info("NVMe/TCP I/O queues on the event loop", reason="the compiled queue threads (target._tcp_thread) "
+                 "are not running on this plane", io_uring=target.queue_loop_reason)
+    elif target.threaded_queues:
+        log.info("NVMe/TCP queue threads on system calls", reason=target.queue_loop_reason)
+    else:
+        log.info("NVMe/TCP I/O queues on the event loop", reason="threaded_queues is off")
 
 
 def _port_info(p: PortConfig) -> PortInfo:
@@ -102,11 +120,10 @@ class TargetService:
         self.config = config
         self.open_replica = open_replica
         self.target = Target(max_io_queues=config.max_io_queues, limits=config.limits,
-                             threaded_queues=config.threaded_queues, io_uring_queues=config.io_uring_queues)
-        if self.target.io_uring_queues:
-            log.info("NVMe/TCP queue threads on io_uring")
-        elif self.target.threaded_queues:
-            log.info("NVMe/TCP queue threads on system calls", reason=self.target.queue_loop_reason)
+                             threaded_queues=config.threaded_queues, io_uring_queues=config.io_uring_queues,
+                             sqpoll_idle_ms=config.io_uring_sqpoll_idle_ms if config.io_uring_sqpoll else 0,
+                             spin_us=config.io_uring_spin_us)
+        _log_queue_plane(self.target)
         self.listeners: dict[int, Listener] = {}
         self.standby: dict[tuple[str, int], str] = {}
         """(subsystem NQN, nsid) of each failover pair's namespace -> its standby subsystem's NQN."""

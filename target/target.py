@@ -60,7 +60,7 @@ class Target:
     """Everything the transports share; transports call into it, never the reverse."""
 
     def __init__(self, max_io_queues: int = 16, limits: Limits = Limits(), threaded_queues: bool = True,
-                 io_uring_queues: bool = False) -> None:
+                 io_uring_queues: bool = False, sqpoll_idle_ms: int = 0, spin_us: int = 0) -> None:
         self.subsystems: dict[str, Subsystem] = {DISCOVERY_NQN: Subsystem(DISCOVERY_NQN, serial="discovery", model="blockd discovery")}
         self.controllers: dict[int, Controller] = {}
         self.ports: dict[int, PortInfo] = {}
@@ -69,10 +69,15 @@ class Target:
         self.threaded_queues = threaded_queues
         """NVMe/TCP I/O queues in the steady state are served by a thread of their own (the
         compiled plane only; docs/dataplane.md, "The target's threaded queue")."""
-        self.io_uring_queues, self.queue_loop_reason = uring_queues(io_uring_queues and threaded_queues)
+        self.io_uring_queues, self.queue_loop_reason = uring_queues(io_uring_queues and threaded_queues,
+                                                                    sqpoll_idle_ms)
         """Those threads receive, read or write and send through an io_uring each (asked for,
         and this kernel and plane can; docs/dataplane.md, "The target's io_uring queue loop");
         else why not."""
+        self.sqpoll_idle_ms = sqpoll_idle_ms if self.io_uring_queues else 0
+        """Those rings are made with SQPOLL and this idle time when > 0 (``[target] io_uring_sqpoll``)."""
+        self.spin_us = spin_us if self.sqpoll_idle_ms else 0
+        """With SQPOLL, the queue threads' bounded spin on their rings (``[target] io_uring_spin_us``)."""
         self.rejections = Rejections()
         """Hostile or over-limit input refused, by reason (a metric)."""
         self.connections = ConnectionCount(limits.max_connections, limits.max_connections_per_host,

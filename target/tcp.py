@@ -12,6 +12,7 @@ import asyncio
 import select
 import socket
 from collections import deque
+from typing import Any
 
 import structlog
 
@@ -129,8 +130,9 @@ class TcpTargetConnection(PduProtocol):
         self.transport: asyncio.Transport | None = None
         self.out: OutputBatcher | _Discard | None = None
         self.queue: TargetQueue | None = None
-        fast_path = TcpUringPath if target.io_uring_queues else TcpFastPath
-        self.fast = fast_path(self, INFO.max_transfer) if fast_path is not None else None
+        self.fast = (None if TcpFastPath is None else
+                     TcpUringPath(self, INFO.max_transfer, target.sqpoll_idle_ms, target.spin_us)
+                     if target.io_uring_queues else TcpFastPath(self, INFO.max_transfer))
         """The compiled Read/Write path (:mod:`target.io_fast`): it answers the capsules it can,
         the queue takes the rest; None in pure mode. Its queue thread on io_uring when the
         target says so (``Target.io_uring_queues``)."""
@@ -518,6 +520,20 @@ class TcpTargetConnection(PduProtocol):
         self.queue.close()
         self._timer.cancel()
         self._timer = asyncio.get_running_loop().call_later(TERM_LINGER, self.close)
+
+    def served_by(self) -> dict[str, Any]:
+        """``TargetTransport.served_by``: the compiled path's count, its thread's and, on
+        io_uring, the ring's with its ``io_uring_enter`` calls (or why this queue has no ring)."""
+        fast = self.fast
+        if fast is None:
+            return {}
+        out: dict[str, Any] = {"compiled": fast.served, "thread": fast.thread_served}
+        if TcpUringPath is not None and isinstance(fast, TcpUringPath):
+            out.update(io_uring=fast.ring_served, io_uring_enters=fast.ring_enters,
+                       io_uring_undone=fast.ring_undone)
+            if fast.ring_reason:
+                out["io_uring_refused"] = fast.ring_reason
+        return out
 
     def settle(self) -> bool:
         """``TargetTransport.settle``: a connection the host has closed (or reset) or that is

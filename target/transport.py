@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
     from target.file_send import PipedRead
@@ -80,6 +80,12 @@ class TargetTransport(Protocol):
 
     def close(self) -> None:
         """End the connection (the controller is torn down, or the host misbehaved)."""
+
+    def served_by(self) -> dict[str, Any]:
+        """How many of this queue's commands each compiled part served, and which (the control
+        socket's ``hosts``: how an operator, and the VM tests, see that a setting such as
+        ``io_uring_queues`` is really in use rather than its fallback); {} when there is nothing
+        to tell (the Python plane: the queue's own code serves every command)."""
 
     def settle(self) -> bool:
         """The connection has ended, though the core has not been told (its host closed it, or

@@ -248,7 +248,8 @@ def _verify_text(reply: dict[str, Any]) -> str:
     lines = []
     for r in reply["replicas"]:
         bad = r["mismatched"]
-        lines.append(f"{r['replica']}: {r['regions']} regions compared, {len(bad)} differ"
+        how = "by digests" if r["method"] == "digest" else "by reading its data"
+        lines.append(f"{r['replica']}: {r['regions']} regions compared {how}, {len(bad)} differ"
                      + (" (marked for resync)" if bad else ""))
         lines += [f"  region {m['region']}: bytes {m['offset']}..{m['offset'] + m['length'] - 1}" for m in bad]
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from protocol.replication import (
     METADATA_BLOCK, Layout, MetadataError, PeerSlot, Superblock, build_superblock, layout,
     parse_superblock, superblock_offsets)
 from target.replication.bitmap import WriteIntentBitmap
+from target.replication.fs_probe import PROBE_LENGTH, file_system
 from target.replication.blockio import BlockIO
 from target.replication.generations import BLANK, GenerationIds, new_generation, new_id, synced
 
@@ -237,16 +238,34 @@ async def create(io: BlockIO, region_size: int = DEFAULT_REGION_SIZE, max_peers:
                  force: bool = False) -> Metadata:
     """Format the metadata of a copy that already holds data (``blockctl target create-md``,
     DRBD's ``create-md``): a new generation, so that this copy's data is what every replica gets
-    by a full sync; the data area is not touched. The metadata area must hold zeroes only:
-    anything else (a file system's last blocks, metadata of an earlier format) is overwritten
-    only with ``force``. :class:`MetadataError` says what is there."""
+    by a full sync; the data area is not touched. The metadata area must hold zeroes only, and
+    a file system at the volume's start must end before it: anything else (a file system's
+    last blocks, metadata of an earlier format) is overwritten only with ``force``.
+    :class:`MetadataError` says what is there."""
     lay = layout(io.size, region_size, max_peers)
     if not force:
+        fs = await _file_system_past(io, lay)
+        if fs:
+            raise MetadataError(f"{fs}; nothing was written (--force writes the metadata over its end)")
         found = await _occupied(io, lay)
         if found:
             raise MetadataError(f"the metadata area (bytes {lay.data_size} to {io.size}) is not blank: {found}; "
                                 "nothing was written (--force overwrites it)")
     return await Metadata.format(io, region_size, max_peers)
+
+
+async def _file_system_past(io: BlockIO, lay: Layout) -> str:
+    """What says that a file system at the volume's start reaches past the data area of
+    ``lay`` ('' when none does): its end may be blank, so :func:`_occupied` would not see it
+    (:mod:`target.replication.fs_probe`)."""
+    fs = file_system(await io.read(0, min(PROBE_LENGTH, io.size)))
+    if fs is None or fs.end <= lay.data_size:
+        return ""
+    how = (f"shrink it to at most {lay.data_size // 1024} KiB first ({fs.shrink_tool} DEVICE {lay.data_size // 1024}K), or"
+           if fs.shrink_tool else f"{fs.kind} cannot shrink:")
+    return (f"an {fs.kind} file system on the volume ends at byte {fs.end}, past the data area's end at byte "
+            f"{lay.data_size} (the rest holds the metadata): {how} keep the whole volume with external metadata "
+            "(metadata_path)")
 
 
 async def _occupied(io: BlockIO, lay: Layout) -> str:

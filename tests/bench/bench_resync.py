@@ -19,19 +19,26 @@ On loopback, a primary `blockd target` and one replica `blockd target` (tests/re
   then the replica's data area over NVMe/TCP with this tree's host library, 8 MiB at a time, two
   at once (:func:`fabric_read`; the transport's share of the verify's time, with no compare).
 
+With ``--verify-only``, verify alone on one in-sync pair (one full sync first): each round, in an
+order that alternates, this tree's verify (by digests against its blockd replica: blockd's Digest
+command), the ``--before`` tree's (by reading the replica's data: main's verify, which is this
+tree's fallback for a replica without the command, unchanged), and ``cat`` of both copies' files
+(the issue's peer); both trees' processes are restarted on the same files for their pass.
+
 Each round runs the blockd figures and the tools' on fresh files; with ``--before DIR`` (another
 tree's ``.venv/bin``, e.g. main's) that tree's blockd is measured in the same rounds too, the order
 alternating, so that the page cache and the machine's other load treat them alike. The figures are
 per run, with the ratio of each run to the tools' figure of the same round.
 
     flock /tmp/blockd-bench.lock .venv/bin/python tests/bench/bench_resync.py [--size 512MiB] [--rounds 3] \\
-        [--before /work/main/.venv/bin]
+        [--before /work/main/.venv/bin] [--verify-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import statistics
@@ -198,6 +205,60 @@ OWN_PEERS = (("verify", "verify", "cat + replica over NVMe/TCP", "fabric read bo
 """Rows whose peer is measured in the tree's own pass (right after its verify), not the tools'."""
 
 
+def verify_pass(primary: Node, replica: Node, bin_dir: Path) -> tuple[float, str]:
+    """Start the in-sync pair with ``bin_dir``'s blockd, verify it once, stop it: MB/s of the
+    data area (the time from the primary's log) and how it compared (the result's ``method``;
+    a tree without it read the data)."""
+    nodes.BIN = bin_dir
+    replica.start()
+    primary.start([replica], nqn=NQN, resync_rate="64GiB")
+    try:
+        primary.wait_states(all_in_sync(), timeout=900)
+        seen = primary.log.stat().st_size
+        res = primary.ctl("verify", NQN, "1", "--json")
+        assert res.returncode == 0, res.stdout + res.stderr
+        method = json.loads(res.stdout)["replicas"][0].get("method", "read")
+        return primary.data / 1e6 / logged_seconds(primary, seen), method
+    finally:
+        primary.stop()
+        replica.stop()
+
+
+def verify_only(base: Path, size: int, rounds: int, trees: dict[str, Path]) -> None:
+    """``--verify-only``: see the module docstring."""
+    primary, replica = Node(base, "p", size), Node(base, "r", size)
+    fill(primary)
+    replica.file.unlink(missing_ok=True)
+    nodes.BIN = trees["this tree"]
+    sync_once(primary, replica)
+    primary.stop()
+    replica.stop()
+    steps = [*trees, "cat"]
+    got: dict[str, list[float]] = {name: [] for name in steps}
+    methods: dict[str, set[str]] = {name: set() for name in trees}
+    for rnd in range(rounds):
+        for name in steps if rnd % 2 == 0 else reversed(steps):
+            if name == "cat":
+                got[name].append(size / 1e6 / timed(f"cat {primary.file} {replica.file} > /dev/null"))
+                continue
+            rate, method = verify_pass(primary, replica, trees[name])
+            got[name].append(rate)
+            methods[name].add(method)
+        print(f"round {rnd + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in got.items()), flush=True)
+    print(f"\n{size >> 20} MiB, {rounds} rounds, verify only; MB/s of the data area (verify) or of the volume "
+          "(cat of both files: each file once, so MB/s of one copy); a ratio is a run over its round's peer\n")
+    print("| tree | measured | runs MB/s | peer runs MB/s | ratio per run | median ratio |")
+    print("|---|---|---|---|---|---|")
+    for name in trees:
+        label = f"verify ({', '.join(sorted(methods[name]))})"
+        print(f"| {name} " + ratio_line(label, got[name], got["cat"], "cat of both files"))
+    if "before" in trees:
+        print("| this tree " + ratio_line(f"verify ({', '.join(sorted(methods['this tree']))})", got["this tree"],
+                                          got["before"], "before's verify"))
+    for f in (primary.file, replica.file, primary.log, replica.log):
+        f.unlink(missing_ok=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="512MiB", help="device size (default 512MiB)")
@@ -205,9 +266,14 @@ def main() -> None:
     parser.add_argument("--before", help="directory of another tree's blockd and blockctl (e.g. main's "
                                          ".venv/bin), measured in the same rounds")
     parser.add_argument("--dir", help="where the files go (default: a new directory in $TMPDIR)")
+    parser.add_argument("--verify-only", action="store_true", help="measure verify alone (see the docstring)")
     args = parser.parse_args()
     size = parse_size(args.size, "--size")
     trees = {"this tree": nodes.BIN, **({"before": Path(args.before)} if args.before else {})}
+    if args.verify_only:
+        with tempfile.TemporaryDirectory(prefix="blockd-bench-verify-", dir=args.dir) as tmp:
+            verify_only(Path(tmp), size, args.rounds, trees)
+        return
     got: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
     tools: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="blockd-bench-resync-", dir=args.dir) as tmp:

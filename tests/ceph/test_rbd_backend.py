@@ -23,7 +23,7 @@ from protocol.reservation import PTPL, RESCAP_ALL
 from protocol.status import Status
 from target.config import NamespaceConfig
 from target.rbd_backend import RbdOptions
-from tests.ceph.cluster import Cluster
+from tests.ceph.cluster import WATCH_TIMEOUT, Cluster
 from tests.ceph.conftest import rbd_ns
 from tests.core.conftest import NQN, config, connect, free_port, ns, run, serving, sub, until
 
@@ -210,6 +210,32 @@ def test_a_gateway_cut_from_the_cluster_answers_with_a_path_status_in_bounded_ti
     assert [status for status, _ in cut] == [Status.ANA_INACCESSIBLE] * 2, cut
     assert all(OP_TIMEOUT * 0.9 < took < OP_TIMEOUT + SLACK for _, took in cut), cut
     assert back[:4096] == b"a" * 4096 and back[8192:] == b"c" * 4096
+
+
+def test_a_resize_after_the_header_watch_broke_still_reaches_the_host(ceph: Cluster, image: str) -> None:
+    """The OSD paused for longer than the watch timeout drops the target's watch on the image
+    header (librbd watches its own header again, not ours): the target watches it again, so a
+    later ``rbd resize`` still reaches the host."""
+    port = free_port()
+    cfg = config([port], [sub(NQN, [rbd_ns(ceph, image)])])
+    osd = ceph.procs["osd"].pid
+
+    async def main() -> None:
+        async with serving(cfg):
+            host = await connect(port, nr_io_queues=1)
+            try:
+                os.kill(osd, signal.SIGSTOP)
+                try:
+                    await asyncio.sleep(WATCH_TIMEOUT + 2)
+                finally:
+                    os.kill(osd, signal.SIGCONT)
+                await asyncio.sleep(WATCH_TIMEOUT + 2)  # the OSD times the watch out and the client hears of it
+                ceph.run("rbd", "resize", f"{ceph.pool}/{image}", "--size", "96M")
+                await until(lambda: host.namespaces[1].size == 96 * MIB, timeout=20)
+            finally:
+                await host.close()
+
+    run(main())
 
 
 @pytest.mark.parametrize("path, options, error", [

@@ -352,3 +352,49 @@ def test_host_counters_per_connection(tmp_path: Path) -> None:
     # the host does not: its latency sum is not comparable with the host's (a slow Connect on a
     # loaded machine made it the larger).
     assert target_side["ops"]["other"] == IO_QUEUES and sum(target_side["buckets"]) == 9 + IO_QUEUES
+
+
+@pytest.mark.parametrize("table", [{"threaded_queues": False}, {}, {"io_uring_queues": True}],
+                         ids=["loop", "thread", "ring"])
+def test_the_queue_plane_as_chosen_in_the_log_and_in_hosts(tmp_path: Path, table: dict[str, Any]) -> None:
+    """The start-up log names what serves the NVMe/TCP I/O queues as chosen, not as asked (the
+    Python plane has no queue threads, so its queues are the event loop's whatever ``[target]``
+    says), and ``hosts`` shows, per queue, what served its commands: the loop's compiled path,
+    the queue's thread, or the thread's io_uring (with its ``io_uring_enter`` calls)."""
+    from structlog.testing import capture_logs
+
+    from target.io_fast import TcpFastPath, uring_queues
+
+    port = free_port()
+    sock = str(tmp_path / "run" / "target.sock")
+
+    async def main() -> dict[str, Any]:
+        async with serving(_cfg(tmp_path, port, target=table)):
+            h1 = await connect(port, nr_io_queues=1)
+            try:
+                for i in range(20):
+                    await h1.write_bytes(1, i * 4096, bytes([i]) * 4096)
+                    await h1.read_bytes(1, i * 4096, 4096)
+                return await _call(sock, {"op": "hosts"})
+            finally:
+                await h1.close()
+
+    with capture_logs() as logs:
+        hosts = run(main())
+    said = [e for e in logs if e["event"].startswith("NVMe/TCP")]
+    (served,) = [q["served_by"] for q in hosts["hosts"][0]["queues"] if q["qid"]]
+    assert len(said) == 1, said
+    if TcpFastPath is None:
+        assert said[0]["event"] == "NVMe/TCP I/O queues on the event loop", said
+        assert "not running on this plane" in said[0]["reason"] and served == {}, (said, served)
+    elif not table.get("threaded_queues", True):
+        assert said[0]["event"] == "NVMe/TCP I/O queues on the event loop", said
+        assert served["compiled"] >= 30 and served["thread"] == 0 and "io_uring" not in served, served
+    elif table.get("io_uring_queues") and uring_queues(True)[0]:
+        assert said[0]["event"] == "NVMe/TCP queue threads on io_uring", said
+        # the file steps may be the thread's (tmp_path's file system refuses RWF_NOWAIT): the
+        # sends and receives are the ring's whatever it is
+        assert served["thread"] >= 30 and served["io_uring_enters"] >= 30, served
+    else:
+        assert said[0]["event"] == "NVMe/TCP queue threads on system calls", said
+        assert served["thread"] >= 30 and "io_uring" not in served, served

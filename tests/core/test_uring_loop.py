@@ -34,10 +34,13 @@ SIZE = 4 << 20
 BLOCK = 512
 MODES = {
     "ring": {"threaded_queues": True, "io_uring_queues": True},
+    "ring+sqpoll": {"threaded_queues": True, "io_uring_queues": True, "io_uring_sqpoll": True,
+                    "io_uring_sqpoll_idle_ms": 50, "io_uring_spin_us": 100},
     "thread": {"threaded_queues": True, "io_uring_queues": False},
     "loop": {"threaded_queues": False},
 }
-"""The three ways a target serves a steady queue: what ``[target]`` says for each."""
+"""The ways a target serves a steady queue: what ``[target]`` says for each (the ring with a
+kernel thread submitting and the queue thread's bounded spin, or without)."""
 
 
 @pytest.fixture(autouse=True)
@@ -121,8 +124,9 @@ async def _queue(tmp: Path, mode: str, nowait_only: bool = False) -> AsyncIterat
         await io.initialize()
         await io.connect_io(cntlid, 1)
         fast = service.target.controllers[cntlid].queues[1].transport.fast
-        assert (type(fast) is TcpUringPath) == (mode == "ring")
-        if mode == "ring":
+        assert (type(fast) is TcpUringPath) == mode.startswith("ring")
+        if mode.startswith("ring"):
+            assert fast.sqpoll_idle_ms == (50 if mode == "ring+sqpoll" else 0)
             fast.all_file_steps = not nowait_only
         io.send(capsule(_read(1, 0, 8)))  # answered on the loop: the queue goes to its thread after
         assert (await _answers(io, 1))[1][0] == 0
@@ -283,3 +287,65 @@ def test_every_end_closes_the_ring(tmp_path: Path, end: str) -> None:
         assert _queue_threads() == []
         assert len(os.listdir("/proc/self/fd")) == fds
     run(main(), timeout=60)
+
+
+def _sqpoll_threads() -> list[str]:
+    """The kernel's SQPOLL threads of this process: each is a task of it named ``iou-sqp-PID``."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(FileNotFoundError):
+            names.append(Path(f"/proc/self/task/{task}/comm").read_text().strip())
+    return [n for n in names if n.startswith("iou-sqp-")]
+
+
+@pytest.mark.parametrize("depth", [1, 8])
+def test_the_ring_with_sqpoll_answers_as_the_thread(tmp_path: Path, depth: int) -> None:
+    """``io_uring_sqpoll`` (with the bounded spin): the same 160 commands get the thread's
+    statuses, SQHDs, data, file and counts; the ring took most of them, and a kernel SQPOLL
+    thread ran beside the queue's. No more ``io_uring_enter`` calls than chains plus their waits
+    (submitting costs one only when the SQPOLL thread has gone idle)."""
+    works, reason = uring_queues(True, 50)
+    if not works:
+        pytest.fail(f"SQPOLL ring refused: {reason}") if os.environ.get("CI") == "true" else pytest.skip(reason)
+    work = _workload(42, 160)
+    seen: list[str] = []
+
+    async def watch() -> None:
+        while not seen:
+            seen.extend(_sqpoll_threads())
+            await asyncio.sleep(0.005)
+
+    async def both() -> dict[str, Any]:
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await _run(tmp_path / "ring", "ring+sqpoll", work, depth)
+        finally:
+            watcher.cancel()
+
+    ring = run(both(), timeout=60)
+    thread = run(_run(tmp_path / "thread", "thread", work, depth), timeout=60)
+    _same(ring, thread)
+    stats = ring["stats"]
+    assert stats["ring_served"] >= 80 and stats["ring_undone"] == 0, stats
+    assert stats["ring_enters"] <= 2 * stats["ring_chains"] + 1, stats
+    assert seen, "no iou-sqp thread: the ring was made without SQPOLL"
+
+
+@pytest.mark.parametrize(("table", "needle"), [
+    ({"io_uring_sqpoll": True}, "io_uring_sqpoll needs io_uring_queues"),
+    ({"io_uring_queues": True, "io_uring_spin_us": 50}, "io_uring_spin_us needs io_uring_sqpoll"),
+    ({"io_uring_queues": True, "io_uring_sqpoll": True, "io_uring_sqpoll_idle_ms": 0}, "1..10000"),
+    ({"io_uring_queues": True, "io_uring_sqpoll": True, "io_uring_spin_us": -1}, "0..10000"),
+    ({"io_uring_queues": True, "io_uring_sqpoll": "yes"}, "must be bool"),
+])
+def test_sqpoll_settings_are_checked(table: dict[str, Any], needle: str) -> None:
+    """A SQPOLL setting without the one it refines, or out of range, is a one-line error naming it;
+    the sample configuration's lines (the idle time beside SQPOLL off) load."""
+    from target.config import ConfigError, parse
+
+    with pytest.raises(ConfigError, match=needle):
+        parse({"target": table}, "t.toml")
+    assert parse({"target": {"io_uring_queues": True, "io_uring_sqpoll": True, "io_uring_spin_us": 20}}).io_uring_spin_us == 20
+    sample = parse({"target": {"io_uring_queues": False, "io_uring_sqpoll": False, "io_uring_sqpoll_idle_ms": 10,
+                               "io_uring_spin_us": 0}})
+    assert not sample.io_uring_sqpoll and sample.io_uring_sqpoll_idle_ms == 10

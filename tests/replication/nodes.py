@@ -132,6 +132,12 @@ timeout = 2.0
         with ControlClient(str(self.sock), timeout=30, daemon="target") as client:
             return client.call({"op": "replicas"})["namespaces"][0]
 
+    def counters(self) -> dict[str, Any]:
+        """The first namespace's I/O counters (``ops``/``bytes`` by kind), as the control
+        socket's ``counters`` shows them."""
+        with ControlClient(str(self.sock), timeout=30, daemon="target") as client:
+            return client.call({"op": "counters"})["namespaces"][0]
+
     def wait_states(self, want: Callable[[list[dict[str, Any]]], bool], timeout: float = 30.0) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
         while True:

@@ -23,6 +23,8 @@ from protocol.replication import METADATA_BLOCK, MetadataError, layout
 from target.backend import FileBackend
 from target.replication.blockio import BackendBlockIO
 from target.replication.external import ExternalMetadata, external_layout
+from target.replication.fs_probe import (
+    EXT_INCOMPAT_64BIT, EXT_MAGIC, EXT_SUPERBLOCK_OFFSET, PROBE_LENGTH, ExtSuperblock, FileSystem, file_system)
 from target.replication.metadata import Metadata, create
 from target.config import load
 from target.service import _open_namespace
@@ -180,3 +182,67 @@ def test_create_md_text_says_what_the_data_area_becomes(tmp_path: Path) -> None:
     made = create_md(ext)
     assert made.returncode == 0, made.stderr
     assert f"the data area is all of {ext.file}, unchanged" in made.stdout and f"exports {DEVICE} bytes" in made.stdout
+
+
+def _fs_volume(path: Path, size: int, mkfs: list[str]) -> None:
+    """A sparse volume of ``size`` bytes with a file system made by ``mkfs`` (its last argument
+    the volume's path)."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+    subprocess.run([*mkfs, str(path)], check=True, capture_output=True)
+
+
+def _create(path: Path, force: bool = False) -> Metadata:
+    async def run() -> Metadata:
+        backend = FileBackend(str(path))
+        try:
+            return await create(BackendBlockIO(backend), REGION, 4, force=force)
+        finally:
+            backend.close()
+    return asyncio.run(run())
+
+
+def test_create_refuses_internal_metadata_over_an_ext4_that_spans_the_volume(tmp_path: Path) -> None:
+    """mkfs.ext4 writes nothing in its last blocks, so the metadata area reads as zeroes; the
+    superblock's block count says the file system reaches there. The message's resize2fs
+    command, run as printed, makes room, and the file system stays clean."""
+    path = tmp_path / "vol.img"
+    _fs_volume(path, 64 << 20, ["mkfs.ext4", "-q", "-F", "-O", "64bit"])
+    data_size = layout(64 << 20, REGION, 4).data_size
+    before = path.read_bytes()
+    with pytest.raises(MetadataError, match=rf"ext2/3/4 file system on the volume ends at byte {64 << 20}, past the "
+                       rf"data area's end at byte {data_size} .*resize2fs DEVICE {data_size // 1024}K.*nothing was written"):
+        _create(path)
+    assert path.read_bytes() == before
+    subprocess.run(["e2fsck", "-f", "-y", str(path)], check=True, capture_output=True)  # resize2fs asks for it
+    subprocess.run(["resize2fs", str(path), f"{data_size // 1024}K"], check=True, capture_output=True)
+    os.truncate(path, 64 << 20)  # resize2fs cuts an image file to the new size; a device (or a namespace's file) keeps its own
+    assert _create(path).data_size == data_size
+    subprocess.run(["e2fsck", "-f", "-n", str(path)], check=True, capture_output=True)
+
+
+def test_create_refuses_internal_metadata_over_an_xfs_that_spans_the_volume(tmp_path: Path) -> None:
+    """XFS cannot shrink: the message sends the operator to external metadata; an XFS made
+    for the data area alone is accepted."""
+    size = 512 << 20  # mkfs.xfs's smallest data section is 300 MiB
+    data_size = layout(size, REGION, 4).data_size
+    whole, fitted = tmp_path / "whole.img", tmp_path / "fitted.img"
+    _fs_volume(whole, size, ["mkfs.xfs", "-q", "-f"])
+    with pytest.raises(MetadataError, match=rf"xfs file system on the volume ends at byte {size}, .*xfs cannot "
+                       r"shrink: keep the whole volume with external metadata"):
+        _create(whole)
+    assert _create(whole, force=True).data_size == data_size  # the operator's word overrides, as for a non-blank area
+    _fs_volume(fitted, size, ["mkfs.xfs", "-q", "-f", "-d", f"size={data_size}"])
+    assert _create(fitted).data_size == data_size
+
+
+def test_the_probe_reads_a_64bit_ext4_block_count_and_ignores_other_bytes() -> None:
+    """The upper 32 bits of the block count count only with the 64bit feature (mkfs makes no
+    file system big enough to set them in a test); random bytes are no file system."""
+    head = bytearray(PROBE_LENGTH)
+    assert file_system(bytes(head)) is None
+    head[EXT_SUPERBLOCK_OFFSET:] = ExtSuperblock.build(dict(
+        blocks_count_lo=5, log_block_size=2, magic=EXT_MAGIC, feature_incompat=EXT_INCOMPAT_64BIT, blocks_count_hi=3))
+    assert file_system(bytes(head)) == FileSystem("ext2/3/4", ((3 << 32) | 5) * 4096, "resize2fs")
+    head[EXT_SUPERBLOCK_OFFSET + 0x60] = 0  # the 64bit feature off: the high word is not part of the count
+    assert file_system(bytes(head)) == FileSystem("ext2/3/4", 5 * 4096, "resize2fs")

@@ -33,9 +33,9 @@ def test_replicas_text_shows_states_progress_and_reasons() -> None:
 
 def test_verify_text_lists_each_differing_region_with_its_bytes() -> None:
     text = _verify_text({"replicas": [
-        {"replica": "r0", "regions": 100, "region_size": 65536, "mismatched": []},
-        {"replica": "r1", "regions": 100, "region_size": 65536,
+        {"replica": "r0", "regions": 100, "region_size": 65536, "method": "digest", "mismatched": []},
+        {"replica": "r1", "regions": 100, "region_size": 65536, "method": "read",
          "mismatched": [{"region": 37, "offset": 37 * 65536, "length": 65536}]}]})
-    assert text.splitlines() == ["r0: 100 regions compared, 0 differ",
-                                 "r1: 100 regions compared, 1 differ (marked for resync)",
+    assert text.splitlines() == ["r0: 100 regions compared by digests, 0 differ",
+                                 "r1: 100 regions compared by reading its data, 1 differ (marked for resync)",
                                  f"  region 37: bytes {37 * 65536}..{38 * 65536 - 1}"]

@@ -83,6 +83,7 @@ def test_verify_finds_one_byte_anywhere_in_a_large_unit(where: str) -> None:
         for byte in (at, last):
             store.data[byte] ^= 0x01
         report = await verify(m, m.links[0])
+        assert report["method"] == "read"  # the test double has no Digest command: its data is read
         assert [x["region"] for x in report["mismatched"]] == [at // REGION, last // REGION]
         await until(lambda: m.links[0].state == IN_SYNC and not m.links[0].missing)
         assert (await verify(m, m.links[0]))["mismatched"] == []  # mended by the resync
@@ -122,10 +123,11 @@ def test_verify_keeps_the_rate_limit_with_large_units() -> None:
 
 
 def test_verify_through_a_blockd_replica_finds_a_unit_s_last_byte_and_a_reused_unit_s_middle(tmp_path: Path) -> None:
-    """The same over loopback: a `blockd target` primary and replica, the replica's part read
-    by the compiled host lane (8 MiB units cut into commands of the replica's MDTS, into buffers
-    that earlier units used): a byte flipped in the replica's file at the first unit's last
-    byte and in the middle of the fifth unit (which reuses a buffer: four units run at once)."""
+    """The same over loopback: a `blockd target` primary and replica, compared by digests (the
+    replica hashes each 64 KiB region of an 8 MiB unit with blockd's Digest command while the
+    primary hashes its own into buffers that earlier units used): a byte flipped in the
+    replica's file at the first unit's last byte and in the middle of the fifth unit (which
+    reuses a buffer: four units run at once)."""
     unit = verify_mod.UNIT
     device = 6 * unit
     primary, replica = Node(tmp_path, "p", device), Node(tmp_path, "r", device)
@@ -143,9 +145,18 @@ def test_verify_through_a_blockd_replica_finds_a_unit_s_last_byte_and_a_reused_u
                 os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x10]), at)
         finally:
             os.close(fd)
+        before = replica.counters()
         res = primary.ctl("verify", NQN, "1", "--json")
         assert res.returncode == 1, res.stdout + res.stderr  # differences found
-        [found] = [r["mismatched"] for r in json.loads(res.stdout)["replicas"]]
+        after = replica.counters()
+        [result] = json.loads(res.stdout)["replicas"]
+        assert result["method"] == "digest"  # a blockd replica hashes its own copy
+        # only digests crossed: no data read from the replica, a Digest command (kind "other")
+        # per unit at least, 16 bytes per region
+        assert after["bytes"]["read"] == before["bytes"]["read"], (before, after)
+        assert after["ops"]["other"] - before["ops"]["other"] >= primary.data // unit
+        assert after["bytes"]["other"] - before["bytes"]["other"] == result["regions"] * 16
+        found = result["mismatched"]
         assert [m["region"] for m in found] == [at // NODE_REGION for at in flips]
         primary.wait_states(all_in_sync(), timeout=120)
         assert primary.data_hash() == replica.data_hash()
