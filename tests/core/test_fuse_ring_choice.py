@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import mmap
 import socket
 from pathlib import Path
 from typing import Iterator
@@ -15,7 +17,7 @@ import pytest
 from initiator.fuse.abi import (
     FUSE_INIT_EXT, FUSE_KERNEL_VERSION, FUSE_OVER_IO_URING, IN_HEADER, INIT, INIT_OUT, OUT_HEADER,
 )
-from initiator.fuse.session import FuseLoop, FuseSession, possible_cpus
+from initiator.fuse.session import RING_PAYLOAD, FuseLoop, FuseSession, possible_cpus
 
 from .conftest import run
 
@@ -100,3 +102,21 @@ def test_without_an_offer_or_the_compiled_loop_init_keeps_to_dev_fuse(compiled: 
             assert flags2 == 0 and not flags & FUSE_INIT_EXT
             assert (session.transport, session.transport_reason) == ("/dev/fuse", why)
     run(main())
+
+
+@compiled_only
+def test_every_ring_payload_starts_on_a_page() -> None:
+    """The kernel copies a WRITE's data to the start of an entry's payload, from the caller's
+    (usually page-aligned) buffer; a payload 16 bytes into a page put that copy in the CPU's slow
+    case (4K aliasing: ``FuseRing.__init__``), so each entry's payload starts on a page, also
+    when its size is not whole pages."""
+    from initiator.fuse._loop import FuseRing
+    for size in (RING_PAYLOAD, RING_PAYLOAD + 100):
+        ring = FuseRing(-1, 2, 3, size)
+        try:
+            assert len(ring.payloads) == 6
+            for payload in ring.payloads:
+                assert len(payload) == size and not payload.readonly
+                assert ctypes.addressof(ctypes.c_char.from_buffer(payload)) % mmap.PAGESIZE == 0
+        finally:
+            ring.close()
