@@ -21,6 +21,7 @@ APT_PACKAGES=(
   ceph-mon ceph-mgr ceph-osd ceph-common python3-rbd python3-rados
   rbd-nbd  # tests/bench/bench_rbd_vm.py (krbd is in ceph-common)
   python3-xxhash  # XXH3-128 of blockd's Digest command (protocol/digest.py: a verify's digests)
+  libxxhash-dev  # the same in C, for target/_digest.pyx (a plain file's digests without the GIL)
 )
 
 missing=()
