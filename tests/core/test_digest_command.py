@@ -60,10 +60,10 @@ def test_a_digest_per_chunk_of_the_namespace_s_data(tmp_path: Path, slba: int, b
     run(main())
 
 
-def test_the_checks(tmp_path: Path) -> None:
+def test_the_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A range past the namespace's end: LBA Out of Range; a chunk of 0 blocks or an unknown
     algorithm: Invalid Field; a transfer that is not one digest per chunk: SGL Invalid Data
-    Length. Nothing of it runs (no backend read)."""
+    Length. Nothing of it runs (no backend read, by the Python loop or the compiled one)."""
     fill_file(tmp_path / "a.img", SIZE)
     port = free_port()
     last = SIZE // BLOCK - 1
@@ -79,6 +79,12 @@ def test_the_checks(tmp_path: Path) -> None:
                 reads.append(offset)
                 await real(offset, buf)
             backend.read_into = counted
+            real_hash = digest_mod.hash_file
+
+            async def counted_hash(file: object, offset: int, *args: object) -> None:
+                reads.append(offset)
+                await real_hash(file, offset, *args)  # type: ignore[arg-type]
+            monkeypatch.setattr(digest_mod, "hash_file", counted_hash)
             try:
                 cases = [
                     (dict(slba=last, blocks=2, chunk=1), Status.LBA_RANGE),
