@@ -4,8 +4,18 @@ odd lengths and offsets, chunks that do not divide the loop's pieces and a last 
 failed read raises what the reference's read raises; and the replica's Digest command and the
 primary's verify go through it (one call a command, one a unit) when the data is a plain file.
 
-Each check broken on purpose in ``_digest.pyx``, rebuilt and run (2026-12-07): see the report
-of the branch ``digestc`` (the canonical byte order swapped, a chunk's end one byte off).
+Each check broken on purpose, rebuilt and run (2026-12-07):
+
+- the digest copied from ``XXH128_hash_t`` as it lies in memory (low half first, little-endian)
+  instead of ``XXH128_canonicalFromHash``: every equality case here, the one-call command and
+  the verify fail (and the loopback digests of test_digest_command.py);
+- a chunk one byte longer (its end at ``chunk + 1``): every case with more than one chunk, the
+  random ranges, the command and the verify fail;
+- a file that ends inside the range taken as read (the stale buffer hashed): the truncated-file
+  cases here and in test_digest_command.py fail;
+- the output size checked with ``-(-length // chunk)`` under Cython's C division (rounds toward
+  zero: room for one chunk too few passes): the refusal test failed, and found it;
+- verify not taking the compiled loop for a plain file: the verify test fails (no calls).
 """
 
 from __future__ import annotations
