@@ -86,13 +86,13 @@ async def execute(req: Request) -> None:
     start = fields[DIGEST_SLBA] << shift
     length = (fields[DIGEST_NLB] + 1) << shift
     out = req.buffer if req.buffer is not None else bytearray(req.length)  # RDMA: its registered slot
+    chunk = fields[DIGEST_CHUNK] << shift
+    file = compiled_file(ns.backend, fields[DIGEST_ALGORITHM])
     try:
-        file = compiled_file(ns.backend, fields[DIGEST_ALGORITHM])
         if file is not None:
-            await hash_file(file, start, length, fields[DIGEST_CHUNK] << shift, out)
+            await hash_file(file, start, length, chunk, out)
         else:
-            await _hash_backend(ns.backend, start, length, Digests(fields[DIGEST_ALGORITHM], length,
-                                                                   fields[DIGEST_CHUNK] << shift, out))
+            await _hash_backend(ns.backend, start, length, Digests(fields[DIGEST_ALGORITHM], length, chunk, out))
     except OSError as exc:
         log.error("digest read failed", nsid=ns.nsid, offset=start, length=length, error=str(exc))
         req.status = getattr(exc, "status", Status.UNRECOVERED_READ_ERROR)  # as Controller._read
