@@ -57,3 +57,7 @@ if ! env -u BLOCKD_PURE .venv/bin/python -c 'import blockd.rdma._fast_verbs' 2>/
   echo "setup: WARNING: the compiled RDMA data path did not build (libibverbs-dev missing?);" \
        "RDMA runs its ctypes path (blockd/rdma/_fast.py)" >&2
 fi
+if ! env -u BLOCKD_PURE .venv/bin/python -c 'import target._digest' 2>/dev/null; then
+  echo "setup: WARNING: the compiled digest loop did not build (libxxhash-dev missing?);" \
+       "a verify's digests are read and hashed in Python (target/digest.py)" >&2
+fi
