@@ -17,6 +17,8 @@ FALLBACK = {
                             "io_uring (install liburing-dev, e.g. with scripts/setup.sh, then reinstall)",
     "target._uring_loop": "NVMe/TCP queue threads will make their own system calls, without io_uring "
                           "(install liburing-dev, e.g. with scripts/setup.sh, then reinstall)",
+    "target._digest": "a Digest command and a verify will read and hash a plain file in Python, in pieces "
+                      "(install libxxhash-dev, e.g. with scripts/setup.sh, then reinstall)",
     "blockd.rdma._fast_verbs": "RDMA will run its ctypes path (blockd/rdma/_fast.py; install "
                                "libibverbs-dev, e.g. with scripts/setup.sh, then reinstall)",
 }
@@ -57,6 +59,9 @@ EXTENSIONS = [
               libraries=["uring"]),
     # needs <liburing.h> too: the target's queue threads on io_uring (target/_uring_loop.pyx)
     Extension("target._uring_loop", ["target/_uring_loop.pyx"], extra_compile_args=["-O2"], libraries=["uring"]),
+    # needs <xxhash.h> (libxxhash-dev): a plain file's digests read and hashed without the GIL;
+    # without it this one is skipped with the warning above and target/digest.py hashes in Python
+    Extension("target._digest", ["target/_digest.pyx"], extra_compile_args=["-O2"], libraries=["xxhash"]),
     # needs <infiniband/verbs.h> (libibverbs-dev); without it this one is skipped with the
     # warning above and blockd.rdma.verbs runs the ctypes path (blockd/rdma/_fast.py)
     Extension("blockd.rdma._fast_verbs", ["blockd/rdma/_fast_verbs.pyx"], extra_compile_args=["-O2"],

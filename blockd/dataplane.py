@@ -86,6 +86,8 @@ TWINS: dict[str, Twin] = {t.compiled: t for t in (
          "tests/core/test_tcp_thread.py"),
     Twin("target._uring_loop", "target._tcp_thread:TcpFastPath._run, TcpFastPath._returned",
          "tests/core/test_uring_loop.py"),
+    Twin("target._digest", "protocol.digest:Digests.feed; target.backend:FileBackend.read_into",
+         "tests/replication/test_digest_fast.py"),
     Twin("target._rdma_fast", "target.rdma:RdmaTargetConnection._completions, RdmaTargetConnection.queue_response",
          "tests/core/test_rdma_fast.py"),
     Twin("target.replication._mirror_io", "target.replication.mirror:ReplicatedBackend.write",

@@ -22,6 +22,7 @@ APT_PACKAGES=(
   ceph-mon ceph-mgr ceph-osd ceph-common python3-rbd python3-rados
   rbd-nbd  # tests/bench/bench_rbd_vm.py (krbd is in ceph-common)
   python3-xxhash  # XXH3-128 of blockd's Digest command (protocol/digest.py: a verify's digests)
+  libxxhash-dev  # the same in C, for target/_digest.pyx (a plain file's digests without the GIL)
 )
 
 missing=()
@@ -56,4 +57,8 @@ fi
 if ! env -u BLOCKD_PURE .venv/bin/python -c 'import blockd.rdma._fast_verbs' 2>/dev/null; then
   echo "setup: WARNING: the compiled RDMA data path did not build (libibverbs-dev missing?);" \
        "RDMA runs its ctypes path (blockd/rdma/_fast.py)" >&2
+fi
+if ! env -u BLOCKD_PURE .venv/bin/python -c 'import target._digest' 2>/dev/null; then
+  echo "setup: WARNING: the compiled digest loop did not build (libxxhash-dev missing?);" \
+       "a verify's digests are read and hashed in Python (target/digest.py)" >&2
 fi

@@ -9,6 +9,13 @@ long. In the executor the loop still waits for the GIL while a chunk of 100 kB o
 hashed (python-xxhash holds it for those: a 64 KiB region), but gets it back between chunks and
 at the interpreter's switch interval. Measured piece sizes (docs/benchmarks.md): 1 MiB 0.43-0.83 s
 for a 256 MiB verify, 256 KiB 0.61-0.83 s, 8 MiB (read and hash no longer overlap) 1.22-1.33 s.
+
+That is the reference. On the compiled plane a plain file backend (the one that has a
+:class:`~target.backend.FileBackend` ``fast`` copy of its descriptor) is read and hashed by
+``target/_digest.pyx`` instead, the whole range in one executor call that holds no GIL
+(:func:`compiled_file`, :func:`hash_file`): the Python loop above spent its time between pieces,
+not hashing. A replicated, filtered or rbd backend keeps the Python loop, through its
+``read_into``.
 """
 
 from __future__ import annotations
@@ -18,12 +25,16 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from blockd.dataplane import twin
 from protocol.digest import (
-    DIGEST_ALGORITHM, DIGEST_CHUNK, DIGEST_FAST, DIGEST_NLB, DIGEST_SLBA, HASHERS, Digests, digest_length,
+    DIGEST_ALGORITHM, DIGEST_CHUNK, DIGEST_FAST, DIGEST_NLB, DIGEST_SLBA, HASHERS, DigestAlgorithm, Digests,
+    digest_length,
 )
 from protocol.status import Status
 
 if TYPE_CHECKING:
+    from target.backend import Backend
+    from target.io_fast import FastFile
     from target.request import Request
     from target.subsystem import Namespace
 
@@ -36,6 +47,22 @@ POOL = 16
 1 MiB ``bytearray`` is zero-filled and faulted in, which costs as much as reading it."""
 _pool: list[bytearray] = []
 _unpack = DIGEST_FAST.unpack_from
+_file_digests = getattr(twin("target._digest", hint="libxxhash-dev"), "file_digests", None)
+
+
+def compiled_file(backend: Backend, algorithm: int) -> FastFile | None:
+    """The plain file whose range :func:`hash_file` reads and hashes in C for ``backend``, or
+    None: the Python loop runs (the pure plane, the module not built, another algorithm, or a
+    backend that is no plain :class:`~target.backend.FileBackend`: only that one has ``fast``)."""
+    file = getattr(backend, "fast", None)
+    return file if _file_digests is not None and algorithm == DigestAlgorithm.XXH3_128 else None
+
+
+async def hash_file(file: FastFile, offset: int, length: int, chunk: int, out: bytearray | memoryview) -> None:
+    """The digests of ``length`` bytes of ``file`` from ``offset``, a chunk of ``chunk`` bytes
+    each, into ``out``: one executor call for the whole range, the GIL released throughout. A
+    failed read raises ``OSError`` as ``read_into`` does."""
+    await asyncio.get_running_loop().run_in_executor(None, _file_digests, file, offset, length, chunk, out)
 
 
 def check(req: Request, ns: Namespace) -> int:
@@ -59,28 +86,39 @@ async def execute(req: Request) -> None:
     start = fields[DIGEST_SLBA] << shift
     length = (fields[DIGEST_NLB] + 1) << shift
     out = req.buffer if req.buffer is not None else bytearray(req.length)  # RDMA: its registered slot
-    digests = Digests(fields[DIGEST_ALGORITHM], length, fields[DIGEST_CHUNK] << shift, out)
+    chunk = fields[DIGEST_CHUNK] << shift
+    file = compiled_file(ns.backend, fields[DIGEST_ALGORITHM])
+    try:
+        if file is not None:
+            await hash_file(file, start, length, chunk, out)
+        else:
+            await _hash_backend(ns.backend, start, length, Digests(fields[DIGEST_ALGORITHM], length, chunk, out))
+    except OSError as exc:
+        log.error("digest read failed", nsid=ns.nsid, offset=start, length=length, error=str(exc))
+        req.status = getattr(exc, "status", Status.UNRECOVERED_READ_ERROR)  # as Controller._read
+        return
+    req.reply = out
+
+
+async def _hash_backend(backend: Backend, start: int, length: int, digests: Digests) -> None:
+    """The reference: read the range through ``read_into`` in pieces, each hashed in the
+    executor while the next is read (see the module docstring)."""
     loop = asyncio.get_running_loop()
     buffers = [_pool.pop() if _pool else bytearray(PIECE) for _ in range(2)]
     hashing: asyncio.Future[None] | None = None
     try:
         for i, at in enumerate(range(start, start + length, PIECE)):
             piece = memoryview(buffers[i & 1])[:min(PIECE, start + length - at)]
-            await ns.backend.read_into(at, piece)
+            await backend.read_into(at, piece)
             if hashing is not None:  # the previous piece, in the other buffer
                 await hashing
             hashing = loop.run_in_executor(None, digests.feed, piece)
         if hashing is not None:
             await hashing
             hashing = None
-    except OSError as exc:
-        log.error("digest read failed", nsid=ns.nsid, offset=start, length=length, error=str(exc))
-        req.status = getattr(exc, "status", Status.UNRECOVERED_READ_ERROR)  # as Controller._read
-        return
     finally:
         if hashing is not None:  # a read failed while the last piece was hashed: its buffer is busy
             await asyncio.wait([hashing])
         for buf in buffers:
             if len(_pool) < POOL:
                 _pool.append(buf)
-    req.reply = out

@@ -681,8 +681,13 @@ class ReplicatedBackend(BackendFilter):
         try:
             await self.inner.read_into(offset, buf)
         except OSError as exc:
-            raise LocalCopyError(exc.errno, f"this copy's device cannot read region {offset >> self._shift} "
-                                            f"(offset {offset}, {len(buf)} bytes): {exc.strerror or exc}") from exc
+            raise self.local_copy_error(exc, offset, len(buf)) from exc
+
+    def local_copy_error(self, exc: OSError, offset: int, length: int) -> LocalCopyError:
+        """What a failed read of ``length`` bytes of this copy at ``offset`` raises (also a
+        verify's compiled read of it: ``target/_digest.pyx``)."""
+        return LocalCopyError(exc.errno, f"this copy's device cannot read region {offset >> self._shift} "
+                                         f"(offset {offset}, {length} bytes): {exc.strerror or exc}")
 
     def resync_done(self, link: ReplicaLink) -> None:
         """Called by the resync once ``link`` misses nothing and holds this copy's generation."""

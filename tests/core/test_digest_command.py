@@ -5,6 +5,7 @@ the Commands Supported and Effects log that advertises it."""
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -59,10 +60,10 @@ def test_a_digest_per_chunk_of_the_namespace_s_data(tmp_path: Path, slba: int, b
     run(main())
 
 
-def test_the_checks(tmp_path: Path) -> None:
+def test_the_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A range past the namespace's end: LBA Out of Range; a chunk of 0 blocks or an unknown
     algorithm: Invalid Field; a transfer that is not one digest per chunk: SGL Invalid Data
-    Length. Nothing of it runs (no backend read)."""
+    Length. Nothing of it runs (no backend read, by the Python loop or the compiled one)."""
     fill_file(tmp_path / "a.img", SIZE)
     port = free_port()
     last = SIZE // BLOCK - 1
@@ -78,6 +79,12 @@ def test_the_checks(tmp_path: Path) -> None:
                 reads.append(offset)
                 await real(offset, buf)
             backend.read_into = counted
+            real_hash = digest_mod.hash_file
+
+            async def counted_hash(file: object, offset: int, *args: object) -> None:
+                reads.append(offset)
+                await real_hash(file, offset, *args)  # type: ignore[arg-type]
+            monkeypatch.setattr(digest_mod, "hash_file", counted_hash)
             try:
                 cases = [
                     (dict(slba=last, blocks=2, chunk=1), Status.LBA_RANGE),
@@ -99,9 +106,12 @@ def test_the_checks(tmp_path: Path) -> None:
     run(main())
 
 
-def test_a_backend_read_error_fails_it_as_a_read(tmp_path: Path) -> None:
+def test_a_backend_read_error_fails_it_as_a_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The backend fails a read in the range's second piece (while the first is hashed):
-    Unrecovered Read Error, the status Controller._read gives an EIO, and the target serves on."""
+    Unrecovered Read Error, the status Controller._read gives an EIO, and the target serves on.
+    The Python loop's case (the error is injected into ``read_into``, which the compiled loop of
+    a plain file does not call): the next test fails both."""
+    monkeypatch.setattr(digest_mod, "_file_digests", None)
     fill_file(tmp_path / "a.img", SIZE)
     port = free_port()
     bad = digest_mod.PIECE + 4096
@@ -122,6 +132,28 @@ def test_a_backend_read_error_fails_it_as_a_read(tmp_path: Path) -> None:
                     await digests(ctrl, 0, 4 * digest_mod.PIECE // BLOCK, 128)
                 assert err.value.status == Status.UNRECOVERED_READ_ERROR
                 assert len(await digests(ctrl, 0, 64, 64)) == 16  # before the bad block: served
+            finally:
+                await ctrl.close()
+    run(main())
+
+
+def test_a_file_truncated_under_it_fails_it_as_a_read(tmp_path: Path) -> None:
+    """The namespace's file shrank under the target: a range past its new end is Unrecovered
+    Read Error (the short read's EIO), on either plane (the compiled loop reads a plain file,
+    the Python one under BLOCKD_PURE=1), and a range before it is still served."""
+    data = fill_file(tmp_path / "a.img", SIZE)
+    port = free_port()
+
+    async def main() -> None:
+        async with serving(config([port], [sub(namespaces=[ns(tmp_path / "a.img")])])):
+            ctrl = await connect(port)
+            try:
+                os.truncate(tmp_path / "a.img", SIZE // 2 + 4096)
+                with pytest.raises(NvmeError) as err:
+                    await digests(ctrl, 0, SIZE // BLOCK, 128)
+                assert err.value.status == Status.UNRECOVERED_READ_ERROR
+                blocks = SIZE // 2 // BLOCK
+                assert await digests(ctrl, 0, blocks, 128) == expected(data, 0, blocks, 128)
             finally:
                 await ctrl.close()
     run(main())
