@@ -5,6 +5,7 @@ survive that: the per-region lock over a whole unit, and the rate limit."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import time
@@ -45,15 +46,34 @@ class Recording(FakeReplica):
         self.busy += 1
         self.most_busy = max(self.most_busy, self.busy)
         try:
-            await asyncio.sleep(0.001)  # a replica takes a moment: the next units go out meanwhile
+            await self.pause(offset)
             await super().write(offset, data, fua)
         finally:
             self.busy -= 1
+
+    async def pause(self, offset: int) -> None:
+        """A replica takes a moment: the next units go out meanwhile."""
+        await asyncio.sleep(0.001)
 
     async def write_zeroes(self, offset: int, length: int) -> None:
         self.zeroes.append((offset, length))
         self._check()
         await self.store.write_zeroes(offset, length)
+
+
+async def _meet(self: Recording, offset: int) -> None:
+    """:meth:`Recording.pause` that holds the first data write (up to 5 s) until a second one is
+    at the replica too: units sent together meet here whatever the machine's load (a 1 ms pause
+    let a loaded CI machine finish one unit before the next arrived: most_busy 1); one unit at a
+    time, the first waits out its 5 s alone and most_busy stays 1."""
+    if offset >= self.data_size:
+        return
+    second = self.__dict__.setdefault("second", asyncio.Event())
+    if self.busy > 1:
+        second.set()
+    elif not second.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(second.wait(), 5)
 
 
 def recording_bed(local: Any = None, garbage: bool = True, device: int = DEVICE) -> tuple[Bed, list[Recording]]:
@@ -77,7 +97,9 @@ def recording_bed(local: Any = None, garbage: bool = True, device: int = DEVICE)
     return bed, opened
 
 
-def test_a_full_sync_copies_units_of_consecutive_regions_several_at_once() -> None:
+def test_a_full_sync_copies_units_of_consecutive_regions_several_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Recording, "pause", _meet)
+
     async def main() -> None:
         device = 4 * resync.UNIT  # several units
         local = MemoryBackend(device)
