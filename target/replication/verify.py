@@ -179,10 +179,7 @@ async def _differing(mirror: ReplicatedBackend, link: ReplicaLink, first: int, c
     # the replica's part is asked for first: it is served while this copy's part is read (on a
     # failure the buffers are dropped, not reused: a late answer lands where no one looks)
     await asyncio.gather(io.read_into(offset, memoryview(theirs)), mirror.read_local_into(offset, memoryview(mine)))
-    found: list[int] = []
-    if mine != theirs:
-        size = mirror.region_size
-        found = [first + k for k in range(count) if mine[k * size:(k + 1) * size] != theirs[k * size:(k + 1) * size]]
+    found = _unequal(first, count, mine, theirs, mirror.region_size)
     spare.append((mine, theirs))
     return found
 
@@ -214,9 +211,15 @@ async def _differing_digests(mirror: ReplicatedBackend, link: ReplicaLink, first
         await asyncio.get_running_loop().run_in_executor(None, digests.feed, mine)
 
     await asyncio.gather(io.digests(offset, length, size, memoryview(theirs)), hash_mine())
-    found: list[int] = []
-    if ours != theirs:
-        found = [first + k for k in range(count)
-                 if ours[k * DIGEST_SIZE:(k + 1) * DIGEST_SIZE] != theirs[k * DIGEST_SIZE:(k + 1) * DIGEST_SIZE]]
+    found = _unequal(first, count, ours, theirs, DIGEST_SIZE)
     spare.append((mine, theirs))
     return found
+
+
+def _unequal(first: int, count: int, a: bytearray, b: bytearray, stride: int) -> list[int]:
+    """The regions ``first`` .. ``first + count - 1`` whose ``stride`` bytes (a region's data,
+    or its digest) differ between ``a`` and ``b``: one ``memcmp`` of the whole when they are
+    equal, as they nearly always are."""
+    if a == b:
+        return []
+    return [first + k for k in range(count) if a[k * stride:(k + 1) * stride] != b[k * stride:(k + 1) * stride]]
