@@ -8,7 +8,10 @@ from typing import Callable, Iterable
 
 JOIN_LIMIT = 65536
 """Buffers totalling at most this many bytes are joined into one ``write``; more go to
-``writelines``, which does not copy them (the compiled twin reads this value)."""
+``writelines``, which under uvloop (:mod:`blockd.eventloop`) hands them to the socket without
+joining them. Python 3.11's selector transport, the fallback loop, joins them into one copy
+(its ``writelines`` is ``write(b"".join(...))``), so there a large send costs that copy once
+more. The compiled twin reads this value."""
 
 
 class OutputBatcher:
