@@ -22,6 +22,7 @@ cdef class HostCommand:
     cdef public double deadline
     cdef public long long sent_ns
     cdef public int attempts
+    cdef public double path_retry_until
 
     cdef int _done(self, exc) except -1
     cdef int _count(self, IoCounters counters, long long now_ns) except -1

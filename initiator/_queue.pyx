@@ -57,6 +57,7 @@ cdef class HostCommand:
         self.deadline = deadline
         self.sent_ns = 0
         self.attempts = 0
+        self.path_retry_until = 0.0
 
     def __repr__(self):
         return f"HostCommand(opcode={SQE_FAST.as_dict(self.sqe)['opcode']:#x}, cid={self.cid}, status={self.status:#x})"

@@ -39,7 +39,7 @@ from protocol.commands import (
     write_zeroes_command,
 )
 from protocol.nvme import DSM_ATTR_DEALLOCATE, DSM_RANGE_FAST
-from protocol.status import Status
+from protocol.status import MORE, Status
 
 __all__ = ["ConnectError", "ConnectParams", "Controller", "IoDone", "NamespaceInfo", "NvmeError", "QueueLost"]
 
@@ -58,6 +58,10 @@ queue), None on the Python plane."""
 TIMEOUT_SWEEP = 0.5
 """Seconds between checks for commands past their deadline. One periodic sweep (as the Linux
 block layer's request timer) instead of a timer armed and cancelled for every command."""
+PATH_RETRY_DELAY = 0.01
+"""Seconds before an I/O command answered Internal Path Error goes out again (the kernel host
+requeues at once; a pause keeps a reopen of some milliseconds from costing hundreds of sends)."""
+_PATH_ERROR = Status.INTERNAL_PATH_ERROR
 
 IoDone = Callable[[BaseException | None], None]
 """Callback of :meth:`Controller.submit_io`, called exactly once: None on success, else why the
@@ -129,6 +133,8 @@ class Controller(Association):
         """Associations re-established after a lost connection (a metric)."""
         self.timeouts = 0
         """Commands failed for want of an answer in time (each reset its association)."""
+        self.path_error_retries = 0
+        """Sends again after Internal Path Error (a metric)."""
         self._keep_alive_task: asyncio.Task[None] | None = None
         self._aer_task: asyncio.Task[None] | None = None
         self.namespace_listeners: list[Callable[[], None]] = []
@@ -268,9 +274,38 @@ class Controller(Association):
             while parked:
                 parked.popleft().fail(exc)
 
+    def _path_error(self, cmd: Command) -> bool:
+        """``cmd`` came back with Internal Path Error (SCT 3, no DNR): the namespace is there
+        but not serving through this controller for now (a target reload opening it again;
+        nvmet's disabled namespace). Send it again in :data:`PATH_RETRY_DELAY`, as the Linux host
+        fails it over or retries it rather than failing the I/O, for at most the command's
+        timeout from the first such answer; False when that has run out (the caller gets the
+        status). The deadline rides on the command (made per I/O, never reused): the compiled
+        lane completes a later successful send without coming here, and leaves nothing behind."""
+        now = self._loop.time()
+        until = cmd.path_retry_until or now + cmd.timeout
+        if now >= until or self.failed is not None:
+            return False
+        cmd.path_retry_until = until
+        self.path_error_retries += 1
+        if self.path_error_retries == 1 or self.path_error_retries % 1000 == 0:
+            log.warning("internal path error: sending the command again", subnqn=self.params.subnqn,
+                        command=describe_command(cmd.sqe, False), retries=self.path_error_retries)
+        cmd.on_done = self._on_done  # a completion consumes it (HostCommand._done)
+        self._loop.call_later(PATH_RETRY_DELAY, self._resend, cmd)
+        return True
+
+    def _resend(self, cmd: Command) -> None:
+        if self._parked_io or self._parked_admin:
+            self._unpark()  # the id the path error freed: commands parked for room go first
+        self._submit(cmd)
+
     def _complete(self, cmd: Command, exc: BaseException | None) -> None:
         """Every command's ``on_done``: a status becomes :class:`NvmeError` (here only), the
-        freed command id goes to a parked command, then the caller's ``done`` runs."""
+        freed command id goes to a parked command, then the caller's ``done`` runs. An I/O
+        command answered Internal Path Error is sent again instead (:meth:`_path_error`)."""
+        if exc is None and cmd.status & ~MORE == _PATH_ERROR and not cmd.admin and self._path_error(cmd):
+            return
         if exc is None and cmd.status:
             exc = NvmeError(cmd.status, describe_command(cmd.sqe, cmd.admin), cmd.dw0,
                             is_io_command(cmd.sqe, cmd.admin))

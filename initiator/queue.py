@@ -38,7 +38,7 @@ class HostCommand:
     """
 
     __slots__ = ("sqe", "data_out", "data_in", "cid", "transferred", "status", "dw0", "dw1", "on_done",
-                 "deadline", "sent_ns", "attempts")
+                 "deadline", "sent_ns", "attempts", "path_retry_until")
 
     def __init__(self, sqe: bytearray, data_out: bytes | memoryview | None = None,
                  data_in: memoryview | None = None,
@@ -63,6 +63,9 @@ class HostCommand:
         from. Not the deadline less the timeout: uvloop's ``loop.time()`` is libuv's cached loop
         time in whole milliseconds, so latencies taken from it were 0 or 1 ms."""
         self.attempts = 0
+        self.path_retry_until = 0.0
+        """Event-loop time until which an I/O command answered Internal Path Error is sent again
+        (``Controller._path_error``); 0 until the first such answer."""
 
     def __repr__(self) -> str:
         return f"HostCommand(opcode={SQE_FAST.as_dict(self.sqe)['opcode']:#x}, cid={self.cid}, status={self.status:#x})"

@@ -51,6 +51,12 @@ class Status(IntEnum):
     AUTH_REQUIRED = 0x191 | DNR
     """A command other than Authentication Send/Receive on a queue not yet authenticated."""
     WRITE_FAULT = 0x280
+    INTERNAL_PATH_ERROR = 0x300
+    """Path-related (SCT 3, SC 0), without DNR: the namespace exists but cannot serve through this
+    controller for now. nvmet answers it for a namespace that is configured but disabled
+    (``nvmet_req_find_ns``, "nvmet: fix nvme status code when namespace is disabled", 2024);
+    blockd for a namespace opened again by a reload. The Linux host fails such a command over to
+    another path, or sends it again on this one."""
     UNRECOVERED_READ_ERROR = 0x281
     ANA_PERSISTENT_LOSS = 0x301
     ANA_INACCESSIBLE = 0x302

@@ -92,6 +92,7 @@ ERROR_LOCATIONS: dict[int, int] = {
     Status.ANA_INACCESSIBLE: _NSID,
     Status.ANA_PERSISTENT_LOSS: _NSID,
     Status.ANA_TRANSITION: _NSID,
+    Status.INTERNAL_PATH_ERROR: _NSID,  # as nvmet_req_find_ns sets error_loc
     Status.NS_WRITE_PROTECTED: _CDW10,
     Status.FEATURE_NOT_SAVEABLE: _CDW10,  # SV
     Status.INTERNAL_ERROR: _OPCODE,
@@ -148,7 +149,8 @@ class Controller:
         dict while every ANA group is accessible there (no cost per I/O), else the accessible
         ones; see :meth:`refresh_access`."""
         self._ana_refusals: dict[int, int] = {}
-        """nsid -> the ANA status I/O to it gets through this port (target.ana)."""
+        """nsid -> the status I/O to it gets through this port: its ANA group's (target.ana), or
+        Internal Path Error while a reload opens it again (``Subsystem.reopening``)."""
         self.ana_event_masked = False
         """An ANA change event was sent and the host has not read the ANA log since (nvmet
         masks the event until then: one event per change the host has not seen)."""
@@ -264,6 +266,7 @@ class Controller:
         ana = self.target.ana
         refusals = {nsid: status for nsid, ns in self._namespaces.items()
                     if (status := ana.io_status(self.port_id, ns.ana_group))}
+        refusals.update(dict.fromkeys(self.subsystem.reopening, Status.INTERNAL_PATH_ERROR))
         self._ana_refusals = refusals
         self.io_namespaces = (self._namespaces if not refusals else
                                {n: ns for n, ns in self._namespaces.items() if n not in refusals})
@@ -372,7 +375,7 @@ class Controller:
             if req.nsid >= 0xFFFFFFFE:
                 req.status = _INVALID_NS
                 return
-            ids = sorted(n for n in self._namespaces if n > req.nsid)[:1024]
+            ids = sorted(n for n in self._namespaces.keys() | self.subsystem.reopening if n > req.nsid)[:1024]
             self._give(req, ACTIVE_NS_LIST.build(ids + [0] * (1024 - len(ids))))
             return
         if cns == Cns.CSI_CONTROLLER:
@@ -385,7 +388,7 @@ class Controller:
         if cns not in (Cns.NAMESPACE, Cns.NS_DESCRIPTORS, Cns.CSI_INDEPENDENT_NS):
             req.status = Status.INVALID_FIELD
         elif ns is None:
-            req.status = _INVALID_NS
+            req.status = self.ana_refusal(req.nsid)  # Invalid Namespace, or a namespace reopening
         elif cns == Cns.NAMESPACE:
             self._give(req, identify_namespace(ns, self._ana_refusals.get(req.nsid) not in _NUSE_ZERO))
         elif cns == Cns.NS_DESCRIPTORS:

@@ -323,14 +323,21 @@ class TargetService:
             if not _kept(nc, new_ns.get(nsid)):
                 self._remove_standby(sub.nqn, nsid)
                 removed[nsid] = sub.namespaces[nsid]
-                self.target.remove_namespace(sub, nsid)
-                log.info("namespace removed", nqn=sub.nqn, nsid=nsid)
+                reopen = nsid in new_ns
+                self.target.remove_namespace(sub, nsid, reopen=reopen)
+                log.info("namespace closed to open again" if reopen else "namespace removed", nqn=sub.nqn, nsid=nsid)
         for nsid, nc in new_ns.items():
             if old_ns.get(nsid) is None or not _kept(old_ns[nsid], nc):
                 if nsid in removed and not await self.target.until_closed(removed[nsid], DRAIN_TIMEOUT):
                     log.warning("opening a namespace again while its old copy still has a command in flight",
                                 nqn=sub.nqn, nsid=nsid, waited_s=DRAIN_TIMEOUT)
-                self.target.add_namespace(sub, await self._open(sub, after, nc, config))
+                try:
+                    ns = await self._open(sub, after, nc, config)
+                except BaseException:
+                    if nsid in removed:
+                        self.target.reopen_failed(sub, nsid)
+                    raise
+                self.target.add_namespace(sub, ns)
                 self._add_standby(after, nc, sub.namespaces[nsid])
                 self._attach(sub, sub.namespaces[nsid])
                 log.info("namespace added", nqn=sub.nqn, nsid=nsid, path=nc.path)

@@ -87,6 +87,10 @@ class Subsystem:
     allow_any_host: bool = True
     hosts: set[str] = field(default_factory=set)
     namespaces: dict[int, Namespace] = field(default_factory=dict)
+    reopening: set[int] = field(default_factory=set)
+    """Namespace ids a reload closed to open again (a change other than size or ANA group):
+    hosts keep seeing them (Active Namespace ID list, no change event) and their commands get
+    Internal Path Error, which hosts send again, until the new copy is added."""
     port_ids: set[int] | None = None
     """Ports this subsystem is reachable through; None = every port."""
     auth: dict[str, HostAuthConfig] = field(default_factory=dict)

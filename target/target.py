@@ -129,13 +129,30 @@ class Target:
 
     def add_namespace(self, sub: Subsystem, ns: Namespace) -> None:
         sub.add_namespace(ns)
+        sub.reopening.discard(ns.nsid)
         self._ns_changed(sub, ns.nsid)
 
-    def remove_namespace(self, sub: Subsystem, nsid: int) -> None:
+    def remove_namespace(self, sub: Subsystem, nsid: int, reopen: bool = False) -> None:
         """New commands for ``nsid`` fail with Invalid Namespace from now on; those already
-        parsed against it run to their end on the backend, which closes after the last."""
+        parsed against it run to their end on the backend, which closes after the last.
+
+        ``reopen``: the same namespace is added again (:meth:`add_namespace`) once its old copy
+        has closed. Meanwhile its commands get Internal Path Error (no DNR: hosts send them again)
+        and hosts are not told of a change: the Linux host drops a namespace missing from the
+        Active Namespace ID list at its next scan, and with it the block device a file system
+        may be mounted on (nvmet's disable/enable of a namespace does drop it)."""
         ns = sub.namespaces.pop(nsid)
         self._retire(ns)
+        if reopen:
+            sub.reopening.add(nsid)
+            self._access_changed(sub)
+        else:
+            self._ns_changed(sub, nsid)
+
+    def reopen_failed(self, sub: Subsystem, nsid: int) -> None:
+        """The namespace :meth:`remove_namespace` closed to reopen could not be opened again: it
+        is gone, and hosts are told."""
+        sub.reopening.discard(nsid)
         self._ns_changed(sub, nsid)
 
     def check_resize(self, sub: Subsystem, nsid: int, size: int | None) -> None:
@@ -233,6 +250,11 @@ class Target:
             if ctrl.subsystem is sub:
                 ctrl.refresh_access()
                 ctrl.notify(AEN_NS_ATTR_CHANGED, changed_nsid=nsid)
+
+    def _access_changed(self, sub: Subsystem) -> None:
+        for ctrl in self.controllers.values():
+            if ctrl.subsystem is sub:
+                ctrl.refresh_access()
 
     def set_ana_state(self, port_ids: list[int], group: int, state: AnaState) -> bool:
         """Set ``group``'s state on each of ``port_ids``; every controller on a port whose state

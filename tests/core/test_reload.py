@@ -21,9 +21,10 @@ import pytest
 from initiator.controller import Controller
 from initiator.errors import NvmeError
 from protocol.commands import read_command
-from protocol.constants import IoOpcode
+from protocol.constants import AdminOpcode, Cns, IoOpcode
+from protocol.identify import ACTIVE_NS_LIST
 from protocol.nvme import NSID_ALL, build_sqe
-from protocol.status import Status
+from protocol.status import MORE, Status, from_wire
 from protocol.tcp import PduType
 from target.backend import Backend
 from target.filter import BackendFilter
@@ -193,6 +194,77 @@ def test_a_namespace_opened_again_waits_for_its_old_copys_last_command(tmp_path:
 
     run(main(), timeout=30)
     assert_written(path, b"\x3c")
+
+
+def test_a_namespace_opened_again_stays_listed_and_its_commands_are_sent_again(tmp_path: Path) -> None:
+    """While a reload opens namespace 1 again (here: made read-only; the old copy's writes held
+    at the gate), hosts keep seeing it: the Active Namespace ID list still has it and no change
+    event comes (the Linux host drops a namespace missing from the list at its next scan, and the
+    block device with it). A command meanwhile gets Internal Path Error without DNR (raw; what
+    nvmet answers for a configured namespace that is disabled), which our host sends again until
+    the new copy serves it. Break: ``reopen=False`` in TargetService._update_subsystem -> Invalid
+    Namespace (DNR) on the raw queue, and the host's read fails."""
+    port = free_port()
+    path = tmp_path / "vol.img"
+    data = fill_file(path, SIZE)
+    before = config([port], [sub(namespaces=[ns(path, 1, SIZE)])])
+    after = config([port], [sub(namespaces=[ns(path, 1, SIZE, read_only=True)])])
+
+    async def main() -> None:
+        async with serving(before) as service, gated_host(service, port) as (host, gated, changed):
+            admin, io = await raw_io(port)
+            tasks = await writes_held(host, gated, b"\x3c")
+            reload = asyncio.create_task(service.reload(after))
+            await until(lambda: bool(service.target.draining))
+            status, *_ = await io.command(build_sqe(IoOpcode.READ, 9, nsid=1, dptr=transport_sgl(512)))
+            assert from_wire(status) == Status.INTERNAL_PATH_ERROR | MORE, hex(status)  # no DNR; logged
+            status, _, _, listed = await admin.command(build_sqe(AdminOpcode.IDENTIFY, 3, dptr=transport_sgl(4096),
+                                                                 cdw10=Cns.ACTIVE_NS_LIST))
+            assert status == 0 and [n for n in ACTIVE_NS_LIST.parse(listed) if n] == [1], hex(status)
+            read = asyncio.create_task(host.read(1, 64, 1))
+            await until(lambda: host.path_error_retries >= 2)
+            assert not read.done() and not changed.is_set()
+            await release(gated, tasks)
+            await asyncio.wait_for(reload, 10)
+            assert await asyncio.wait_for(read, 10) == data[64 * 512:65 * 512]
+            await asyncio.wait_for(changed.wait(), 5)  # told once the new copy is there
+            assert service.target.subsystems[NQN].namespaces[1].read_only
+            await io.close()
+            await admin.close()
+
+    run(main(), timeout=30)
+    assert_written(path, b"\x3c")
+
+
+def test_a_namespace_that_cannot_be_opened_again_is_gone_for_its_hosts(tmp_path: Path) -> None:
+    """The reopen's new copy fails to open (its new path is in a directory that does not exist):
+    the reload fails, and the namespace is no longer reopening but gone: hosts get the change
+    event, no longer list it, and a command gets Invalid Namespace, not a retry for ever. Break:
+    no ``reopen_failed`` in TargetService._update_subsystem -> no event, Internal Path Error."""
+    port = free_port()
+    path = tmp_path / "vol.img"
+    fill_file(path, SIZE)
+    before = config([port], [sub(namespaces=[ns(path, 1, SIZE)])])
+    after = config([port], [sub(namespaces=[ns(tmp_path / "no-such-dir" / "vol.img", 1, SIZE)])])
+
+    async def main() -> None:
+        async with serving(before) as service:
+            host = await connect(port, nr_io_queues=1)
+            changed = asyncio.Event()
+            host.namespace_listeners.append(changed.set)
+            try:
+                with pytest.raises(Exception, match="no-such-dir"):
+                    await service.reload(after)
+                assert service.target.subsystems[NQN].reopening == set()
+                await asyncio.wait_for(changed.wait(), 5)
+                assert sorted(host.namespaces) == []
+                with pytest.raises(NvmeError) as err:
+                    await host.io_command(read_command(1, 0, 0), data_in=memoryview(bytearray(512)))
+                assert err.value.status & ~MORE == Status.INVALID_NS
+            finally:
+                await host.close()
+
+    run(main(), timeout=30)
 
 
 def test_resize_namespace_with_writes_in_flight(tmp_path: Path) -> None:
