@@ -134,7 +134,8 @@ class Controller(Association):
         self.timeouts = 0
         """Commands failed for want of an answer in time (each reset its association)."""
         self.path_error_retries = 0
-        """Sends again after Internal Path Error (a metric)."""
+        """Sends again after Internal Path Error (counted in its log lines: the first, then every
+        1,000th)."""
         self._keep_alive_task: asyncio.Task[None] | None = None
         self._aer_task: asyncio.Task[None] | None = None
         self.namespace_listeners: list[Callable[[], None]] = []
