@@ -114,6 +114,12 @@ def test_khost_sees_a_namespace_grow_without_reconnecting(guest_case):
     each new size on the same controller (the Namespace Attribute Changed event)."""
 
 
+def test_khost_rides_through_reloads_that_reopen_its_namespace(guest_case):
+    """fio QD16 verify through reloads that close and open the namespace again (its path moved
+    between a file and a hard link): no fio error, same controller and device (Internal Path
+    Error to the commands in between, which the kernel host sends again)."""
+
+
 def test_blockd_primary_replicates_to_a_kernel_nvmet_namespace(guest_case):
     """A blockd replicated namespace (4 KiB blocks) whose replica is a kernel nvmet-tcp namespace:
     full sync on first contact, a blockctl write is on the kernel's file once acknowledged, verify

@@ -343,10 +343,10 @@ def test_blockctl_reads_what_khost_wrote(blockd_target, blockd_initiator):
 
 # ------------------------------------------------ blockctl -> kernel nvmet-tcp target ---
 @contextlib.contextmanager
-def kernel_namespace(nqn: str, serial: str, port_id: int, port: int, vol: str) -> Iterator[str]:
-    """A kernel nvmet-tcp subsystem with one 64 MiB file namespace ``vol`` on port ``port_id``
-    (ADDR0:``port``), any host allowed; removed afterwards."""
-    sh(f"rm -f {vol} && truncate -s 64M {vol} && nvmet_subsys {nqn} {serial} && "
+def kernel_namespace(nqn: str, serial: str, port_id: int, port: int, vol: str, size: str = "64M") -> Iterator[str]:
+    """A kernel nvmet-tcp subsystem with one file namespace ``vol`` of ``size`` (64 MiB) on port
+    ``port_id`` (ADDR0:``port``), any host allowed; removed afterwards."""
+    sh(f"rm -f {vol} && truncate -s {size} {vol} && nvmet_subsys {nqn} {serial} && "
        f"nvmet_ns_file {nqn} 1 {vol} && nvmet_port {port_id} tcp {ADDR0} {port} && nvmet_link {port_id} {nqn}")
     wait_tcp(ADDR0, port, timeout=30, what=f"kernel nvmet-tcp ({nqn})")
     yield vol
@@ -540,6 +540,114 @@ def test_khost_sees_a_namespace_grow_without_reconnecting(rxe):
                f"seek=31 oflag=direct status=none && cmp {s}/tail <(tail -c {1 << 20} {RESIZE_VOL})")
     finally:
         print(f"resize target exit status {d.stop()}")
+
+
+# ---------------------------- kernel host -> blockd target: a reload that reopens a namespace ---
+REOPEN_NQN = "nqn.2026-11.io.blockd:vmreopen"
+REOPEN_PORT = 4431
+REOPEN_SOCK = "/run/blockd/reopen-target.sock"
+REOPEN_REPL_NQN = "nqn.2026-11.io.blockd:vmreopen-copy"  # a kernel nvmet namespace, the replica
+REOPEN_REPL_PORT = 4432
+REOPEN_FIO_S = 40
+
+
+def _reopen_toml(vol: str, timeout: float) -> str:
+    return f"""\
+[control]
+socket = "{REOPEN_SOCK}"
+
+[[port]]
+transport = "tcp"
+address = "{ADDR0}"
+port = {REOPEN_PORT}
+
+[[subsystem]]
+nqn = "{REOPEN_NQN}"
+allow_any_host = true
+
+[[subsystem.namespace]]
+nsid = 1
+path = "{vol}"
+size = "8MiB"
+block_size = 4096
+resync_rate = "1GiB"
+
+[[subsystem.namespace.replica]]
+address = "{ADDR0}"
+port = {REOPEN_REPL_PORT}
+nqn = "{REOPEN_REPL_NQN}"
+timeout = {timeout}
+"""
+
+
+def test_khost_rides_through_reloads_that_reopen_its_namespace(rxe, record_property):
+    """The kernel host writes under fio (libaio QD16, random 4-16 KiB, crc32c verify as it goes)
+    to a replicated namespace (its replica a kernel nvmet namespace) while the target is reloaded
+    4 times with the replica's timeout changed: a change that closes the namespace and opens it
+    again, connecting to the replica anew (docs/operations.md), long enough under TCG that
+    commands arrive in between. Those get Internal Path Error (no DNR), which the kernel host
+    sends again: fio sees no error, the namespace stays (same controller, same block device,
+    never reconnected), and verify finds the copies equal. Before, such commands got Invalid
+    Namespace with DNR, and the kernel host failed them (fio: EIO)."""
+    vol = "/dev/shm/reopen-primary.img"
+    Path(vol).unlink(missing_ok=True)
+    cfg = RESULTS / "reopen-target.toml"
+    cfg.parent.mkdir(parents=True, exist_ok=True)
+    cfg.write_text(_reopen_toml(vol, 30.0))
+    ctl = [tool("blockctl"), "target", "--target-socket", REOPEN_SOCK]
+    with kernel_namespace(REOPEN_REPL_NQN, "KREOPEN0001", 7, REOPEN_REPL_PORT, "/dev/shm/reopen-copy.img", "8M"):
+        d = start_target("blockd-reopen-target", cfg, port=REOPEN_PORT)
+        try:
+            deadline = time.monotonic() + 300
+            while json.loads(sh(shlex.join([*ctl, "replicas", "--json"])))["namespaces"][0][
+                    "replicas"][0]["state"] != "in_sync":
+                assert time.monotonic() < deadline, d.log_tail()
+                time.sleep(1)
+            with kernel_host("tcp", REOPEN_PORT, REOPEN_NQN) as k:
+                sysfs = f"/sys/class/nvme/{k['ctrl']}"
+                cntlid = sh(f"cat {sysfs}/cntlid").strip()
+                size = int(sh(f"blockdev --getsize64 {k['dev']}").strip())
+                fio = subprocess.Popen(
+                    ["fio", "--name=reopen", f"--filename={k['dev']}", "--rw=randwrite", "--bsrange=4k-16k",
+                     f"--size={size}", "--direct=1", "--ioengine=libaio", "--iodepth=16", "--time_based",
+                     f"--runtime={REOPEN_FIO_S}", "--verify=crc32c", "--verify_backlog=64", "--verify_fatal=1",
+                     "--output-format=terse", "--minimal"],
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                t0 = time.monotonic()
+                reloads = 0
+                try:
+                    time.sleep(3)
+                    # as many reloads as fit well inside fio's run (each one takes seconds under TCG)
+                    while reloads < 4 and time.monotonic() - t0 < REOPEN_FIO_S - 15:
+                        reloads += 1
+                        cfg.write_text(_reopen_toml(vol, 30.0 + reloads % 2))
+                        d.proc.send_signal(signal.SIGHUP)
+                        deadline = time.monotonic() + 60
+                        while d.log_path.read_text().count("configuration reloaded") < reloads:
+                            assert "reload failed" not in d.log_path.read_text(), d.log_tail()
+                            assert time.monotonic() < deadline, d.log_tail()
+                            time.sleep(0.2)
+                        time.sleep(2)
+                    assert fio.poll() is None, "fio ended before the reloads did"
+                finally:
+                    out = fio.communicate(timeout=REOPEN_FIO_S + 300)[0]
+                print(out)
+                record_property("reopen_reloads", reloads)
+                assert reloads >= 2, reloads
+                terse = [line for line in out.splitlines() if line.count(";") > 10]
+                assert fio.returncode == 0 and terse and terse[-1].split(";")[4] == "0", out  # field 5: error
+                assert sh(f"cat {sysfs}/cntlid").strip() == cntlid, "the kernel host reconnected"
+                assert sh(f"cat {sysfs}/state").strip() == "live"
+                assert sh(f"nvmeh_ctrl {REOPEN_NQN}").strip() == k["ctrl"]
+                assert int(sh(f"blockdev --getsize64 {k['dev']}").strip()) == size
+                stats = json.loads(sh(shlex.join([*ctl, "stats", "-i", "0.1", "--json"])))
+                errors = {name: n for h in stats["totals"]["hosts"] for name, n in h["errors"].items()}
+                record_property("internal_path_errors", errors.get("internal_path_error", 0))
+                assert set(errors) <= {"internal_path_error"}, errors
+            out = sh(shlex.join([*ctl, "verify", REOPEN_NQN, "1"]), timeout=600)
+            assert " 0 differ" in out, out
+        finally:
+            print(f"reopen target exit status {d.stop()}")
 
 
 # ------------------------------- blockd primary replicating to a kernel nvmet namespace ---
