@@ -42,3 +42,9 @@ def test_hostile_host_limits(guest_case):
 def test_service_rdma_port(guest_case):
     """`blockd target --config` with an rdma port: blockctl discover/connect/write/read over RDMA,
     the kernel nvme-rdma host reads and writes; clean SIGTERM."""
+
+
+def test_a_replica_over_rdma_gets_every_write_and_a_resync_after_a_kill(guest_case):
+    """A blockd primary whose replica is a blockd target over NVMe/RDMA: full sync, kernel-host
+    verified writes, the replica killed and brought back by a bitmap resync over RDMA, verify by
+    digests 0 differ, the data areas equal."""
