@@ -152,7 +152,8 @@ async def _run(tmp: Path, mode: str, work: list[tuple[bytes, bytes]], depth: int
     async with _queue(tmp, mode, nowait_only) as (service, io, fast, path):
         if truncate:
             os.truncate(path, truncate)
-        names = [k for k in ("served", "thread_served", "ring_served", "ring_enters", "ring_chains", "ring_undone")
+        names = [k for k in ("served", "thread_served", "ring_served", "ring_enters", "ring_chains", "ring_undone",
+                             "ring_probes_refused")
                  if hasattr(fast, k)]
         before = {k: getattr(fast, k) for k in names}
         answers: dict[int, tuple[int, int, bytes]] = {}
@@ -253,6 +254,7 @@ def test_a_file_that_would_block_stays_off_the_ring(tmp_path: Path) -> None:
     _same(ring, thread)
     stats = ring["stats"]
     assert stats["ring_served"] == 0 and stats["thread_served"] == 99 and stats["ring_undone"] == 1, stats
+    assert stats["ring_probes_refused"] == 1, stats
     assert stats["ring_enters"] <= 100 + 1, stats
 
 
