@@ -825,7 +825,9 @@ def test_khost_io_uring_target_answers_as_the_thread(rxe, record_property):
     same file behind a target on the threads' own system calls (the fallback) reads back the same
     bytes, and the same pattern written through it lands as the ring's did. The ring was in use,
     not its fallback chosen silently: the start-up log says io_uring, and the queues' counts
-    (``blockctl target hosts``) show most commands served through the ring with no failed chain.
+    (``blockctl target hosts``) show most commands served through the ring with no failed chain
+    but a refused RWF_NOWAIT probe (a first write per queue: XFS refuses it while the file's times
+    need a transaction).
 
     The file sits on XFS (a loop device): XFS takes buffered reads and writes with RWF_NOWAIT, so
     the ring does the file steps itself; on tmpfs (the guest's /tmp) it would hand every one to
