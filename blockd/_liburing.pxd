@@ -15,6 +15,7 @@ cdef extern from "liburing.h" nogil:
         uint64_t addr
         uint32_t len
         uint64_t user_data
+        int rw_flags  # (a read's or write's RWF_* flags)
         uint32_t cmd_op
         uint8_t cmd[80]
     struct io_uring_cqe:
@@ -28,6 +29,9 @@ cdef extern from "liburing.h" nogil:
     struct io_uring_params:
         uint32_t flags
         uint32_t sq_thread_idle
+    struct __kernel_timespec:
+        long long tv_sec
+        long long tv_nsec
     int io_uring_queue_init(unsigned entries, io_uring* ring, unsigned flags)
     int io_uring_queue_init_params(unsigned entries, io_uring* ring, io_uring_params* p)
     void io_uring_queue_exit(io_uring* ring)
@@ -35,6 +39,10 @@ cdef extern from "liburing.h" nogil:
     int io_uring_submit(io_uring* ring)
     int io_uring_submit_and_wait(io_uring* ring, unsigned wait_nr)
     int io_uring_wait_cqe(io_uring* ring, io_uring_cqe** cqe)
+    int io_uring_wait_cqes(io_uring* ring, io_uring_cqe** cqe, unsigned wait_nr, __kernel_timespec* ts,
+                           void* sigmask)
+    int io_uring_submit_and_wait_timeout(io_uring* ring, io_uring_cqe** cqe, unsigned wait_nr,
+                                         __kernel_timespec* ts, void* sigmask)
     int io_uring_peek_cqe(io_uring* ring, io_uring_cqe** cqe)
     void io_uring_cqe_seen(io_uring* ring, io_uring_cqe* cqe)
     unsigned io_uring_peek_batch_cqe(io_uring* ring, io_uring_cqe** cqes, unsigned count)

@@ -15,11 +15,14 @@ loop exactly as there. Per receive the ring gets one chain, submitted with one
     read or write of command 1 -> ... -> read or write of command n -> sendmsg(replies) -> recv
 
 linked (``IOSQE_IO_LINK``: each starts when the one before succeeded; a short read or write
-fails the link) and all but the ``recv`` without a completion on success
-(``IOSQE_CQE_SKIP_SUCCESS``), so exactly one completion comes back: the ``recv``'s (the host's
-next bytes, in the reader's staging as the blocking ``recv`` puts them), or the first step that
-failed (the kernel then cancels the rest, without their completions). At queue depth 1 that is
-one system call per I/O where the thread makes three.
+fails the link) and the file steps without a completion on success (``IOSQE_CQE_SKIP_SUCCESS``),
+so what comes back is the ``sendmsg``'s completion (the file steps and the replies are done: the
+namespaces' holds go back), the ``recv``'s (the host's next bytes, in the reader's staging as the
+blocking ``recv`` puts them), or the first step that failed (the kernel then cancels the rest).
+Both are waited for in one ``io_uring_enter`` (``min_complete`` 2): at queue depth 1 that is one
+system call per I/O where the thread makes three. With SQPOLL (``[target] io_uring_sqpoll``) the
+kernel's thread submits, and the queue thread looks for the completions in the ring for up to
+``io_uring_spin_us`` before it sleeps in the kernel: none while the host answers within the spin.
 
 The reply of a ring command is built before its data is read (its SQHD advanced then, as the one
 ``sendmsg`` of the chain carries it); a file step that fails therefore undoes the chain: SQHD back
@@ -29,8 +32,10 @@ again, the write again: the same bytes at the same place), so its status and err
 the reference's. A ring command is counted when its reply is made, before the host can see it, as
 ``TcpServe`` counts (its latency therefore leaves out the read or write, done inside the chain), and
 the count is taken back if its chain fails. Its namespace is held (``ns.in_flight``) until the
-chain's completion comes, i.e. at queue depth 1 until the host's next bytes on the queue (or its
-end): a namespace removed meanwhile closes its file then. Nothing of a chain is outstanding when
+chain's ``sendmsg`` has completed: seen in the ring while the thread spins, or when the thread's
+sleep in the kernel ends, which lasts at most ``_HOLD_WAIT_NS`` while it holds any (the host's next
+bytes, which an idle host never sends, used to end it): a namespace removed meanwhile closes its
+file then. Nothing of a chain is outstanding when
 the thread handles anything else or hands back: one chain at a time, on the thread that made the
 ring (``IORING_SETUP_SINGLE_ISSUER``)."""
 
@@ -46,7 +51,7 @@ from blockd._liburing cimport (
     IORING_SQ_NEED_WAKEUP, IOSQE_CQE_SKIP_SUCCESS, IOSQE_IO_LINK, io_uring, io_uring_cqe, io_uring_cqe_seen,
     io_uring_get_sqe, io_uring_params, io_uring_peek_cqe, io_uring_prep_read, io_uring_prep_recv, io_uring_prep_sendmsg,
     io_uring_prep_write, io_uring_queue_exit, io_uring_queue_init_params, io_uring_sqe, io_uring_submit,
-    io_uring_submit_and_wait, io_uring_wait_cqe,
+    io_uring_submit_and_wait, io_uring_submit_and_wait_timeout, io_uring_wait_cqes, __kernel_timespec,
 )
 from blockd._pdu_reader cimport PduReader
 from target._file_io cimport FastNamespace
@@ -86,9 +91,17 @@ cdef enum:
     _MAX_OPS = 62  # ring commands per chain: their replies and the sendmsg's vector stay within _IOV
     _IOV = 64
     _ENTRIES = 128  # submission entries: a chain is at most _MAX_OPS + 2
-    _TAG_FILE = 1
+    _TAG_FILE = 1  # (| the step's index << 8: which command a failed step was)
     _TAG_SEND = 2
     _TAG_RECV = 3
+    _HOLD_WAIT_NS = 10000000
+    # How long the thread sleeps in the kernel for the host's next command while its chain still
+    # holds namespaces (the send's completion not seen yet): then it looks at the completion
+    # ring, gives the holds back and sleeps again without a limit. At queue depth 1 under load
+    # the host's round trip is far shorter (40-130 us on loopback here: 7.5-25k IOPS through the
+    # FUSE mount, docs/benchmarks.md), so this costs an io_uring_enter
+    # only per idle gap longer than it; a removed namespace's file closes at most this long
+    # after its last command's reply went out, not when the host next sends on the queue.
 
 cdef enum:
     # what a file is known to take without blocking (RWF_NOWAIT), per descriptor: _nowait
@@ -96,6 +109,12 @@ cdef enum:
     _READ_NOWAIT = 2
     _WRITE_KNOWN = 4
     _WRITE_NOWAIT = 8
+
+cdef enum:
+    # where _takes_nowait puts a command's file step
+    _OFF_RING = 0  # TcpServe's pread/pwrite
+    _ON_RING = 1
+    _PROBE = 2  # on the ring with RWF_NOWAIT: its completion says whether the file takes such writes
 
 cdef enum:
     # what _chain ended with
@@ -165,6 +184,7 @@ cdef class TcpUringPath(TcpFastPath):
     cdef int _last_nowait
     cdef unsigned char _sqes[_MAX_OPS][64]
     cdef int _kind[_MAX_OPS]
+    cdef int _probe[_MAX_OPS]  # the descriptor a write step learns (_PROBE), else -1
     cdef unsigned int _len[_MAX_OPS]
     cdef long long _elapsed[_MAX_OPS]
     cdef iovec _iov[_IOV]
@@ -177,6 +197,9 @@ cdef class TcpUringPath(TcpFastPath):
     # Commands whose file I/O and reply went through the ring (also in ``served``).
     cdef public unsigned long long ring_undone
     # Commands of failed chains, handed to the loop.
+    cdef public unsigned long long ring_probes_refused
+    # First writes of a file whose RWF_NOWAIT probe on the ring it refused (their chains are
+    # among the failed ones: undone by design, the loop's queue writes them).
     cdef readonly str ring_reason
     # Why this queue's thread runs without a ring ("" while it has one, or before it starts).
     cdef readonly unsigned int sqpoll_idle_ms
@@ -311,11 +334,15 @@ cdef class TcpUringPath(TcpFastPath):
         cdef int fd = self._hold_namespace(entry, ns)
         if fd < 0:
             return 0  # withdrawn meanwhile: TcpServe declines it too
-        if not (self.all_file_steps or self._takes_nowait(fd, c.opcode == _WRITE, data, length, offset)):
+        cdef int how = _ON_RING if self.all_file_steps else self._takes_nowait(fd, c.opcode == _WRITE)
+        if how == _OFF_RING:
             self._release_namespace(entry)
             return 0
-        # what the ring holds is bounded as TcpServe bounds what it gathers (flush_at)
-        if (self._ops == _MAX_OPS or self._ring_bytes > self.flush_at) and self._chain(self._tfd, False) != _DONE:
+        # what the ring holds is bounded as TcpServe bounds what it gathers (flush_at); a probing
+        # write starts a chain, so that a refusal undoes no step that already ran (nothing is
+        # written twice: the refused write wrote nothing, the steps after it were cancelled)
+        if ((self._ops == _MAX_OPS or self._ring_bytes > self.flush_at or how == _PROBE and self._ops)
+                and self._chain(self._tfd, False) != _DONE):
             self._release_namespace(entry)
             return 2
         if self._replies:  # TcpServe's replies of this receive go first, with its own send
@@ -333,14 +360,20 @@ cdef class TcpUringPath(TcpFastPath):
             self._read_headers(p, c.cid, length)
             io_uring_prep_read(sqe, fd, p + _DATA_HLEN, length, offset)
             self._kind[i] = _KIND_READ
+            self._probe[i] = -1
         else:
             # a copy: the reader's staging takes the next receive before the chain writes it
             copy = PyBytes_FromStringAndSize(<const char*>data, length)
             io_uring_prep_write(sqe, fd, PyBytes_AS_STRING(copy), length, offset)
             reply = self._capsule_reply(c.cid)
             self._kind[i] = _KIND_WRITE
+            if how == _PROBE:
+                sqe.rw_flags = RWF_NOWAIT
+                self._probe[i] = fd
+            else:
+                self._probe[i] = -1
         sqe.flags = IOSQE_IO_LINK | IOSQE_CQE_SKIP_SUCCESS
-        sqe.user_data = _TAG_FILE
+        sqe.user_data = _TAG_FILE | i << 8
         memcpy(self._sqes[i], q, _SQE_SIZE)
         self._len[i] = length
         # counted now, before the host can see the reply, as TcpServe counts (taken back by _undo)
@@ -360,15 +393,16 @@ cdef class TcpUringPath(TcpFastPath):
         self.ring_served += 1
         return 1
 
-    cdef bint _takes_nowait(self, int fd, bint write, const unsigned char* data, Py_ssize_t length,
-                            off_t offset) except -1:
-        """Whether ``fd`` takes a read (a write) without blocking (``RWF_NOWAIT``): only then does
-        the ring do it within its submission. A file that cannot (tmpfs for both; ext4 for
-        buffered writes: measured, 6.18) makes io_uring hand the step to an io-wq worker thread,
-        two more context switches per I/O than the thread's own ``pread``/``pwrite``, so its
-        commands are ``TcpServe``'s. Learned once per descriptor: a read by a one-byte
-        ``preadv2(RWF_NOWAIT)``; a write by the command's own write with ``RWF_NOWAIT`` (which
-        ``TcpServe`` then writes again, the same bytes at the same place). A descriptor number
+    cdef int _takes_nowait(self, int fd, bint write) except -1:
+        """Where a read (a write) of ``fd`` goes: on the ring only if the file takes it without
+        blocking (``RWF_NOWAIT``). A file that cannot (tmpfs for both; ext4 for buffered writes:
+        measured, 6.18) makes io_uring hand the step to an io-wq worker thread, two more context
+        switches per I/O than the thread's own ``pread``/``pwrite``, so its commands are
+        ``TcpServe``'s. Learned once per descriptor: a read by a one-byte ``preadv2(RWF_NOWAIT)``;
+        a write by the command's own write on the ring with ``RWF_NOWAIT`` (``_PROBE``): done
+        once, it is the command's write; refused, it wrote nothing and the chain is undone (the
+        loop's queue writes it). A ``pwritev2(RWF_NOWAIT)`` here, before ``TcpServe``'s own
+        write, used to write the bytes twice on a file that takes it (XFS). A descriptor number
         reused by a later namespace keeps what was learned: a wrong answer costs speed only."""
         cdef int known
         cdef unsigned char byte
@@ -378,37 +412,36 @@ cdef class TcpUringPath(TcpFastPath):
             self._last_fd = fd
             self._last_nowait = self._nowait.get(fd, 0)
         known = self._last_nowait
-        if write and known & _WRITE_KNOWN:
-            return known & _WRITE_NOWAIT
-        if not write and known & _READ_KNOWN:
-            return known & _READ_NOWAIT
         if write:
-            v.iov_base = <void*>data
-            v.iov_len = length
-            with nogil:
-                n = pwritev2(fd, &v, 1, offset, RWF_NOWAIT)
-            known |= _WRITE_KNOWN | (0 if n < 0 and errno == EOPNOTSUPP else _WRITE_NOWAIT)
-        else:
+            if not known & _WRITE_KNOWN:
+                return _PROBE
+            return _ON_RING if known & _WRITE_NOWAIT else _OFF_RING
+        if not known & _READ_KNOWN:
             v.iov_base = &byte
             v.iov_len = 1
             with nogil:
                 n = preadv2(fd, &v, 1, 0, RWF_NOWAIT)
             known |= _READ_KNOWN | (0 if n < 0 and errno == EOPNOTSUPP else _READ_NOWAIT)
-        self._last_nowait = known
+            self._learned(fd, known)
+        return _ON_RING if known & _READ_NOWAIT else _OFF_RING
+
+    cdef int _learned(self, int fd, int known) except -1:
         self._nowait[fd] = known
-        return False  # this one is TcpServe's
+        if fd == self._last_fd:
+            self._last_nowait = known
+        return 0
 
     cdef int _chain(self, int fd, bint receive) except -1:
         """Submit what the ring holds (the file steps, then one ``sendmsg`` of their replies and of
         any TcpServe gathered), then a ``recv`` into the reader's staging when ``receive``; wait
-        for the one completion the chain posts and settle it (module docstring)."""
+        for the completions the chain posts and settle them (module docstring)."""
         cdef PduReader reader = self.reader
         cdef io_uring_sqe* sqe
         cdef io_uring_cqe* cqe
         cdef Py_ssize_t n = 0, room = 0, i, total = 0
         cdef unsigned char* p = NULL
         cdef unsigned long long tag = 0
-        cdef int res = 0, err
+        cdef int res = 0, err, left
         cdef bint full = False
         cdef list replies = self._ring_replies
         cdef bytes reply
@@ -439,8 +472,8 @@ cdef class TcpUringPath(TcpFastPath):
             sqe = io_uring_get_sqe(&self.ring)
             io_uring_prep_sendmsg(sqe, fd, &self._msg, MSG_NOSIGNAL | MSG_WAITALL)
             sqe.user_data = _TAG_SEND
-            if receive:
-                sqe.flags = IOSQE_IO_LINK | IOSQE_CQE_SKIP_SUCCESS
+            if receive:  # its completion posted only while the chain holds namespaces (given back then)
+                sqe.flags = IOSQE_IO_LINK | (0 if self._ops else IOSQE_CQE_SKIP_SUCCESS)
             self.thread_sends += 1
         if receive:
             sqe = io_uring_get_sqe(&self.ring)
@@ -449,28 +482,42 @@ cdef class TcpUringPath(TcpFastPath):
         elif not n:
             return _FULL if full else _DONE
         self.ring_chains += 1
-        self._submit()
+        # the completions the chain posts if every step succeeds: the recv's, and the send's
+        # when it is the last step or the chain holds namespaces
+        left = (1 if receive else 0) + (1 if n and (self._ops or not receive) else 0)
+        cqe = self._submit(left)
         while True:
-            # the completion: a signal may end the wait before it (then wait again); a step
-            # the kernel cancelled after a failure may post one (ignored)
-            with nogil:
-                err = io_uring_peek_cqe(&self.ring, &cqe)
-                if err < 0 and self.spin_ns:
-                    err = _spin(&self.ring, &cqe, self.spin_ns)
-            if err < 0:
-                self.ring_enters += 1
+            # a signal may end a wait before its completions (then wait again); a step the
+            # kernel cancelled after a failure may post one (ignored)
+            if cqe == NULL:
                 with nogil:
-                    err = io_uring_wait_cqe(&self.ring, &cqe)
+                    err = io_uring_peek_cqe(&self.ring, &cqe)
+                    if err < 0 and self.spin_ns:
+                        err = _spin(&self.ring, &cqe, self.spin_ns)
                 if err < 0:
-                    if err == -EINTR or err == -ETIME:
+                    cqe = self._wait(left)
+                    if cqe == NULL:
                         continue
-                    raise OSError(-err, f"io_uring_wait_cqe: {os.strerror(-err)}")
             tag = cqe.user_data
             res = cqe.res
             io_uring_cqe_seen(&self.ring, cqe)
-            if res != -ECANCELED:
-                break
-        if tag == _TAG_FILE:
+            cqe = NULL
+            if res == -ECANCELED:
+                continue
+            if tag == _TAG_SEND and res == total and receive:
+                self._settle()  # the file steps and the send are done: the holds go back now
+                left -= 1
+                continue
+            break
+        if (tag & 0xff) == _TAG_FILE:
+            i = tag >> 8
+            if self._probe[i] >= 0:
+                # as the pwritev2 probe read it: EOPNOTSUPP, the file never takes such writes (off
+                # the ring); anything else, it does (EAGAIN: not now; XFS when the file's times
+                # need a transaction, measured on 6.18), so io_uring's own retry handles a block
+                self.ring_probes_refused += 1
+                self._learned(self._probe[i], self._nowait.get(self._probe[i], 0) | _WRITE_KNOWN
+                              | (0 if res == -EOPNOTSUPP else _WRITE_NOWAIT))
             self._undo()
             del replies[:]
             return _UNDONE
@@ -486,32 +533,61 @@ cdef class TcpUringPath(TcpFastPath):
             reader.advance(res)
         return _FULL if full else _DONE
 
-    cdef int _submit(self) except -1:
-        """Submit the chain. Without SQPOLL, and wait for its completion in the same
-        ``io_uring_enter``. With SQPOLL the kernel's thread takes it from the ring: a system call
+    cdef io_uring_cqe* _submit(self, int left) except? NULL:
+        """Submit the chain. Without SQPOLL, and wait for its ``left`` completions in the same
+        ``io_uring_enter`` (for at most ``_HOLD_WAIT_NS`` while it holds namespaces); a completion
+        it brought, or NULL. With SQPOLL the kernel's thread takes it from the ring: a system call
         only to wake that thread when it has gone idle (``IORING_SQ_NEED_WAKEUP``, which liburing
-        checks), counted as liburing will make it; the wait is :meth:`_chain`'s."""
+        checks), counted as liburing will make it; the wait is :meth:`_chain`'s. A signal's
+        retry submits only what the kernel has not taken yet (liburing counts from its head)."""
         cdef int err
+        cdef io_uring_cqe* cqe = NULL
+        cdef __kernel_timespec ts
+        ts.tv_sec = 0
+        ts.tv_nsec = _HOLD_WAIT_NS
         while True:
             if self.sqpoll_idle_ms:
                 if self.ring.sq.kflags[0] & IORING_SQ_NEED_WAKEUP:
                     self.ring_enters += 1
                 with nogil:
                     err = io_uring_submit(&self.ring)
+            elif self._ops:
+                self.ring_enters += 1  # (liburing makes one io_uring_enter when given a timeout)
+                with nogil:
+                    err = io_uring_submit_and_wait_timeout(&self.ring, &cqe, left, &ts, NULL)
             else:
                 self.ring_enters += 1
                 with nogil:
-                    err = io_uring_submit_and_wait(&self.ring, 1)
-            if err >= 0:
-                return 0
-            if err != -EINTR:  # (nothing was submitted: the chain is still in the ring's queue)
+                    err = io_uring_submit_and_wait(&self.ring, left)
+            if err >= 0 or err == -ETIME or cqe != NULL:
+                return cqe
+            if err != -EINTR:
                 raise OSError(-err, f"io_uring_submit: {os.strerror(-err)}")
 
+    cdef io_uring_cqe* _wait(self, int left) except? NULL:
+        """Sleep in the kernel until ``left`` completions are in the ring (the chain's still to
+        come), for at most ``_HOLD_WAIT_NS`` while the chain holds namespaces: one
+        ``io_uring_enter``. A completion, or NULL (a signal, or that time is up)."""
+        cdef int err
+        cdef io_uring_cqe* cqe = NULL
+        cdef __kernel_timespec ts
+        ts.tv_sec = 0
+        ts.tv_nsec = _HOLD_WAIT_NS
+        self.ring_enters += 1
+        with nogil:
+            err = io_uring_wait_cqes(&self.ring, &cqe, left, &ts if self._ops else NULL, NULL)
+        if err < 0 and cqe == NULL and err != -EINTR and err != -ETIME:
+            raise OSError(-err, f"io_uring_wait_cqes: {os.strerror(-err)}")
+        return cqe
+
     cdef int _settle(self) except -1:
-        """The chain's commands succeeded: their namespaces given back."""
+        """The chain's commands succeeded: their namespaces given back, and what their probing
+        writes taught (the file takes writes with ``RWF_NOWAIT``)."""
         cdef int i
         cdef list held = self._ring_ns
         for i in range(self._ops):
+            if self._probe[i] >= 0:
+                self._learned(self._probe[i], self._nowait.get(self._probe[i], 0) | _WRITE_KNOWN | _WRITE_NOWAIT)
             self._release_namespace(held[2 * i])
         self._clear()
         return 0

@@ -530,7 +530,7 @@ class TcpTargetConnection(PduProtocol):
         out: dict[str, Any] = {"compiled": fast.served, "thread": fast.thread_served}
         if TcpUringPath is not None and isinstance(fast, TcpUringPath):
             out.update(io_uring=fast.ring_served, io_uring_enters=fast.ring_enters,
-                       io_uring_undone=fast.ring_undone)
+                       io_uring_undone=fast.ring_undone, io_uring_probes_refused=fast.ring_probes_refused)
             if fast.ring_reason:
                 out["io_uring_refused"] = fast.ring_reason
         return out

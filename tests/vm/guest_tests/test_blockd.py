@@ -933,7 +933,9 @@ def test_khost_io_uring_target_answers_as_the_thread(rxe, record_property):
     same file behind a target on the threads' own system calls (the fallback) reads back the same
     bytes, and the same pattern written through it lands as the ring's did. The ring was in use,
     not its fallback chosen silently: the start-up log says io_uring, and the queues' counts
-    (``blockctl target hosts``) show most commands served through the ring with no failed chain.
+    (``blockctl target hosts``) show most commands served through the ring with no failed chain
+    but a refused RWF_NOWAIT probe (a first write per queue: XFS refuses it while the file's times
+    need a transaction).
 
     The file sits on XFS (a loop device): XFS takes buffered reads and writes with RWF_NOWAIT, so
     the ring does the file steps itself; on tmpfs (the guest's /tmp) it would hand every one to
@@ -967,7 +969,9 @@ def test_khost_io_uring_target_answers_as_the_thread(rxe, record_property):
         record_property("io_uring_served", ring)
         record_property("io_uring_enters", sum(q.get("io_uring_enters", 0) for q in served))
         assert not any("io_uring_refused" in q for q in served), served
-        assert sum(q["io_uring_undone"] for q in served) == 0, served
+        # no failed chain but the first write's RWF_NOWAIT probe (at most one per queue), if refused
+        assert sum(q["io_uring_undone"] - q["io_uring_probes_refused"] for q in served) == 0, served
+        assert all(q["io_uring_probes_refused"] <= 1 for q in served), served
         # reads at least (XFS takes them without blocking): fio's QD1 verify 256, the whole read 512
         assert ring >= 768, served
 
