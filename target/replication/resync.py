@@ -65,7 +65,25 @@ DEPTH = 2
 """Units copied at once. Measured in the runs of :data:`UNIT` (median ratio to cp): 4 MiB units
 4 at once 0.69 against 0.71 for 2 (run 1), 8 MiB units 4 at once 0.44 against 0.55 (run 2). Earlier, with 1 MiB units (3 alternated rounds,
 in process): 2 at once 196-256 MB/s, 4 at once 168-229, 8 at once 113-145, and one 64 KiB region
-at a time 102-157; deeper queues of large writes only slow the replica's side down."""
+at a time 102-157; deeper queues of large writes only slow the replica's side down.
+
+Measured again at 512 MiB (2026-12-08 00:40-01:17 UTC, a scratch script: the variants alternated
+in each round, cp+sync after them; ratios are a variant over 4 MiB x 2 in the same round, 11
+runs of 2-3 rounds; docs/benchmarks.md, "Full resync at 512 MiB and 1 GiB"), none kept:
+
+* 4 MiB x 4: 0.67-1.99 (median 0.98); x 3: 0.64-1.16; 2 MiB x 6 or x 8: 0.61-1.13; 8 MiB x 2:
+  0.73 / 0.97; 8 MiB x 4: 0.52 / 0.68 (32 MiB in flight, twice the blockd replica's R2T budget
+  of a queue, 16 MiB, so presumably its writes wait in the queue's line, off the thread's path).
+* Units spread over the replica's two I/O queues (a queue of its own per unit: 0.78-0.98; each
+  1 MiB command on the next queue: 0.89-1.16; not explained: the two queue threads of the
+  replica write one file, and this host is one thread); the controller's packing onto the first
+  queue with room stays.
+* A Flush to the replica every 64, 128 or 256 MiB, so that its write-back overlaps the copy:
+  the final flush fell from ~0.2 s to 0.03-0.1 s, but the copy mostly took 0.9-2.0 s instead of
+  0.4-0.95 (0.51-0.89 in 7 of 10 rounds, 1.70-2.03 in the 3 where the plain copy was itself
+  slow): on 2 CPUs the write-back competes with both sides' copies.
+* The local read in the executor's thread (the loop free for the replica's R2Ts meanwhile):
+  1.00-1.04; read and sent in 1 MiB pieces with the loop between them: 0.35 / 0.85 / 1.18."""
 MIN_HOLE = 64 << 10
 """A hole of the local copy at least this long becomes one Write Zeroes to the replica; a
 shorter one is read and sent as zeroes (a command's round trip costs more than its bytes)."""
