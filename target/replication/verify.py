@@ -144,7 +144,7 @@ async def verify(mirror: ReplicatedBackend, link: ReplicaLink) -> dict[str, Any]
             link.state = RESYNCING  # the link's loop resyncs what is now missing
     mismatched.sort()
     log.info("verify done", namespace=mirror.name, replica=link.name, regions=regions, method=how,
-             mismatched=len(mismatched), seconds=round(time.monotonic() - started, 2))
+             mismatched=len(mismatched), seconds=round(time.monotonic() - started, 3))
     return {"replica": link.name, "regions": regions, "region_size": size, "method": how,
             "mismatched": [{"region": r, "offset": r * size, "length": mirror.span(r)[1]} for r in mismatched]}
 
