@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from protocol.digest import DigestAlgorithm, Digests
 from target.backend import MemoryBackend
 from target.replication import verify as verify_mod
 from target.replication.link import IN_SYNC
@@ -25,7 +26,7 @@ from .test_mirror import REGION, Bed, FakeReplica, run, until
 
 UNITS = 2 * verify_mod.DEPTH
 """The data area holds a little more than this many of verify's units: with DEPTH in flight,
-the later ones take the buffers the first ones used."""
+the later ones take the buffers the first ones used (and as many as DIGEST_DEPTH fit at once)."""
 DEVICE = UNITS * verify_mod.UNIT + (1 << 20)
 
 
@@ -49,9 +50,40 @@ class Reading(FakeReplica):
             self.busy -= 1
 
 
-async def in_sync_pair(rate: int = 1 << 40) -> tuple[ReplicatedBackend, MemoryBackend, list[Reading]]:
-    """A primary over random data with one replica that got all of it by a full sync (``rate``:
-    no limit by default)."""
+class Digesting(Reading):
+    """A replica that answers digests (as a blockd replica does), recording each Digest range;
+    the first ones wait (up to 5 s) until :data:`~target.replication.verify.DIGEST_DEPTH` are
+    under way, so units sent together always meet, however loaded the machine."""
+
+    serves_digests = True
+
+    def __init__(self, store: Any, name: str) -> None:
+        super().__init__(store, name)
+        self.full = asyncio.Event()
+
+    async def digests(self, offset: int, length: int, chunk: int, out: memoryview) -> None:
+        self._check()
+        self.reads.append((offset, length))
+        self.busy += 1
+        self.most_busy = max(self.most_busy, self.busy)
+        if self.busy >= verify_mod.DIGEST_DEPTH:
+            self.full.set()
+        try:
+            await asyncio.wait_for(self.full.wait(), 5)
+        except asyncio.TimeoutError:
+            pass
+        try:
+            data = bytearray(length)
+            await self.store.read_into(offset, memoryview(data))
+            Digests(DigestAlgorithm.XXH3_128, length, chunk, out).feed(data)
+        finally:
+            self.busy -= 1
+
+
+async def in_sync_pair(rate: int = 1 << 40, replica: type[Reading] = Reading
+                       ) -> tuple[ReplicatedBackend, MemoryBackend, list[Reading]]:
+    """A primary over random data with one ``replica`` that got all of it by a full sync
+    (``rate``: no limit by default)."""
     local, store = MemoryBackend(DEVICE), MemoryBackend(DEVICE)
     local.data[:] = os.urandom(DEVICE)
     local.data[-(1 << 20):] = bytes(1 << 20)  # blank metadata: formatted at open
@@ -59,7 +91,7 @@ async def in_sync_pair(rate: int = 1 << 40) -> tuple[ReplicatedBackend, MemoryBa
     opened: list[Reading] = []
 
     async def open_() -> Reading:
-        r = Reading(store, "r0")
+        r = replica(store, "r0")
         opened.append(r)
         return r
     bed.opener = lambda i: open_  # type: ignore[method-assign]
@@ -101,6 +133,21 @@ def test_verify_reads_whole_units_several_at_once() -> None:
         assert max(n for _, n in data) == verify_mod.UNIT
         assert len(data) == -(-m.size // verify_mod.UNIT)  # every byte once, in whole units
         assert replica.most_busy == verify_mod.DEPTH > 1
+        await m.stop()
+    run(main())
+
+
+def test_verify_asks_for_the_digests_of_more_units_at_once() -> None:
+    """By digests, DIGEST_DEPTH units are out at once (more than by reading: their buffers are
+    16 bytes a region). Broken (DEPTH for both ways): 4 at most, and the test fails."""
+    async def main() -> None:
+        m, _, opened = await in_sync_pair(replica=Digesting)
+        replica = opened[-1]
+        replica.reads.clear()
+        report = await verify(m, m.links[0])
+        assert report["method"] == "digest" and report["mismatched"] == []
+        assert len(replica.reads) == -(-m.size // verify_mod.UNIT)  # every byte once, in whole units
+        assert replica.most_busy == verify_mod.DIGEST_DEPTH > verify_mod.DEPTH
         await m.stop()
     run(main())
 
