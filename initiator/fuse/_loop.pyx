@@ -136,9 +136,9 @@ cdef unsigned _AFFINITY_EVERY = 4096
 cdef bint _spin_readable(int fd, long long until) noexcept nogil:
     """Poll ``fd`` without sleeping until it is readable (True; an error or hang-up counts: the
     event loop reports it) or the clock passes ``until`` (False). Each round yields the CPU to
-    whatever else is runnable on it: the application our answer woke is often put on our CPU (the
-    scheduler's wake-affine choice), and a spin that did not yield held it off (measured: the
-    unpinned QD1 rows fell by a quarter)."""
+    whatever else is runnable on it: the application our answer woke may be put on our CPU (the
+    scheduler's wake-affine choice), and a spin that does not yield holds it off until the spin
+    ends or the scheduler preempts it."""
     cdef pollfd p
     p.fd = fd
     p.events = POLLIN

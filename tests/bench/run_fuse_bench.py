@@ -274,6 +274,14 @@ def sched_counts(pid: int) -> tuple[int, int]:
     return switches, migrations
 
 
+def machine_ticks() -> tuple[int, int]:
+    """Busy and total CPU ticks of the whole machine so far (/proc/stat; idle and iowait are not
+    busy): whether a workload had the CPUs to itself, or was bound by them."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """User and system CPU seconds of a process so far."""
     with open(f"/proc/{pid}/stat") as f:
@@ -533,10 +541,13 @@ def main() -> int:
                 counted = CPU_COUNTED.get(system, ())
                 before = {p: cpu_seconds(p) for p in pids[system]} if counted else {}
                 sched_before = {p: sched_counts(p) for p in pids[system]} if counted else {}
+                ticks = machine_ticks()
                 try:
                     r = run_fio(job, use_pin, args.runtime * 3 + 60)
                 finally:
                     set_affinity(pids[system], all_cpus)
+                busy, total = (now - then for now, then in zip(machine_ticks(), ticks))
+                r["machine_busy"] = busy / (total or 1)
                 if counted:
                     ios = (r["ios"] + int(r["iops"])) or 1  # + the 1 s ramp fio leaves out, CPU counted
                     cpu_per_io.setdefault(jobfile, {}).update(
@@ -548,7 +559,7 @@ def main() -> int:
                          for name, p in zip(counted, pids[system])})
                 results.setdefault(jobfile, {})[system] = r
                 log(f"{label:<22} {system:<11} {r['iops']:>9,.0f} IOPS {r['mbs']:>8,.1f} MB/s "
-                    f"p99 {r['p99_us']:>7,.0f} us")
+                    f"p99 {r['p99_us']:>7,.0f} us, machine CPU busy {r['machine_busy']:.0%}")
 
         log("blockd mount after the runs: " + stack.blockctl("mounts").stdout.strip())  # its busy-polls
         if scraper is not None:
