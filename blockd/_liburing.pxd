@@ -47,6 +47,7 @@ cdef extern from "liburing.h" nogil:
     void io_uring_cqe_seen(io_uring* ring, io_uring_cqe* cqe)
     unsigned io_uring_peek_batch_cqe(io_uring* ring, io_uring_cqe** cqes, unsigned count)
     void io_uring_cq_advance(io_uring* ring, unsigned nr)
+    unsigned io_uring_cq_ready(const io_uring* ring)
     void io_uring_prep_read(io_uring_sqe* sqe, int fd, void* buf, unsigned nbytes, unsigned long long offset)
     void io_uring_prep_write(io_uring_sqe* sqe, int fd, const void* buf, unsigned nbytes, unsigned long long offset)
     void io_uring_prep_sendmsg(io_uring_sqe* sqe, int fd, const void* msg, unsigned flags)  # a struct msghdr*

@@ -21,7 +21,7 @@ cdef class PduReader:
     cdef object _allowed
     cdef unsigned char _accepted_t[256]
     cdef unsigned char _allowed_t[256]
-    cdef readonly bytearray _buf  # read by a test: staging must not grow for placed data
+    cdef readonly object _buf  # read by a test: staging must not grow for placed data
     cdef object _view
     cdef unsigned char* _p
     cdef Py_ssize_t _size
@@ -38,7 +38,7 @@ cdef class PduReader:
     cdef Py_ssize_t _pl_filled
     cdef bint _pl_digest
 
-    cdef void _set_buffer(self, bytearray buf) noexcept
+    cdef int _set_buffer(self, buf) except -1
     cpdef object get_buffer(self, Py_ssize_t sizehint=*)
     cdef void _make_room(self) except *
     cdef bint advance(self, Py_ssize_t nbytes) noexcept

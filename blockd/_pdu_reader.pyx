@@ -19,6 +19,8 @@ from libc.string cimport memcpy, memmove, memset
 
 from blockd._le cimport le32
 
+from blockd.buffers import page_aligned
+
 from blockd.tcp_frames import (
     CARRIES_DATA, HLEN, MIN_FREE, NO_DIGEST, STAGING, TERM_REQS, DataDigestError, FramingError, Pdu,
 )
@@ -95,7 +97,7 @@ cdef class PduReader:
         self.ddgst = False
         self.stage_type = -1
         self.stage_limit = 0
-        self._set_buffer(bytearray(staging))
+        self._set_buffer(page_aligned(staging))  # see blockd.pdu_reader.PduReader.__init__
         self._min_free = min(_MIN_FREE, staging)
         self._start = 0
         self._end = 0
@@ -120,11 +122,17 @@ cdef class PduReader:
         self._allowed = types
         _fill_table(self._allowed_t, types)
 
-    cdef void _set_buffer(self, bytearray buf) noexcept:
+    cdef int _set_buffer(self, buf) except -1:
+        """Stage into ``buf`` (a writable ``page_aligned`` view): its address is kept, which the
+        view's hold on its mapping keeps valid for as long as ``_view`` is ours."""
+        cdef Py_buffer view
+        PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE)
+        self._p = <unsigned char*>view.buf
+        self._size = view.len
+        PyBuffer_Release(&view)
         self._buf = buf
-        self._view = memoryview(buf)
-        self._p = <unsigned char*>PyByteArray_AS_STRING(buf)
-        self._size = len(buf)
+        self._view = buf
+        return 0
 
     cpdef object get_buffer(self, Py_ssize_t sizehint=-1):
         if self._pl_dest is not None and self._pl_filled < self._pl_len:
@@ -139,11 +147,12 @@ cdef class PduReader:
         """Move the unparsed bytes to the front (into a bigger buffer when the PDU needs it)."""
         cdef Py_ssize_t pending = self._end - self._start
         cdef Py_ssize_t size = max(self._size, self._need + self._min_free)
-        cdef bytearray buf
+        cdef unsigned char* old = self._p
         if size > self._size:
-            buf = bytearray(size)
-            memcpy(PyByteArray_AS_STRING(buf), self._p + self._start, pending)
-            self._set_buffer(buf)
+            held = self._buf  # the old mapping, alive until the copy out of it is done
+            self._set_buffer(page_aligned(size))
+            memcpy(self._p, old + self._start, pending)
+            del held
         elif pending:
             memmove(self._p, self._p + self._start, pending)
         self.copied += pending
@@ -153,12 +162,13 @@ cdef class PduReader:
     def grow_staging(self, Py_ssize_t size=STAGING):
         """Receive into ``size`` bytes of staging from now on; bytes not yet parsed are kept."""
         cdef Py_ssize_t pending = self._end - self._start
-        cdef bytearray buf
+        cdef unsigned char* old = self._p
         self._min_free = _MIN_FREE
         if size > self._size:
-            buf = bytearray(size)
-            memcpy(PyByteArray_AS_STRING(buf), self._p + self._start, pending)
-            self._set_buffer(buf)
+            held = self._buf  # as _make_room
+            self._set_buffer(page_aligned(size))
+            memcpy(self._p, old + self._start, pending)
+            del held
             self.copied += pending
             self._start = 0
             self._end = pending

@@ -510,7 +510,9 @@ def cmd_mounts(args: argparse.Namespace) -> int:
     for m in mounts:
         print(f"{m['mountpoint']}: {m['name']} ({', '.join(m['files'])}) reads {m['read']} writes {m['write']} "
               f"errors {m['errors']} via {m.get('transport', '/dev/fuse')} ({m.get('transport_reason', '')}; "
-              f"{m.get('ring_requests', 0)} requests from the ring)")
+              f"{m.get('ring_requests', 0)} requests from the ring"
+              + (f"; busy-polls {m['busy_polls'][0]}, {m['busy_polls'][1]} in time" if m.get("busy_polls", (0,))[0]
+                 else "") + ")")
     return 0
 
 

@@ -93,5 +93,5 @@ class FuseMount:
         return {"mountpoint": self.mountpoint, "name": self.name,
                 "files": [f"ns{n}" for n in sorted(self.session.directory.namespaces())],
                 "transport": self.session.transport, "transport_reason": self.session.transport_reason,
-                "ring_requests": self.session.ring_requests,
+                "ring_requests": self.session.ring_requests, "busy_polls": self.session.busy_polls,
                 **self.session.stats}

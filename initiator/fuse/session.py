@@ -80,6 +80,21 @@ def possible_cpus(path: str = "/sys/devices/system/cpu/possible") -> int:
     return count
 
 
+BUSY_POLL_US = 20.0
+"""How long the compiled loop spins for the next request once it answered the last one in flight
+(``FuseLoop.busy_poll_ns``), unless ``BLOCKD_FUSE_BUSY_POLL_US`` says otherwise (0: never)."""
+
+
+def busy_poll_us() -> float:
+    """``BUSY_POLL_US``, or ``BLOCKD_FUSE_BUSY_POLL_US`` from the environment (docs/operations.md)."""
+    value = os.environ.get("BLOCKD_FUSE_BUSY_POLL_US")
+    try:
+        return BUSY_POLL_US if value is None else max(0.0, float(value))
+    except ValueError:
+        log.warning("BLOCKD_FUSE_BUSY_POLL_US is not a number; using the default", value=value)
+        return BUSY_POLL_US
+
+
 class FuseSession:
     """The requests of one mount, served from the event loop once ``attach`` gave it the fd."""
 
@@ -102,6 +117,7 @@ class FuseSession:
         """The compiled loop (see ``FuseLoop``), or None when this session runs the Python one."""
         if FuseLoop is not None if compiled is None else compiled:
             self._fast = FuseLoop(self, BUFFER_SIZE, COPY_LIMIT, MAX_BATCH)
+            self._fast.busy_poll_ns = round(busy_poll_us() * 1000)
             # the compiled reply calls shadow the Python ones below, for the block files too
             self.reply = self._fast.reply
             self.reply_err = self._fast.reply_err
@@ -348,6 +364,12 @@ class FuseSession:
         """Requests served from the io_uring so far (0 on /dev/fuse)."""
         ring = None if self._fast is None else self._fast.ring
         return 0 if ring is None else ring.served
+
+    @property
+    def busy_polls(self) -> tuple[int, int]:
+        """Busy-polls of the compiled loop so far, and how many of them saw what they waited
+        for in time (``FuseLoop.busy_poll_ns``)."""
+        return (0, 0) if self._fast is None else (self._fast.spins, self._fast.spins_caught)
 
     def ring_entry_ended(self, err: int, before_any_request: bool) -> None:
         """A ring entry's command ended with ``err``: the connection ending (quiet); before any

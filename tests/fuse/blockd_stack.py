@@ -43,7 +43,8 @@ class Stack:
                  nr_io_queues: int = 4, queue_size: int = 128, ctrl_loss_tmo: float = 20.0,
                  log_level: str = "info", backing: str | Path | None = None,
                  attr_ttl: float | None = None, metrics: bool = False, pure: bool = False,
-                 start_timeout: float = 20.0, target_settings: dict[str, bool] | None = None) -> None:
+                 start_timeout: float = 20.0, target_settings: dict[str, bool] | None = None,
+                 initiator_env: dict[str, str] | None = None) -> None:
         self.dir = Path(workdir)
         self.size = size
         self.block_size = block_size
@@ -59,6 +60,8 @@ class Stack:
         """Seconds a daemon may take to listen (the VM bed's TCG guest wants more)."""
         self.target_settings = target_settings or {}
         """The target's ``[target]`` settings (e.g. ``io_uring_queues``), for a benchmark."""
+        self.initiator_env = initiator_env or {}
+        """More environment of the initiator (e.g. ``BLOCKD_FUSE_BUSY_POLL_US``), for a benchmark."""
         self.port = free_port()
         self.backing = Path(backing) if backing else self.dir / "vol.img"
         self.socket = self.dir / "initiator.sock"
@@ -132,6 +135,7 @@ block_size = {self.block_size}
         env = self._env()
         if self.attr_ttl is not None:
             env["BLOCKD_FUSE_ATTR_TTL"] = str(self.attr_ttl)
+        env.update(self.initiator_env)
         argv = [tool("blockd"), "initiator", "--socket", str(self.socket), "--log-level", self.log_level]
         if self.metrics_ports:
             cfg = self.dir / "initiator.toml"

@@ -15,6 +15,7 @@ import json
 import mmap
 import os
 import random
+import re
 import subprocess
 from pathlib import Path
 from typing import Iterator
@@ -65,8 +66,14 @@ def _mount_line(stack: Stack) -> str:
 
 
 def _ring_requests(line: str) -> int:
-    """The requests the ring served, from a ``blockctl mounts`` line ("...; N requests from the ring)")."""
-    return int(line.rsplit("; ", 1)[1].split()[0])
+    """The requests the ring served, from a ``blockctl mounts`` line ("...; N requests from the ring")."""
+    return int(re.search(r"(\d+) requests from the ring", line).group(1))
+
+
+def _busy_polls(line: str) -> tuple[int, int]:
+    """The busy-polls begun and those in time, from a ``blockctl mounts`` line (none: absent)."""
+    found = re.search(r"busy-polls (\d+), (\d+) in time", line)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
 def _fio(stack: Stack, *args: str) -> dict:
@@ -165,6 +172,50 @@ def test_a_1mib_direct_write_arrives_as_one_request(tmp_path: Path, path: str) -
         with open(stack.backing, "rb") as f:
             f.seek(4 << 20)
             assert f.read(8 << 20) == data
+
+
+def _qd1_reads(stack: Stack, count: int) -> None:
+    """``count`` 4 KiB O_DIRECT reads, one after the other."""
+    buf = mmap.mmap(-1, 4096)
+    fd = os.open(stack.file, os.O_RDONLY | os.O_DIRECT)
+    try:
+        for i in range(count):
+            assert os.preadv(fd, [buf], (i * 4096) % (32 << 20)) == 4096
+    finally:
+        os.close(fd)
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+@pytest.mark.skipif(not COMPILED, reason="the busy-poll is the compiled loop's, on the ring")
+@pytest.mark.parametrize("path", PATHS)
+def test_qd1_requests_are_awaited_by_a_bounded_busy_poll_on_the_ring(tmp_path: Path, path: str) -> None:
+    """Once it answered the last request in flight through the ring, the loop spins a while for
+    the next one (``FuseLoop.busy_poll_ns``, on by default): after each QD1 read one busy-poll,
+    and some see the next read in time; on /dev/fuse none (measured no faster there). Pinned to
+    one CPU it does not spin (the spin would hold the CPU the reader needs); it looks at its CPUs
+    again every 4,096 busy-polls, so the pinned reads outnumber that."""
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    with _mounted(tmp_path, path) as stack:
+        _qd1_reads(stack, 2000)
+        spins, in_time = _busy_polls(_mount_line(stack))
+        if path == "/dev/fuse":
+            assert spins == 0, _mount_line(stack)
+            return
+        assert spins >= 1900 and in_time > 0, _mount_line(stack)
+        _pin(stack.initiator.pid, {min(cpus)})
+        try:
+            _qd1_reads(stack, 12000)
+            pinned, _ = _busy_polls(_mount_line(stack))
+        finally:
+            _pin(stack.initiator.pid, cpus)
+        assert pinned - spins <= 4096 + 100, (spins, pinned)
 
 
 def _rings(pid: int) -> int:
