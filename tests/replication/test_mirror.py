@@ -14,7 +14,9 @@ import pytest
 from protocol.status import Status
 from target.backend import Backend, MemoryBackend
 from target.replication import mirror as mirror_mod
+from target.replication.blockio import BackendBlockIO
 from target.replication.link import DEGRADED, IN_SYNC, REFUSED, SPLIT_BRAIN
+from target.replication.metadata import Metadata
 from target.replication.mirror import ReplicatedBackend, ReplicationError
 from target.replication.resolve import discard_local, discard_replica
 from target.replication.verify import verify
@@ -329,6 +331,26 @@ def test_bits_are_cleared_lazily_after_every_copy_has_the_write() -> None:
         await m.write(3 * REGION, bytes(4096))
         assert m.links[0].bitmap.is_dirty(3)  # set before the write went out
         await until(lambda: not m.links[0].bitmap.is_dirty(3))
+        await m.stop()
+    run(main())
+
+
+def test_a_full_sync_clears_its_bits_at_once_not_a_sweep_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full sync sets every bit of the replica's slot; they are cleared (and written: the
+    replica's copy of the metadata has them too) as soon as it ends, not at the next periodic
+    sweep: a failover in between made the promoted replica resync the whole volume back
+    (tests/fuse/test_failover_pair.py). The sweep interval is an hour here. Break: no
+    ``_sweep_now.set()`` in resync_done -> the bits stay set."""
+    monkeypatch.setattr(mirror_mod, "SWEEP_INTERVAL", 3600.0)
+
+    async def main() -> None:
+        bed = Bed(1)
+        m = await bed.primary()
+        await until(lambda: m.links[0].state == IN_SYNC, 10)
+        await until(lambda: not m.links[0].bitmap.dirty_count(), 5)
+        for store in (bed.local, bed.stores[0]):  # on disk, in this copy's metadata and the replica's
+            md = await Metadata.open(BackendBlockIO(store))
+            assert [md.bitmap(slot).dirty_count() for slot, peer in enumerate(md.peers) if peer.node_id] == [0]
         await m.stop()
     run(main())
 
