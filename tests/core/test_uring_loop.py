@@ -64,6 +64,15 @@ def _write(cid: int, slba: int, length: int, nsid: int = 1, control: int = 0) ->
         SglId.DATA_BLOCK_OFFSET, 0, length), cdw10=slba, cdw12=(length // BLOCK - 1) | control << 16)
 
 
+def _alternating(seed: int, count: int) -> list[tuple[bytes, bytes]]:
+    """``count`` 4 KiB in-capsule Writes and Reads in turn (a write first), at random aligned
+    places: the ring's steady case."""
+    rng = random.Random(seed)
+    slots = SIZE // 4096
+    return [(_read(10 + i, rng.randrange(0, slots) * 8, 8), b"") if i % 2 else
+            (_write(10 + i, rng.randrange(0, slots) * 8, 4096), rng.randbytes(4096)) for i in range(count)]
+
+
 def _workload(seed: int, count: int) -> list[tuple[bytes, bytes]]:
     """``count`` capsules (SQE, in-capsule data): mostly Reads and in-capsule Writes of 0.5-32 KiB
     the ring serves, among them what it leaves to TcpServe or the loop (a read by reference, a
@@ -198,10 +207,7 @@ def test_one_io_uring_enter_per_io_at_queue_depth_1(tmp_path: Path) -> None:
     """200 4 KiB Reads and Writes one at a time: each goes through the ring with one
     ``io_uring_enter`` (its read or write, its reply and the next receive in one chain); eight at a
     time, fewer than one each."""
-    rng = random.Random(7)
-    slots = SIZE // 4096
-    work = [(_read(10 + i, rng.randrange(0, slots) * 8, 8), b"") if i % 2 else
-            (_write(10 + i, rng.randrange(0, slots) * 8, 4096), rng.randbytes(4096)) for i in range(200)]
+    work = _alternating(7, 200)
     result = run(_run(tmp_path / "qd1", "ring", work, 1), timeout=60)
     assert all(status == 0 for status, _, _ in result["answers"].values())
     qd1 = result["stats"]
@@ -245,9 +251,7 @@ def test_a_file_that_would_block_stays_off_the_ring(tmp_path: Path) -> None:
     writes, and each I/O still costs one ``io_uring_enter``; the answers are the thread's. The
     first write learns it on the ring (its ``RWF_NOWAIT`` write refused, its chain undone): the
     loop's queue writes that one."""
-    rng = random.Random(11)
-    work = [(_read(10 + i, rng.randrange(0, SIZE // 4096) * 8, 8), b"") if i % 2 else
-            (_write(10 + i, rng.randrange(0, SIZE // 4096) * 8, 4096), rng.randbytes(4096)) for i in range(100)]
+    work = _alternating(11, 100)
     with tempfile.TemporaryDirectory(dir=SHM) as shm:
         ring = run(_run(Path(shm) / "ring", "ring", work, 1, nowait_only=True), timeout=60)
         thread = run(_run(Path(shm) / "thread", "thread", work, 1), timeout=60)
@@ -344,10 +348,7 @@ def test_sqpoll_and_a_spin_longer_than_the_round_trip_make_no_system_call(tmp_pa
     chain makes at least one each. A count, not a time, with room for the load of 2 shared CPUs:
     the two spinners (this thread, the SQPOLL thread) and the host's thread share them, and a
     round trip the scheduler stretches past the spin costs a wait (58-127 of 200 seen here)."""
-    rng = random.Random(5)
-    slots = SIZE // 4096
-    work = [(_read(10 + i, rng.randrange(0, slots) * 8, 8), b"") if i % 2 else
-            (_write(10 + i, rng.randrange(0, slots) * 8, 4096), rng.randbytes(4096)) for i in range(200)]
+    work = _alternating(5, 200)
     result = run(_run(tmp_path / "spin", "ring+sqpoll+spin", work, 1), timeout=60)
     assert all(status == 0 for status, _, _ in result["answers"].values())
     stats = result["stats"]
