@@ -145,9 +145,7 @@ class Target:
         self._retire(ns)
         if reopen:
             sub.reopening.add(nsid)
-            self._access_changed(sub)
-        else:
-            self._ns_changed(sub, nsid)
+        self._ns_changed(sub, None if reopen else nsid)
 
     def reopen_failed(self, sub: Subsystem, nsid: int) -> None:
         """The namespace :meth:`remove_namespace` closed to reopen could not be opened again: it
@@ -245,16 +243,14 @@ class Target:
                 ctrl.shutdown("host no longer allowed")
         self._discovery_changed()
 
-    def _ns_changed(self, sub: Subsystem, nsid: int) -> None:
+    def _ns_changed(self, sub: Subsystem, nsid: int | None) -> None:
+        """Every controller of ``sub`` recomputes what it serves; told of ``nsid`` by the
+        Namespace Attribute Changed event (None: no event, as for a namespace reopening)."""
         for ctrl in self.controllers.values():
             if ctrl.subsystem is sub:
                 ctrl.refresh_access()
-                ctrl.notify(AEN_NS_ATTR_CHANGED, changed_nsid=nsid)
-
-    def _access_changed(self, sub: Subsystem) -> None:
-        for ctrl in self.controllers.values():
-            if ctrl.subsystem is sub:
-                ctrl.refresh_access()
+                if nsid is not None:
+                    ctrl.notify(AEN_NS_ATTR_CHANGED, changed_nsid=nsid)
 
     def set_ana_state(self, port_ids: list[int], group: int, state: AnaState) -> bool:
         """Set ``group``'s state on each of ``port_ids``; every controller on a port whose state
