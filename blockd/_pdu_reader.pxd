@@ -41,6 +41,7 @@ cdef class PduReader:
     cdef int _set_buffer(self, buf) except -1
     cpdef object get_buffer(self, Py_ssize_t sizehint=*)
     cdef void _make_room(self) except *
+    cdef int _regrow(self, Py_ssize_t size) except -1
     cdef bint advance(self, Py_ssize_t nbytes) noexcept
     cdef object take(self)
     cdef Py_ssize_t whole(self, int ptype) noexcept

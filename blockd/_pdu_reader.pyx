@@ -145,33 +145,35 @@ cdef class PduReader:
 
     cdef void _make_room(self) except *:
         """Move the unparsed bytes to the front (into a bigger buffer when the PDU needs it)."""
-        cdef Py_ssize_t pending = self._end - self._start
         cdef Py_ssize_t size = max(self._size, self._need + self._min_free)
-        cdef unsigned char* old = self._p
         if size > self._size:
-            held = self._buf  # the old mapping, alive until the copy out of it is done
-            self._set_buffer(page_aligned(size))
-            memcpy(self._p, old + self._start, pending)
-            del held
-        elif pending:
+            self._regrow(size)
+            return
+        cdef Py_ssize_t pending = self._end - self._start
+        if pending:
             memmove(self._p, self._p + self._start, pending)
         self.copied += pending
         self._start = 0
         self._end = pending
 
-    def grow_staging(self, Py_ssize_t size=STAGING):
-        """Receive into ``size`` bytes of staging from now on; bytes not yet parsed are kept."""
+    cdef int _regrow(self, Py_ssize_t size) except -1:
+        """Stage into a new buffer of ``size`` bytes on a page, the unparsed bytes at its front."""
         cdef Py_ssize_t pending = self._end - self._start
         cdef unsigned char* old = self._p
+        held = self._buf  # the old mapping, alive until the copy out of it is done
+        self._set_buffer(page_aligned(size))
+        memcpy(self._p, old + self._start, pending)
+        del held
+        self.copied += pending
+        self._start = 0
+        self._end = pending
+        return 0
+
+    def grow_staging(self, Py_ssize_t size=STAGING):
+        """Receive into ``size`` bytes of staging from now on; bytes not yet parsed are kept."""
         self._min_free = _MIN_FREE
         if size > self._size:
-            held = self._buf  # as _make_room
-            self._set_buffer(page_aligned(size))
-            memcpy(self._p, old + self._start, pending)
-            del held
-            self.copied += pending
-            self._start = 0
-            self._end = pending
+            self._regrow(size)
 
     def buffer_updated(self, Py_ssize_t nbytes):
         """``nbytes`` arrived where ``get_buffer`` said: yield every PDU now complete."""

@@ -110,14 +110,22 @@ class PduReader:
 
     def _make_room(self) -> None:
         """Move the unparsed bytes to the front (into a bigger buffer when the PDU needs it)."""
-        pending = self._end - self._start
         size = max(len(self._buf), self._need + self._min_free)
         if size > len(self._buf):
-            buf = page_aligned(size)
-            buf[:pending] = self._view[self._start:self._end]
-            self._buf = self._view = buf
-        elif pending:
+            self._regrow(size)
+            return
+        pending = self._end - self._start
+        if pending:
             self._buf[:pending] = bytes(self._view[self._start:self._end])
+        self.copied += pending
+        self._start, self._end = 0, pending
+
+    def _regrow(self, size: int) -> None:
+        """Stage into a new buffer of ``size`` bytes on a page, the unparsed bytes at its front."""
+        pending = self._end - self._start
+        buf = page_aligned(size)
+        buf[:pending] = self._view[self._start:self._end]
+        self._buf = self._view = buf
         self.copied += pending
         self._start, self._end = 0, pending
 
@@ -126,12 +134,7 @@ class PduReader:
         its peer said hello); bytes not yet parsed are kept. Safe between two PDUs it yielded."""
         self._min_free = MIN_FREE
         if size > len(self._buf):
-            pending = self._end - self._start
-            buf = page_aligned(size)
-            buf[:pending] = self._view[self._start:self._end]
-            self._buf = self._view = buf
-            self.copied += pending
-            self._start, self._end = 0, pending
+            self._regrow(size)
 
     def buffer_updated(self, nbytes: int) -> Iterator[Pdu]:
         """``nbytes`` arrived where ``get_buffer`` said: yield every PDU now complete."""
